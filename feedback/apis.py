@@ -1,0 +1,201 @@
+"""HTTP API of the feedback app: the ingest webhook and the read API."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from django.conf import settings
+from django.core.exceptions import RequestDataTooBig
+from django.db import InterfaceError, OperationalError
+from drf_spectacular.utils import OpenApiParameter, extend_schema, inline_serializer
+from rest_framework import serializers
+from rest_framework.pagination import CursorPagination
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from feedback import selectors
+from feedback.auth import PROJECT_HEADER, HasReadScope, Principal, api_key_principal, bearer_token, webhook_principal
+from feedback.ratelimit import ingest_rate_check
+from feedback.services import feedback_ingest
+from webapp.errors import BadRequest, Forbidden, PayloadTooLarge, ServiceUnavailable, Unauthorized
+
+
+class IngestApi(APIView):
+    """POST /api/v1/events: a batch of trajectory and feedback events (DESIGN.md, ingest contract)."""
+
+    authentication_classes: list = []
+    permission_classes: list = []
+
+    @extend_schema(
+        summary="Send trajectories and feedback",
+        request=inline_serializer("EventBatch", {"events": serializers.ListField(child=serializers.DictField())}),
+        responses={202: inline_serializer("EventResults", {"results": serializers.ListField()})},
+    )
+    def post(self, request) -> Response:
+        body = _body(request)
+        principal = _principal(request, body)
+        events = _events(body)
+        ingest_rate_check(principal.project, len(events))
+        webhook_id = request.headers.get("webhook-id") if principal.via == "webhook" else None
+        try:
+            results = feedback_ingest(principal.project, events, webhook_id=webhook_id,
+                                      on_commit=_notifier(principal.project.id))
+        except (OperationalError, InterfaceError) as exc:
+            raise ServiceUnavailable(
+                f"the database cannot take the write now ({type(exc).__name__})",
+                "Retry later with the same webhook-id; nothing from this request was stored.",
+                headers={"Retry-After": "5"},
+            ) from exc
+        counts = {s: sum(1 for r in results if r.status == s) for s in ("accepted", "duplicate", "rejected")}
+        return Response({"results": [r.as_dict() for r in results], **counts}, status=202)
+
+
+def _body(request) -> bytes:
+    length = request.META.get("CONTENT_LENGTH") or "0"
+    limit = settings.INGEST_MAX_BODY_BYTES
+    if length.isdigit() and int(length) > limit:
+        raise PayloadTooLarge(f"the body is {int(length)} bytes; at most {limit} (5 MiB) are accepted",
+                              f"Split the batch into requests of at most {limit} bytes.")
+    try:
+        return request.body
+    except RequestDataTooBig:
+        raise PayloadTooLarge(f"the body is over {limit} bytes (5 MiB)", "Split the batch into smaller requests.") from None
+
+
+def _principal(request, body: bytes) -> Principal:
+    if request.headers.get("webhook-signature") or request.headers.get("webhook-id"):
+        slug = request.headers.get(PROJECT_HEADER) or request.GET.get("project")
+        return webhook_principal(slug, body, {k.lower(): v for k, v in request.headers.items()})
+    token = bearer_token(request.headers.get("authorization", ""))
+    if token is None:
+        raise Unauthorized(
+            "the request is neither signed nor carries an API key",
+            "Sign it with Standard Webhooks (webhook-id, webhook-timestamp, webhook-signature and "
+            f"{PROJECT_HEADER}) or send 'Authorization: Bearer <key with ingest scope>'.",
+        )
+    principal = api_key_principal(token)
+    if not principal.has_scope("ingest"):
+        raise Forbidden("this API key lacks the 'ingest' scope",
+                        "Use a key created with scope 'ingest' (manage.py create_key --scopes ingest).")
+    return principal
+
+
+def _events(body: bytes) -> list[Any]:
+    try:
+        # NaN and Infinity parse to floats here so that one bad event is refused alone, below.
+        data = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise BadRequest(f"the body is not valid JSON ({exc})",
+                         'Send {"events": [...]} encoded as UTF-8 JSON.') from None
+    if not isinstance(data, dict) or "events" not in data:
+        raise BadRequest("the body is not a batch", 'Send a JSON object {"events": [...]}.')
+    events = data["events"]
+    if not isinstance(events, list):
+        raise BadRequest(f"'events' must be a list, got {type(events).__name__}", 'Send {"events": [{...}, ...]}.')
+    if not events:
+        raise BadRequest("'events' is empty", "Send at least one event.")
+    limit = settings.INGEST_MAX_EVENTS
+    if len(events) > limit:
+        raise PayloadTooLarge(f"the batch has {len(events)} events; at most {limit} are accepted",
+                              f"Split it into batches of at most {limit} events.")
+    return events
+
+
+def _notifier(project_id: int):
+    def notify(counts: dict[str, int]) -> None:
+        from webapp.notify import project_event
+
+        project_event(project_id, {"type": "ingest", **counts})
+
+    return notify
+
+
+# --- read API -----------------------------------------------------------------------------------
+
+
+class StepOutput(serializers.Serializer):
+    index = serializers.IntegerField()
+    role = serializers.CharField()
+    content = serializers.CharField()
+    tool_calls = serializers.JSONField()
+    token_ids = serializers.JSONField()
+    logprobs = serializers.JSONField()
+    routing = serializers.JSONField()
+    reward = serializers.FloatField(allow_null=True)
+
+
+class FeedbackOutput(serializers.Serializer):
+    id = serializers.CharField(source="event_id")
+    signal = serializers.CharField()
+    value = serializers.FloatField(allow_null=True)
+    step = serializers.IntegerField(allow_null=True)
+    user = serializers.CharField(source="user_hash")
+    aspect_labels = serializers.JSONField()
+    occurred_at = serializers.DateTimeField()
+    received_at = serializers.DateTimeField()
+
+
+class TrajectoryOutput(serializers.Serializer):
+    id = serializers.CharField(source="external_id")
+    policy_version = serializers.IntegerField(allow_null=True)
+    source = serializers.CharField()
+    task = serializers.CharField()
+    tags = serializers.JSONField()
+    prompt = serializers.JSONField()
+    occurred_at = serializers.DateTimeField()
+    received_at = serializers.DateTimeField()
+    steps = StepOutput(many=True)
+    feedback = FeedbackOutput(many=True, source="feedback_events")
+
+
+class TrajectoryPagination(CursorPagination):
+    ordering = ("-occurred_at", "-id")
+    page_size = 50
+    page_size_query_param = "limit"
+    max_page_size = 500
+
+
+class TrajectoryFilter(serializers.Serializer):
+    since = serializers.DateTimeField(required=False)
+    until = serializers.DateTimeField(required=False)
+    policy_version = serializers.IntegerField(required=False, min_value=0)
+    signal = serializers.CharField(required=False, max_length=64)
+    task = serializers.CharField(required=False, max_length=100)
+    source = serializers.ChoiceField(choices=["live", "simulated", "eval"], required=False)
+
+
+def _project_of(request):
+    principal = request.user
+    if isinstance(principal, Principal):
+        return principal.project
+    slug = request.GET.get("project")
+    if not slug:
+        raise BadRequest("which project?", "Pass ?project=<slug> when reading with a logged-in session.")
+    return selectors.project_get(slug)
+
+
+class TrajectoryListApi(APIView):
+    """GET /api/v1/trajectories: newest first, cursor-paginated, with steps and feedback."""
+
+    permission_classes = [HasReadScope]
+
+    @extend_schema(parameters=[TrajectoryFilter], responses=TrajectoryOutput(many=True))
+    def get(self, request) -> Response:
+        filters = TrajectoryFilter(data=request.query_params)
+        filters.is_valid(raise_exception=True)
+        queryset = selectors.trajectory_list(_project_of(request), **filters.validated_data)
+        paginator = TrajectoryPagination()
+        page = paginator.paginate_queryset(queryset, request, view=self)
+        return paginator.get_paginated_response(TrajectoryOutput(page, many=True).data)
+
+
+class TrajectoryDetailApi(APIView):
+    """GET /api/v1/trajectories/{id}: one trajectory by the id the product gave it."""
+
+    permission_classes = [HasReadScope]
+
+    @extend_schema(responses=TrajectoryOutput, parameters=[OpenApiParameter("external_id", str, "path")])
+    def get(self, request, external_id: str) -> Response:
+        trajectory = selectors.trajectory_get(_project_of(request), external_id)
+        return Response(TrajectoryOutput(trajectory).data)

@@ -1,0 +1,143 @@
+"""Who is calling: a bearer API key (with scopes) or a Standard Webhooks signature.
+
+Both end in a `Principal` naming the project; DRF permission classes check scopes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from django.db.models import Q
+from django.utils import timezone
+from rest_framework.authentication import BaseAuthentication
+from rest_framework.permissions import BasePermission
+from standardwebhooks.webhooks import Webhook, WebhookVerificationError
+
+from feedback.models import ApiKey, Project, WebhookSecret
+from webapp.errors import Forbidden, Unauthorized
+
+WEBHOOK_HEADERS = ("webhook-id", "webhook-timestamp", "webhook-signature")
+PROJECT_HEADER = "flywheel-project"
+
+
+@dataclass(frozen=True)
+class Principal:
+    """An authenticated API caller: a project and what it may do."""
+
+    project: Project
+    scopes: frozenset[str] = field(default_factory=frozenset)
+    via: str = "api_key"  # or "webhook"
+
+    is_authenticated = True
+
+    def has_scope(self, scope: str) -> bool:
+        return scope in self.scopes or "admin" in self.scopes
+
+
+def api_key_principal(raw: str) -> Principal:
+    key = ApiKey.objects.select_related("project").filter(key_hash=ApiKey.hash_key(raw)).first()
+    if key is None:
+        raise Unauthorized("the API key is not known", "Check the key; create one with `manage.py create_project`.")
+    if key.revoked_at is not None:
+        raise Unauthorized("the API key was revoked", "Use a current key of this project.")
+    return Principal(project=key.project, scopes=frozenset(key.scopes), via="api_key")
+
+
+def bearer_token(authorization: str) -> str | None:
+    scheme, _, token = authorization.partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        return None
+    return token.strip()
+
+
+class ApiKeyAuthentication(BaseAuthentication):
+    """DRF authentication for `Authorization: Bearer fw_…`."""
+
+    def authenticate(self, request):
+        token = bearer_token(request.headers.get("authorization", ""))
+        if token is None:
+            return None
+        principal = api_key_principal(token)
+        return principal, principal
+
+    def authenticate_header(self, request) -> str:
+        return 'Bearer realm="flywheel"'
+
+
+def _scope_permission(scope: str) -> type[BasePermission]:
+    class HasScope(BasePermission):
+        def has_permission(self, request, view) -> bool:
+            principal = request.user
+            if isinstance(principal, Principal):
+                if not principal.has_scope(scope):
+                    raise Forbidden(
+                        f"this API key lacks the '{scope}' scope",
+                        f"Create a key with scope '{scope}' (manage.py create_key --scopes {scope}).",
+                    )
+                return True
+            return bool(principal and principal.is_authenticated and principal.is_staff)
+
+    HasScope.__name__ = f"HasScope_{scope}"
+    return HasScope
+
+
+HasIngestScope = _scope_permission("ingest")
+HasReadScope = _scope_permission("read")
+HasAdminScope = _scope_permission("admin")
+
+
+def webhook_principal(project_slug: str | None, body: bytes, headers: dict[str, str]) -> Principal:
+    """Verifies a Standard Webhooks signature (±5 min) against the project's active secrets."""
+    missing = [h for h in WEBHOOK_HEADERS if not headers.get(h)]
+    if missing:
+        raise Unauthorized(
+            f"missing signature headers {missing}",
+            "Sign with Standard Webhooks: send webhook-id, webhook-timestamp and webhook-signature.",
+        )
+    if not project_slug:
+        raise Unauthorized(
+            "signed request does not name its project",
+            f"Send the header '{PROJECT_HEADER}: <project slug>' (or ?project=<slug>) with signed requests.",
+        )
+    project = Project.objects.filter(slug=project_slug).first()
+    if project is None:
+        raise Unauthorized(f"unknown project {project_slug[:80]!r}", "Check the project slug.")
+    secrets = _active_secrets(project)
+    if not secrets:
+        raise Unauthorized("the project has no active webhook secret", "Create one with `manage.py rotate_secret`.")
+    signed = {h: headers[h] for h in WEBHOOK_HEADERS}
+    last_error = "no matching signature"
+    for secret in secrets:
+        try:
+            Webhook(secret).verify(body, signed, json_parse=False)
+            return Principal(project=project, scopes=frozenset({"ingest"}), via="webhook")
+        except WebhookVerificationError as exc:
+            last_error = str(exc)
+            if "timestamp" in last_error.lower():
+                break
+    raise Unauthorized(_signature_message(last_error), _signature_fix(last_error))
+
+
+def _active_secrets(project: Project) -> list[str]:
+    now = timezone.now()
+    rows = WebhookSecret.objects.filter(project=project, revoked_at__isnull=True).filter(
+        Q(expires_at__isnull=True) | Q(expires_at__gt=now)
+    )
+    return list(rows.order_by("-created_at").values_list("secret", flat=True)[:2])
+
+
+def _signature_message(error: str) -> str:
+    lower = error.lower()
+    if "too old" in lower:
+        return "webhook-timestamp is more than 5 minutes in the past"
+    if "too new" in lower:
+        return "webhook-timestamp is more than 5 minutes in the future"
+    if "header" in lower:
+        return "the signature headers are malformed"
+    return "the webhook signature does not match the body"
+
+
+def _signature_fix(error: str) -> str:
+    if "too" in error.lower():
+        return "Sign each delivery at send time with the current Unix time; check the sender's clock."
+    return "Sign exactly the bytes you send, with the project's current whsec_ secret (HMAC-SHA256 of id.timestamp.body)."

@@ -1,0 +1,149 @@
+"""Projects, their credentials, and what they send: trajectories, steps, feedback events."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+
+from django.db import models
+from django.db.models import Q
+
+
+class Project(models.Model):
+    slug = models.SlugField(max_length=64, unique=True)
+    name = models.CharField(max_length=200)
+    # Events per minute the ingest endpoint accepts for this project (429 above it).
+    rate_limit_per_minute = models.PositiveIntegerField(default=600_000)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    def __str__(self) -> str:
+        return self.slug
+
+
+class ApiKey(models.Model):
+    SCOPES = ("ingest", "read", "admin")
+
+    project = models.ForeignKey(Project, on_delete=models.CASCADE, related_name="api_keys")
+    name = models.CharField(max_length=100, default="default")
+    prefix = models.CharField(max_length=16, db_index=True)  # shown in lists; the rest is hashed
+    key_hash = models.CharField(max_length=64, unique=True)
+    scopes = models.JSONField(default=list)
+    created_at = models.DateTimeField(auto_now_add=True)
+    revoked_at = models.DateTimeField(null=True, blank=True)
+    last_used_at = models.DateTimeField(null=True, blank=True)
+
+    def __str__(self) -> str:
+        return f"{self.prefix}… ({self.project.slug})"
+
+    @staticmethod
+    def hash_key(raw: str) -> str:
+        return hashlib.sha256(raw.encode()).hexdigest()
+
+    def matches(self, raw: str) -> bool:
+        return hmac.compare_digest(self.key_hash, self.hash_key(raw))
+
+
+class WebhookSecret(models.Model):
+    """A Standard Webhooks signing secret (`whsec_…`); two may be active during rotation.
+
+    The secret is kept as-is because HMAC verification needs it (it cannot be hashed)."""
+
+    project = models.ForeignKey(Project, on_delete=models.CASCADE, related_name="webhook_secrets")
+    secret = models.CharField(max_length=100)
+    created_at = models.DateTimeField(auto_now_add=True)
+    expires_at = models.DateTimeField(null=True, blank=True)  # set on rotation: old secret's grace end
+    revoked_at = models.DateTimeField(null=True, blank=True)
+
+    def __str__(self) -> str:
+        return f"{self.secret[:10]}… ({self.project.slug})"
+
+
+class WebhookDelivery(models.Model):
+    """One accepted Standard Webhooks delivery: a replayed `webhook-id` is a duplicate."""
+
+    project = models.ForeignKey(Project, on_delete=models.CASCADE, related_name="deliveries")
+    webhook_id = models.CharField(max_length=255)
+    received_at = models.DateTimeField(auto_now_add=True)
+    event_count = models.PositiveIntegerField(default=0)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["project", "webhook_id"], name="uniq_delivery_per_project")]
+
+
+class Trajectory(models.Model):
+    SOURCES = [("live", "live"), ("simulated", "simulated"), ("eval", "eval")]
+
+    project = models.ForeignKey(Project, on_delete=models.CASCADE, related_name="trajectories")
+    external_id = models.CharField(max_length=255)
+    policy_version = models.IntegerField(null=True, blank=True)
+    source = models.CharField(max_length=16, choices=SOURCES, default="live")
+    task = models.CharField(max_length=100, blank=True, default="")
+    tags = models.JSONField(default=list, blank=True)
+    prompt = models.JSONField(default=list)
+    extra = models.JSONField(default=dict, blank=True)  # fields beyond the contract, kept verbatim
+    occurred_at = models.DateTimeField()
+    received_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["project", "external_id"], name="uniq_trajectory_per_project"),
+        ]
+        indexes = [
+            models.Index(fields=["project", "-occurred_at"], name="traj_project_time"),
+            models.Index(fields=["project", "policy_version", "-occurred_at"], name="traj_project_version"),
+            models.Index(fields=["project", "task", "-occurred_at"], name="traj_project_task"),
+        ]
+
+    def __str__(self) -> str:
+        return self.external_id
+
+
+class Step(models.Model):
+    trajectory = models.ForeignKey(Trajectory, on_delete=models.CASCADE, related_name="steps")
+    index = models.PositiveIntegerField()
+    role = models.CharField(max_length=32)
+    content = models.TextField(blank=True, default="")
+    tool_calls = models.JSONField(null=True, blank=True)
+    token_ids = models.JSONField(null=True, blank=True)
+    logprobs = models.JSONField(null=True, blank=True)  # behaviour log-probs, one per token id
+    routing = models.JSONField(null=True, blank=True)  # MoE: top-k expert ids per token per layer
+    reward = models.FloatField(null=True, blank=True)
+    extra = models.JSONField(default=dict, blank=True)
+
+    class Meta:
+        ordering = ["trajectory_id", "index"]
+        constraints = [models.UniqueConstraint(fields=["trajectory", "index"], name="uniq_step_index")]
+
+
+class FeedbackEvent(models.Model):
+    project = models.ForeignKey(Project, on_delete=models.CASCADE, related_name="feedback_events")
+    event_id = models.CharField(max_length=255)
+    # Feedback may arrive before its trajectory: the external id is kept and the link is made
+    # when the trajectory lands (feedback.services.trajectories_link_feedback).
+    trajectory_external_id = models.CharField(max_length=255)
+    trajectory = models.ForeignKey(
+        Trajectory, on_delete=models.CASCADE, null=True, blank=True, related_name="feedback_events"
+    )
+    signal = models.CharField(max_length=64)
+    value = models.FloatField(null=True, blank=True)
+    step = models.IntegerField(null=True, blank=True)
+    user_hash = models.CharField(max_length=64, blank=True, default="")
+    aspect_labels = models.JSONField(null=True, blank=True)  # human labels per rubric aspect
+    extra = models.JSONField(default=dict, blank=True)
+    occurred_at = models.DateTimeField()
+    received_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["project", "event_id"], name="uniq_feedback_per_project")]
+        indexes = [
+            models.Index(fields=["project", "-occurred_at"], name="fb_project_time"),
+            models.Index(fields=["project", "signal", "-occurred_at"], name="fb_project_signal"),
+            models.Index(
+                fields=["project", "trajectory_external_id"],
+                name="fb_orphans",
+                condition=Q(trajectory__isnull=True),
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.event_id}: {self.signal}"

@@ -1,0 +1,324 @@
+"""Writes of the feedback app: projects and credentials, and the ingest of event batches.
+
+`feedback_ingest` is the one path by which trajectories and feedback reach the database, from the
+webhook, the serving process and the simulators alike.
+"""
+
+from __future__ import annotations
+
+import secrets
+from base64 import b64encode
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from django.db import connection, transaction
+from django.utils import timezone
+
+from feedback.events import EventError, FeedbackRecord, TrajectoryRecord, event_identity, parse_event
+from feedback.models import ApiKey, Project, WebhookSecret
+from webapp.errors import BadRequest, NotFound
+
+SECRET_ROTATION_GRACE = timedelta(hours=24)
+
+
+# --- projects and credentials -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ProjectCredentials:
+    project: Project
+    api_key: str
+    webhook_secret: str
+
+
+def project_create(name: str, slug: str | None = None) -> ProjectCredentials:
+    from django.utils.text import slugify
+
+    slug = slug or slugify(name)[:64]
+    if not slug:
+        raise BadRequest(f"project name {name!r} gives an empty slug", "Use letters or digits in the name.")
+    if Project.objects.filter(slug=slug).exists():
+        raise BadRequest(f"a project with slug {slug!r} exists", "Choose another name or pass --slug.")
+    with transaction.atomic():
+        project = Project.objects.create(name=name, slug=slug)
+        raw_key = api_key_create(project, ["ingest", "read"], name="default")
+        secret = webhook_secret_create(project)
+    return ProjectCredentials(project=project, api_key=raw_key, webhook_secret=secret.secret)
+
+
+def api_key_create(project: Project, scopes: Iterable[str], name: str = "default") -> str:
+    """Creates a key and returns it in clear: the only time it is shown (only its hash is kept)."""
+    scopes = sorted(set(scopes))
+    unknown = set(scopes) - set(ApiKey.SCOPES)
+    if unknown:
+        raise BadRequest(f"unknown scopes {sorted(unknown)}", f"Use any of {list(ApiKey.SCOPES)}.")
+    raw = f"fw_{secrets.token_urlsafe(32)}"
+    ApiKey.objects.create(project=project, name=name, prefix=raw[:11], key_hash=ApiKey.hash_key(raw), scopes=scopes)
+    return raw
+
+
+def api_key_revoke(prefix: str) -> ApiKey:
+    key = ApiKey.objects.filter(prefix=prefix, revoked_at__isnull=True).first()
+    if key is None:
+        raise NotFound(f"no active API key starts with {prefix!r}", "List keys in the admin; give the 11-char prefix.")
+    key.revoked_at = timezone.now()
+    key.save(update_fields=["revoked_at"])
+    return key
+
+
+def webhook_secret_create(project: Project) -> WebhookSecret:
+    raw = b64encode(secrets.token_bytes(24)).decode()
+    return WebhookSecret.objects.create(project=project, secret=f"whsec_{raw}")
+
+
+def webhook_secret_rotate(project: Project, grace: timedelta = SECRET_ROTATION_GRACE) -> WebhookSecret:
+    """A new secret; the current ones stay valid for `grace` so senders can switch without loss."""
+    now = timezone.now()
+    with transaction.atomic():
+        current = WebhookSecret.objects.select_for_update().filter(project=project, revoked_at__isnull=True)
+        # At most two are active: older ones than the newest current one end now.
+        ordered = list(current.order_by("-created_at"))
+        for old in ordered[1:]:
+            old.revoked_at = now
+            old.save(update_fields=["revoked_at"])
+        if ordered:
+            ordered[0].expires_at = now + grace
+            ordered[0].save(update_fields=["expires_at"])
+        return webhook_secret_create(project)
+
+
+# --- ingest -------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class EventResult:
+    index: int
+    id: str | None
+    type: str | None
+    status: str  # accepted | duplicate | rejected
+    reason: str = ""
+
+    def as_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"index": self.index, "id": self.id, "type": self.type, "status": self.status}
+        if self.reason:
+            out["reason"] = self.reason
+        return out
+
+
+def feedback_ingest(
+    project: Project,
+    raw_events: list[Any],
+    *,
+    webhook_id: str | None = None,
+    on_commit: Callable[[dict[str, int]], None] | None = None,
+) -> list[EventResult]:
+    """Validates and stores a batch in one transaction; returns one result per event.
+
+    Idempotent per event id (a unique constraint with ON CONFLICT DO NOTHING, so concurrent
+    duplicate deliveries store one row), and per `webhook_id` when given. Returns only after
+    the transaction committed: an acknowledged event is durable."""
+    now = timezone.now()
+    results, trajectories, feedback = _parse_batch(project, raw_events, now)
+    with transaction.atomic():
+        if webhook_id is not None and not _delivery_record(project, webhook_id, len(raw_events)):
+            return [_as_duplicate(r, "webhook-id was already delivered") for r in results]
+        _lock_trajectory_ids(project, trajectories, feedback)
+        foreign = _foreign_trajectory_refs(project, trajectories, feedback)
+        new_ids = _insert_trajectories(project, trajectories, now)
+        _insert_steps([t for t in trajectories.values() if t.external_id in new_ids], new_ids)
+        new_feedback = _insert_feedback(project, [f for e, f in feedback.items() if e not in foreign], now)
+        _link_feedback(project, list(new_ids))
+        counts = _settle(results, new_ids, new_feedback, foreign)
+        if on_commit is not None:
+            transaction.on_commit(lambda: on_commit(counts))
+    return results
+
+
+def _parse_batch(project: Project, raw_events: list[Any], now: datetime):
+    results: list[EventResult] = []
+    trajectories: dict[str, TrajectoryRecord] = {}  # external id -> record (first one wins)
+    feedback: dict[str, FeedbackRecord] = {}
+    salt = project.slug
+    for index, raw in enumerate(raw_events):
+        kind, ident = event_identity(raw)
+        result = EventResult(index=index, id=ident, type=kind, status="rejected")
+        results.append(result)
+        try:
+            record = parse_event(raw, now, salt)
+        except EventError as exc:
+            result.reason = str(exc)
+            continue
+        seen = trajectories if isinstance(record, TrajectoryRecord) else feedback
+        key = record.external_id if isinstance(record, TrajectoryRecord) else record.event_id
+        if key in seen:
+            result.status, result.reason = "duplicate", "the same id appears earlier in this batch"
+            continue
+        seen[key] = record
+        result.status = "pending"
+    return results, trajectories, feedback
+
+
+def _as_duplicate(result: EventResult, reason: str) -> EventResult:
+    if result.status != "rejected":
+        result.status, result.reason = "duplicate", reason
+    return result
+
+
+def _delivery_record(project: Project, webhook_id: str, count: int) -> bool:
+    with connection.cursor() as cur:
+        cur.execute(
+            "INSERT INTO feedback_webhookdelivery (project_id, webhook_id, received_at, event_count) "
+            "VALUES (%s, %s, now(), %s) ON CONFLICT (project_id, webhook_id) DO NOTHING RETURNING id",
+            [project.id, webhook_id, count],
+        )
+        return cur.fetchone() is not None
+
+
+def _lock_trajectory_ids(project: Project, trajectories: dict, feedback: dict) -> None:
+    # Feedback and its trajectory may arrive in two concurrent requests; each would miss the
+    # other's uncommitted row and the link would never be made. A transaction-level advisory
+    # lock per trajectory id (taken in sorted order: no deadlock) serialises exactly those pairs.
+    ids = set(trajectories) | {f.trajectory_external_id for f in feedback.values()}
+    if not ids:
+        return
+    with connection.cursor() as cur:
+        cur.execute(
+            "SELECT count(pg_advisory_xact_lock(k)) FROM (SELECT DISTINCT hashtextextended(x, %s) AS k "
+            "FROM unnest(%s::text[]) AS x ORDER BY k) AS s",
+            [project.id, sorted(ids)],
+        )
+
+
+def _insert_trajectories(project: Project, trajectories: dict[str, TrajectoryRecord], now: datetime) -> dict[str, int]:
+    if not trajectories:
+        return {}
+    rows = list(trajectories.values())
+    with connection.cursor() as cur:
+        cur.execute(
+            "INSERT INTO feedback_trajectory (project_id, external_id, policy_version, source, task, tags, "
+            "prompt, extra, occurred_at, received_at) "
+            "SELECT %s, t.eid, t.pv, t.src, t.task, t.tags::jsonb, t.prompt::jsonb, t.extra::jsonb, t.at, %s "
+            "FROM unnest(%s::text[], %s::int[], %s::text[], %s::text[], %s::text[], %s::text[], %s::text[], "
+            "%s::timestamptz[]) AS t(eid, pv, src, task, tags, prompt, extra, at) "
+            "ON CONFLICT (project_id, external_id) DO NOTHING RETURNING external_id, id",
+            [
+                project.id, now,
+                [r.external_id for r in rows], [r.policy_version for r in rows], [r.source for r in rows],
+                [r.task for r in rows], [r.tags for r in rows], [r.prompt for r in rows],
+                [r.extra for r in rows], [r.occurred_at for r in rows],
+            ],
+        )
+        return dict(cur.fetchall())
+
+
+def _insert_steps(trajectories: list[TrajectoryRecord], new_ids: dict[str, int]) -> None:
+    steps = [(new_ids[t.external_id], s) for t in trajectories for s in t.steps]
+    if not steps:
+        return
+    with connection.cursor() as cur:
+        cur.execute(
+            "INSERT INTO feedback_step (trajectory_id, index, role, content, tool_calls, token_ids, logprobs, "
+            "routing, reward, extra) "
+            "SELECT s.tid, s.idx, s.role, s.content, s.calls::jsonb, s.tokens::jsonb, s.lps::jsonb, "
+            "s.routing::jsonb, s.reward, s.extra::jsonb "
+            "FROM unnest(%s::bigint[], %s::int[], %s::text[], %s::text[], %s::text[], %s::text[], %s::text[], "
+            "%s::text[], %s::float8[], %s::text[]) "
+            "AS s(tid, idx, role, content, calls, tokens, lps, routing, reward, extra)",
+            [
+                [t for t, _ in steps], [s.index for _, s in steps], [s.role for _, s in steps],
+                [s.content for _, s in steps], [s.tool_calls for _, s in steps], [s.token_ids for _, s in steps],
+                [s.logprobs for _, s in steps], [s.routing for _, s in steps], [s.reward for _, s in steps],
+                [s.extra for _, s in steps],
+            ],
+        )
+
+
+def _insert_feedback(project: Project, rows: list[FeedbackRecord], now: datetime) -> set[str]:
+    if not rows:
+        return set()
+    with connection.cursor() as cur:
+        cur.execute(
+            "INSERT INTO feedback_feedbackevent (project_id, event_id, trajectory_external_id, trajectory_id, "
+            "signal, value, step, user_hash, aspect_labels, extra, occurred_at, received_at) "
+            "SELECT %s, f.eid, f.tid, t.id, f.signal, f.value, f.step, f.uh, f.labels::jsonb, f.extra::jsonb, "
+            "f.at, %s "
+            "FROM unnest(%s::text[], %s::text[], %s::text[], %s::float8[], %s::int[], %s::text[], %s::text[], "
+            "%s::text[], %s::timestamptz[]) AS f(eid, tid, signal, value, step, uh, labels, extra, at) "
+            "LEFT JOIN feedback_trajectory t ON t.project_id = %s AND t.external_id = f.tid "
+            "ON CONFLICT (project_id, event_id) DO NOTHING RETURNING event_id",
+            [
+                project.id, now,
+                [r.event_id for r in rows], [r.trajectory_external_id for r in rows], [r.signal for r in rows],
+                [r.value for r in rows], [r.step for r in rows], [r.user_hash for r in rows],
+                [r.aspect_labels for r in rows], [r.extra for r in rows], [r.occurred_at for r in rows],
+                project.id,
+            ],
+        )
+        return {row[0] for row in cur.fetchall()}
+
+
+def _link_feedback(project: Project, external_ids: list[str]) -> int:
+    """Links stored feedback that arrived before these trajectories."""
+    if not external_ids:
+        return 0
+    with connection.cursor() as cur:
+        cur.execute(
+            "UPDATE feedback_feedbackevent fe SET trajectory_id = t.id FROM feedback_trajectory t "
+            "WHERE fe.project_id = %s AND fe.trajectory_id IS NULL AND t.project_id = %s "
+            "AND fe.trajectory_external_id = t.external_id AND t.external_id = ANY(%s::text[])",
+            [project.id, project.id, external_ids],
+        )
+        return cur.rowcount
+
+
+def feedback_link_orphans(project: Project) -> int:
+    """Safety net run by beat: links any feedback whose trajectory has landed since."""
+    with connection.cursor() as cur:
+        cur.execute(
+            "UPDATE feedback_feedbackevent fe SET trajectory_id = t.id FROM feedback_trajectory t "
+            "WHERE fe.project_id = %s AND fe.trajectory_id IS NULL AND t.project_id = %s "
+            "AND fe.trajectory_external_id = t.external_id",
+            [project.id, project.id],
+        )
+        return cur.rowcount
+
+
+def _foreign_trajectory_refs(
+    project: Project, trajectories: dict[str, TrajectoryRecord], feedback: dict[str, FeedbackRecord]
+) -> dict[str, str]:
+    """event id -> reason, for feedback naming a trajectory that exists only in another project.
+
+    Such feedback is refused (not stored): it was sent with the wrong project's credentials."""
+    refs = {f.trajectory_external_id for f in feedback.values()} - set(trajectories)
+    if not refs:
+        return {}
+    with connection.cursor() as cur:
+        cur.execute(
+            "SELECT DISTINCT t.external_id FROM feedback_trajectory t WHERE t.project_id <> %s "
+            "AND t.external_id = ANY(%s::text[]) AND NOT EXISTS (SELECT 1 FROM feedback_trajectory o "
+            "WHERE o.project_id = %s AND o.external_id = t.external_id)",
+            [project.id, sorted(refs), project.id],
+        )
+        foreign = {row[0] for row in cur.fetchall()}
+    reason = "trajectory_id {!r} belongs to another project: send this feedback with that project's credentials"
+    return {e: reason.format(f.trajectory_external_id) for e, f in feedback.items()
+            if f.trajectory_external_id in foreign}
+
+
+def _settle(results: list[EventResult], new_ids: dict[str, int], new_feedback: set[str],
+            foreign: dict[str, str]) -> dict[str, int]:
+    counts = {"accepted": 0, "duplicate": 0, "rejected": 0, "trajectories": 0, "feedback": 0}
+    for result in results:
+        if result.status == "pending":
+            is_trajectory = result.type == "trajectory"
+            if not is_trajectory and result.id in foreign:
+                result.status, result.reason = "rejected", foreign[result.id]
+            elif result.id in (new_ids if is_trajectory else new_feedback):
+                result.status = "accepted"
+                counts["trajectories" if is_trajectory else "feedback"] += 1
+            else:
+                result.status, result.reason = "duplicate", "an event with this id was stored before"
+        counts[result.status] += 1
+    return counts

