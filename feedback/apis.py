@@ -15,7 +15,14 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from feedback import selectors
-from feedback.auth import PROJECT_HEADER, HasReadScope, Principal, api_key_principal, bearer_token, webhook_principal
+from feedback.auth import (
+    PROJECT_HEADER,
+    HasReadScope,
+    Principal,
+    api_key_principal,
+    bearer_token,
+    webhook_principal,
+)
 from feedback.ratelimit import ingest_rate_check
 from feedback.services import feedback_ingest
 from webapp.errors import BadRequest, Forbidden, PayloadTooLarge, ServiceUnavailable, Unauthorized

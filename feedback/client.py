@@ -60,12 +60,14 @@ class FlywheelClient:
         max_retries: int = 6,
         backoff_s: float = 0.25,
         timeout_s: float = 30.0,
+        max_wait_s: float = 60.0,
         http: httpx.Client | None = None,
     ) -> None:
         self.endpoint = url.rstrip("/") + "/api/v1/events"
         self.project = project
         self.max_retries = max_retries
         self.backoff_s = backoff_s
+        self.max_wait_s = max_wait_s
         self._webhook = Webhook(secret)
         self._http = http or httpx.Client(timeout=timeout_s)
 
@@ -80,7 +82,8 @@ class FlywheelClient:
                 raise FlywheelError(status, payload)
             if attempt > self.max_retries:
                 raise FlywheelError(status, payload)
-            time.sleep(retry_after if retry_after is not None else self._delay(attempt))
+            wait = retry_after if retry_after is not None else self._delay(attempt)
+            time.sleep(min(wait, self.max_wait_s))
         raise AssertionError("unreachable")
 
     def send_many(self, events: Iterable[dict[str, Any]], batch_size: int = 500) -> Iterator[SendResult]:

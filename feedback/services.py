@@ -122,6 +122,7 @@ def feedback_ingest(
     now = timezone.now()
     results, trajectories, feedback = _parse_batch(project, raw_events, now)
     with transaction.atomic():
+        _statement_timeout()
         if webhook_id is not None and not _delivery_record(project, webhook_id, len(raw_events)):
             return [_as_duplicate(r, "webhook-id was already delivered") for r in results]
         _lock_trajectory_ids(project, trajectories, feedback)
@@ -158,6 +159,15 @@ def _parse_batch(project: Project, raw_events: list[Any], now: datetime):
         seen[key] = record
         result.status = "pending"
     return results, trajectories, feedback
+
+
+def _statement_timeout() -> None:
+    # A write stuck behind a lock answers 503 (the client retries) instead of holding the
+    # request, and the connection, for ever.
+    from django.conf import settings
+
+    with connection.cursor() as cur:
+        cur.execute("SELECT set_config('statement_timeout', %s, true)", [str(settings.INGEST_STATEMENT_TIMEOUT_MS)])
 
 
 def _as_duplicate(result: EventResult, reason: str) -> EventResult:

@@ -1,6 +1,15 @@
 from django.contrib import admin
 
-from training.models import AuditLog, GateReport, PolicyVersion, Reward, RewardSpec, RubricScore, TrainingRun, TrainingStep
+from training.models import (
+    AuditLog,
+    GateReport,
+    PolicyVersion,
+    Reward,
+    RewardSpec,
+    RubricScore,
+    TrainingRun,
+    TrainingStep,
+)
 
 
 @admin.register(RewardSpec)

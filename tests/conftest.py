@@ -1,0 +1,143 @@
+"""Shared fixtures: users (alice owns and approves, bob views, charlie is an outsider), a project
+with credentials, signed requests, and a real ASGI server on the test database.
+
+The database is real PostgreSQL (embedded under var/ unless DATABASE_URL is set) and the cache,
+broker and channel layer are real Redis (embedded unless REDIS_URL is set).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.factories import as_django_headers, sign
+
+ROOT = Path(__file__).resolve().parent.parent
+SESSION_KEY_PREFIX = f"test-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _isolated_cache_keys():
+    """Tests share Redis with a running demo: give this session keys of its own."""
+    from django.conf import settings
+    from django.test import override_settings
+
+    caches = {name: {**conf, "KEY_PREFIX": SESSION_KEY_PREFIX} for name, conf in settings.CACHES.items()}
+    with override_settings(CACHES=caches):
+        yield
+
+
+@pytest.fixture
+def alice(django_user_model):
+    from django.contrib.auth.models import Permission
+
+    user = django_user_model.objects.create_user("alice", password="alice-password-1", is_staff=True)
+    user.user_permissions.add(Permission.objects.get(codename="approve_promotion"))
+    return user
+
+
+@pytest.fixture
+def bob(django_user_model):
+    return django_user_model.objects.create_user("bob", password="bob-password-1", is_staff=True)
+
+
+@pytest.fixture
+def charlie(django_user_model):
+    return django_user_model.objects.create_user("charlie", password="charlie-password-1")
+
+
+@pytest.fixture
+def creds(db):
+    from feedback.services import project_create
+
+    return project_create("Acme Autocomplete", "acme")
+
+
+@pytest.fixture
+def other_creds(db):
+    from feedback.services import project_create
+
+    return project_create("Other Product", "other")
+
+
+@pytest.fixture
+def post_events(client, creds):
+    """post_events(events | body, secret=..., project=..., headers=...) -> response (signed)."""
+
+    def post(payload: Any, *, secret: str | None = None, project: str | None = None,
+             headers: dict[str, str] | None = None, raw: bytes | None = None):
+        body = raw if raw is not None else json.dumps(payload if isinstance(payload, dict) else {"events": payload}).encode()
+        signed = headers if headers is not None else sign(secret or creds.webhook_secret, body)
+        signed = {**signed, "flywheel-project": project or creds.project.slug}
+        return client.generic("POST", "/api/v1/events", body, content_type="application/json",
+                              **as_django_headers(signed))
+
+    return post
+
+
+# --- a real ASGI server on the test database ------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def database_url_of(settings_dict: dict) -> str:
+    host = settings_dict["HOST"] or ""
+    user = settings_dict["USER"]
+    password = f":{settings_dict['PASSWORD']}" if settings_dict["PASSWORD"] else ""
+    if host.startswith("/"):
+        return f"postgresql://{user}{password}@/{settings_dict['NAME']}?host={host}"
+    port = f":{settings_dict['PORT']}" if settings_dict["PORT"] else ""
+    return f"postgresql://{user}{password}@{host}{port}/{settings_dict['NAME']}"
+
+
+@pytest.fixture(scope="session")
+def asgi_server(django_db_setup, django_db_blocker):
+    """Base URL of uvicorn serving webapp.asgi on the test database (tests must commit: use
+    `transactional_db`)."""
+    from django.conf import settings
+    from django.db import connection
+
+    port = _free_port()
+    env = {**os.environ, "DATABASE_URL": database_url_of(connection.settings_dict),
+           "REDIS_URL": settings.REDIS_BASE_URL, "DJANGO_SETTINGS_MODULE": "webapp.settings",
+           "CACHE_KEY_PREFIX": SESSION_KEY_PREFIX}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "uvicorn", "webapp.asgi:application", "--host", "127.0.0.1", "--port", str(port),
+         "--log-level", "warning", "--workers", "1"],
+        cwd=ROOT, env=env,
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/healthz", timeout=1).status_code == 200:
+                break
+        except httpx.TransportError:
+            time.sleep(0.2)
+        if proc.poll() is not None:
+            raise RuntimeError("uvicorn exited during start-up")
+    else:
+        proc.kill()
+        raise RuntimeError("uvicorn did not answer /healthz within 60 s")
+    yield url
+    proc.terminate()
+    proc.wait(timeout=20)
+
+
+def minutes(n: float) -> timedelta:
+    return timedelta(minutes=n)
