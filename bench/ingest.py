@@ -1,0 +1,184 @@
+"""Ingest throughput: naive one-ORM-save-per-event vs the real endpoint over HTTP.
+
+    .venv/bin/python bench/ingest.py [--events 20000] [--clients 4] [--json]
+
+(b) runs uvicorn serving webapp.asgi (a separate process) on a bench database of the embedded
+PostgreSQL (or DATABASE_URL's server), with concurrent signed clients (feedback/client.py).
+Half the events are trajectories with one step of 24 tokens, half feedback on them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+BENCH_DB = "flywheel_bench"
+
+
+def _bench_database_url() -> str:
+    from urllib.parse import urlparse
+
+    base = os.environ.get("DATABASE_URL")
+    if not base:
+        from webapp import embedded
+
+        base = embedded.postgres_url()
+    parsed = urlparse(base)
+    return parsed._replace(path=f"/{BENCH_DB}").geturl()
+
+
+def _setup_django(url: str) -> None:
+    import psycopg
+
+    admin_url = url.replace(f"/{BENCH_DB}", "/postgres")
+    with psycopg.connect(admin_url, autocommit=True) as conn:
+        if not conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", [BENCH_DB]).fetchone():
+            conn.execute(f'CREATE DATABASE "{BENCH_DB}"')
+    os.environ["DATABASE_URL"] = url
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "webapp.settings")
+    import django
+
+    django.setup()
+    from django.core.management import call_command
+
+    call_command("migrate", verbosity=0)
+
+
+def make_events(prefix: str, n: int) -> list[dict]:
+    events: list[dict] = []
+    for i in range(n // 2):
+        tid = f"{prefix}-t{i}"
+        events.append({
+            "type": "trajectory", "id": tid, "policy_version": 1, "task": "tab-completion",
+            "prompt": [{"role": "user", "content": f"def f{i}(x):"}],
+            "steps": [{"role": "assistant", "content": " return x + 1", "token_ids": list(range(24)),
+                       "logprobs": [-0.25] * 24}],
+            "occurred_at": "2026-11-29T08:00:00Z",
+        })
+        events.append({"type": "feedback", "id": f"{prefix}-f{i}", "trajectory_id": tid,
+                       "signal": "accept" if i % 3 else "reject", "user": f"u-{i % 97}"})
+    return events
+
+
+def bench_naive(n: int) -> float:
+    """One ORM save per event, each in its own autocommit transaction, check-then-insert."""
+    from django.utils import timezone
+
+    from feedback.models import FeedbackEvent, Project, Step, Trajectory
+
+    project = Project.objects.create(slug=f"naive-{uuid.uuid4().hex[:8]}", name="naive")
+    events = make_events("naive", n)
+    start = time.perf_counter()
+    for e in events:
+        now = timezone.now()
+        if e["type"] == "trajectory":
+            if Trajectory.objects.filter(project=project, external_id=e["id"]).exists():
+                continue
+            t = Trajectory.objects.create(project=project, external_id=e["id"], policy_version=1,
+                                          task=e["task"], prompt=e["prompt"], occurred_at=now)
+            for i, s in enumerate(e["steps"]):
+                Step.objects.create(trajectory=t, index=i, role=s["role"], content=s["content"],
+                                    token_ids=s["token_ids"], logprobs=s["logprobs"])
+        else:
+            if FeedbackEvent.objects.filter(project=project, event_id=e["id"]).exists():
+                continue
+            t = Trajectory.objects.filter(project=project, external_id=e["trajectory_id"]).first()
+            FeedbackEvent.objects.create(project=project, event_id=e["id"], trajectory=t, signal=e["signal"],
+                                         trajectory_external_id=e["trajectory_id"], occurred_at=now)
+    return len(events) / (time.perf_counter() - start)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _serve(url: str) -> tuple[subprocess.Popen, str]:
+    import httpx
+
+    port = _free_port()
+    env = {**os.environ, "DATABASE_URL": url, "DJANGO_SETTINGS_MODULE": "webapp.settings"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "uvicorn", "webapp.asgi:application", "--host", "127.0.0.1", "--port", str(port),
+         "--log-level", "warning", "--no-access-log"], cwd=ROOT, env=env)
+    base = f"http://127.0.0.1:{port}"
+    for _ in range(300):
+        try:
+            if httpx.get(base + "/healthz", timeout=1).status_code == 200:
+                return proc, base
+        except httpx.TransportError:
+            time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError("uvicorn did not start")
+
+
+def bench_endpoint(base: str, n: int, batch: int, clients: int) -> float:
+    from feedback.client import FlywheelClient
+    from feedback.services import project_create
+
+    creds = project_create(f"bench {uuid.uuid4().hex[:8]}")
+    events = make_events(f"b{batch}", n)
+    batches = [events[i:i + batch] for i in range(0, len(events), batch)]
+    senders = [FlywheelClient(base, creds.webhook_secret, project=creds.project.slug) for _ in range(clients)]
+    senders[0].send(make_events("warmup", 10))
+
+    def send(i: int) -> int:
+        return senders[i % clients].send(batches[i]).accepted
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(clients) as pool:
+        accepted = sum(pool.map(send, range(len(batches))))
+    elapsed = time.perf_counter() - start
+    if accepted != len(events):
+        raise RuntimeError(f"only {accepted} of {len(events)} events were accepted")
+    return len(events) / elapsed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--events", type=int, default=20000)
+    parser.add_argument("--naive-events", type=int, default=2000)
+    parser.add_argument("--clients", type=int, default=4)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+
+    url = _bench_database_url()
+    _setup_django(url)
+    naive = bench_naive(args.naive_events)
+    proc, base = _serve(url)
+    try:
+        rates = {b: bench_endpoint(base, args.events, b, args.clients) for b in (100, 1000)}
+    finally:
+        proc.terminate()
+        proc.wait(20)
+    best = max(rates.values())
+    rows = [("naive ORM save per event", naive, 1.0)]
+    rows += [(f"endpoint, HTTP+ASGI, batch {b}, {args.clients} clients", r, r / naive) for b, r in rates.items()]
+    print(f"{'path':<48} {'events/s':>10} {'vs naive':>9}")
+    for name, rate, ratio in rows:
+        print(f"{name:<48} {rate:>10.0f} {ratio:>8.1f}x")
+    if args.json:
+        print(json.dumps({
+            "naive_events_per_s": round(naive, 1),
+            "endpoint_events_per_s": round(best, 1),
+            "endpoint_events_per_s_batch100": round(rates[100], 1),
+            "endpoint_events_per_s_batch1000": round(rates[1000], 1),
+            "speedup": round(best / naive, 2),
+            "clients": args.clients,
+            "cores": os.cpu_count(),
+        }))
+
+
+if __name__ == "__main__":
+    main()

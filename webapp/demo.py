@@ -1,0 +1,173 @@
+"""`make demo`: the whole loop on one machine, in the foreground, until Ctrl-C.
+
+    .venv/bin/python -m webapp.demo [--port 8000] [--no-simulate]
+
+Starts (or reuses) the embedded PostgreSQL and Redis, migrates, creates the demo project and an
+admin login (kept in var/demo.json), then runs the web server (uvicorn, ASGI), a Celery worker
+and beat, and every extra process listed by `demo_processes()` (inference server, simulated
+users) once those parts are installed. Prints the dashboard URL and the login.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DEMO_FILE = ROOT / "var" / "demo.json"
+
+
+def _port(preferred: int) -> int:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", preferred))
+            return preferred
+        except OSError:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+
+def _environment() -> dict[str, str]:
+    from webapp import embedded
+
+    env = dict(os.environ)
+    if not env.get("DATABASE_URL"):
+        env["DATABASE_URL"] = embedded.postgres_url()
+    if not env.get("REDIS_URL"):
+        env["REDIS_URL"] = embedded.redis_url()
+    env["DJANGO_SETTINGS_MODULE"] = "webapp.settings"
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    return env
+
+
+def _prepare(env: dict[str, str]) -> dict:
+    os.environ.update(env)
+    import django
+
+    django.setup()
+    from django.core.management import call_command
+
+    call_command("migrate", verbosity=0)
+    return _demo_state()
+
+
+def _demo_state() -> dict:
+    from django.contrib.auth import get_user_model
+    from django.contrib.auth.models import Permission
+
+    from feedback.models import Project
+    from feedback.services import project_create
+
+    state = json.loads(DEMO_FILE.read_text()) if DEMO_FILE.exists() else {}
+    if not Project.objects.filter(slug="demo").exists():
+        creds = project_create("Demo coding assistant", "demo")
+        state.update(project=creds.project.slug, api_key=creds.api_key, webhook_secret=creds.webhook_secret)
+    users = get_user_model()
+    if not users.objects.filter(username="admin").exists():
+        state["admin_password"] = secrets.token_urlsafe(12)
+        admin = users.objects.create_superuser("admin", "admin@localhost", state["admin_password"])
+        admin.user_permissions.add(Permission.objects.get(codename="approve_promotion"))
+    DEMO_FILE.parent.mkdir(parents=True, exist_ok=True)
+    DEMO_FILE.write_text(json.dumps(state, indent=2))
+    DEMO_FILE.chmod(0o600)
+    return state
+
+
+def demo_processes(port: int, state: dict, simulate: bool) -> list[tuple[str, list[str]]]:
+    py = sys.executable
+    procs = [
+        ("web", [py, "-m", "uvicorn", "webapp.asgi:application", "--host", "127.0.0.1", "--port", str(port),
+                 "--log-level", "warning"]),
+        ("worker", [py, "-m", "celery", "-A", "webapp", "worker", "-l", "warning", "--concurrency", "2",
+                    "-Q", "celery,ingest,rewards,train,rollouts,gate"]),
+        ("beat", [py, "-m", "celery", "-A", "webapp", "beat", "-l", "warning",
+                  "-s", str(ROOT / "var" / "celerybeat-schedule")]),
+    ]
+    return procs + _loop_processes(port, state, simulate)
+
+
+def _loop_processes(port: int, state: dict, simulate: bool) -> list[tuple[str, list[str]]]:
+    """The inference server and simulated users, once their commands exist."""
+    from django.core.management import get_commands
+
+    commands = get_commands()
+    py, manage = sys.executable, str(ROOT / "manage.py")
+    procs = []
+    if "serve_policy" in commands:
+        procs.append(("inference", [py, manage, "serve_policy", "--project", state["project"],
+                                    "--port", str(_port(port + 1))]))
+    if simulate and "simulate_users" in commands:
+        procs.append(("users", [py, manage, "simulate_users", "--project", state["project"],
+                                "--web", f"http://127.0.0.1:{port}"]))
+    return procs
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description="Run Flywheel's whole loop on this machine.")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--no-simulate", action="store_true", help="do not start simulated users")
+    args = parser.parse_args()
+    env = _environment()
+    state = _prepare(env)
+    port = _port(args.port)
+    logs = ROOT / "var" / "log"
+    logs.mkdir(parents=True, exist_ok=True)
+    running: list[tuple[str, subprocess.Popen]] = []
+    for name, cmd in demo_processes(port, state, not args.no_simulate):
+        log = open(logs / f"{name}.log", "ab")
+        running.append((name, subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)))
+    _announce(port, state, [n for n, _ in running], logs)
+    return _supervise(running)
+
+
+def _announce(port: int, state: dict, names: list[str], logs: Path) -> None:
+    print(f"""
+Flywheel is running: {', '.join(names)} (logs in {logs}/)
+
+  Dashboard   http://127.0.0.1:{port}/
+  Login       admin / {state.get('admin_password', '(as set before; see var/demo.json)')}
+  Admin       http://127.0.0.1:{port}/admin/
+  API docs    http://127.0.0.1:{port}/api/docs/
+
+  Send feedback:  project={state.get('project')}  webhook secret and API key in var/demo.json
+
+Ctrl-C stops everything (PostgreSQL and Redis keep running: make services-down).
+""", flush=True)
+
+
+def _supervise(running: list[tuple[str, subprocess.Popen]]) -> int:
+    stop = False
+
+    def on_signal(signum, frame) -> None:
+        nonlocal stop
+        stop = True
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    code = 0
+    while not stop:
+        for name, proc in running:
+            if proc.poll() is not None:
+                print(f"{name} exited with {proc.returncode}; see var/log/{name}.log", file=sys.stderr)
+                stop, code = True, 1
+        time.sleep(0.5)
+    for _, proc in running:
+        proc.terminate()
+    for _, proc in running:
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
