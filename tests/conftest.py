@@ -105,17 +105,52 @@ def database_url_of(settings_dict: dict) -> str:
     return f"postgresql://{user}{password}@{host}{port}/{settings_dict['NAME']}"
 
 
+def _test_env() -> dict[str, str]:
+    """Environment for a subprocess (web server, Celery worker) on this session's test database."""
+    from django.conf import settings
+    from django.db import connection
+
+    return {**os.environ, "DATABASE_URL": database_url_of(connection.settings_dict),
+            "REDIS_URL": settings.REDIS_BASE_URL, "DJANGO_SETTINGS_MODULE": "webapp.settings",
+            "CACHE_KEY_PREFIX": SESSION_KEY_PREFIX}
+
+
+@pytest.fixture(scope="session")
+def celery_worker_process(django_db_setup):
+    """A real Celery worker (a separate process, all queues) on the test database and the test
+    Redis databases. Tests that use it must commit their rows: use `transactional_db`."""
+    from webapp.celery import app
+
+    app.control.purge()
+    log = open(ROOT / "var" / "test-celery-worker.log", "wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "celery", "-A", "webapp", "worker", "-l", "info", "--pool", "solo",
+         "-Q", "celery,ingest,rewards,train,rollouts,gate", "-n", f"test-{uuid.uuid4().hex[:6]}@%h"],
+        cwd=ROOT, env=_test_env(), stdout=log, stderr=subprocess.STDOUT,
+    )
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        if app.control.ping(timeout=0.5):
+            break
+        if proc.poll() is not None:
+            raise RuntimeError("the Celery worker exited during start-up; see var/test-celery-worker.log")
+    else:
+        proc.kill()
+        raise RuntimeError("the Celery worker did not answer a ping within 90 s")
+    yield proc
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
 @pytest.fixture(scope="session")
 def asgi_server(django_db_setup, django_db_blocker):
     """Base URL of uvicorn serving webapp.asgi on the test database (tests must commit: use
     `transactional_db`)."""
-    from django.conf import settings
-    from django.db import connection
-
     port = _free_port()
-    env = {**os.environ, "DATABASE_URL": database_url_of(connection.settings_dict),
-           "REDIS_URL": settings.REDIS_BASE_URL, "DJANGO_SETTINGS_MODULE": "webapp.settings",
-           "CACHE_KEY_PREFIX": SESSION_KEY_PREFIX}
+    env = _test_env()
     proc = subprocess.Popen(
         [sys.executable, "-m", "uvicorn", "webapp.asgi:application", "--host", "127.0.0.1", "--port", str(port),
          "--log-level", "warning", "--workers", "1"],

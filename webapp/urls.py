@@ -1,6 +1,6 @@
 from django.contrib import admin
 from django.contrib.auth import views as auth_views
-from django.urls import path
+from django.urls import include, path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
 from feedback.apis import IngestApi, TrajectoryDetailApi, TrajectoryListApi
@@ -20,5 +20,6 @@ urlpatterns = [
     path("accounts/login/", auth_views.LoginView.as_view(), name="login"),
     path("accounts/logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("healthz", views.healthz, name="healthz"),
-    path("", views.overview, name="overview"),
+    path("api/v1/", include("training.urls")),
+    path("", include("webapp.dashboard_urls")),
 ]

@@ -1,0 +1,15 @@
+"""Loaded first (`-p tests._env` in pyproject): the test session's environment, set before Django
+reads its settings.
+
+Tests share the embedded Redis with a running demo; they use databases 4-7 of it so that a
+test Celery worker never takes the demo's tasks (and the other way round).
+"""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if not os.environ.get("REDIS_URL"):
+    from webapp import embedded
+
+    os.environ["REDIS_URL"] = embedded.redis_url() + "/4"

@@ -1,0 +1,1 @@
+"""Rewards: verifiable checks, judges, the reward spec, judge calibration. Pure Python, no Django."""

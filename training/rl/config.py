@@ -1,0 +1,59 @@
+"""Typed RL run config, torch-free so the web side can validate a run without torch.
+
+    python -c "from training.rl.config import RLConfig; print(RLConfig().to_dict())"
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+
+@dataclass(frozen=True)
+class RLConfig:
+    """Every knob of one RL update; saved with each checkpoint (`to_dict`)."""
+
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    eps: float = 0.2  # PPO clip below: ratio >= 1 - eps
+    eps_high: float = 0.28  # PPO clip above (DAPO-style clip-higher): ratio <= 1 + eps_high
+    is_cap: float = 2.0  # C in min(pi_old / mu, C): truncated importance weight
+    beta: float = 0.0  # weight of the k3 KL to the reference policy
+    max_staleness: int = 4  # K: samples more than K policy versions behind are dropped
+    group_normalize_std: bool = False  # divide group-relative advantages by the group std
+    baseline_decay: float = 0.9  # EMA decay of the per-task running baseline (live samples)
+    grad_clip: float = 1.0
+    micro_batch_size: int = 8
+    logprob_chunk_size: int = 1024  # rows per chunk of the selective log-softmax
+    router_replay: bool = True  # replay recorded MoE routing in the trainer forward
+
+    def __post_init__(self) -> None:
+        problems = self.problems()
+        if problems:
+            raise ValueError("invalid RLConfig: " + "; ".join(problems))
+
+    def problems(self) -> list[str]:
+        checks = [
+            (self.lr > 0, "lr must be > 0"),
+            (0 < self.eps < 1, "eps must be in (0, 1)"),
+            (self.eps_high > 0, "eps_high must be > 0"),
+            (self.is_cap >= 1, "is_cap (C) must be >= 1"),
+            (self.beta >= 0, "beta must be >= 0"),
+            (self.max_staleness >= 0, "max_staleness (K) must be >= 0"),
+            (0 <= self.baseline_decay < 1, "baseline_decay must be in [0, 1)"),
+            (self.grad_clip > 0, "grad_clip must be > 0"),
+            (self.micro_batch_size >= 1, "micro_batch_size must be >= 1"),
+            (self.logprob_chunk_size >= 1, "logprob_chunk_size must be >= 1"),
+        ]
+        return [msg for ok, msg in checks if not ok]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RLConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown RLConfig keys: {unknown}; known keys: {sorted(known)}")
+        return cls(**data)

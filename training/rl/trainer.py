@@ -1,0 +1,313 @@
+"""One off-policy RL update on a causal LM: samples -> padded batch -> loss -> optimiser step.
+
+Pure torch; a Django service loads the model and samples, calls `prepare_batch` and `rl_step`,
+and writes the returned `StepMetrics` into a `TrainingStep` row.
+
+    .venv/bin/python -m pytest tests/training/test_trainer.py -q -p no:django
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, replace
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
+
+from training.rl.advantages import RunningBaseline, group_advantages
+from training.rl.config import RLConfig
+from training.rl.loss import LossInputs, LossOutputs, policy_loss
+from training.rl.router_replay import ReplayStats, batch_routing_to_flat, replay_routing
+
+try:  # the shared kernel when it exists; ours is the plain-torch fallback
+    from kernels.logprobs import selective_log_softmax as _selective_log_softmax
+except ImportError:
+    _selective_log_softmax = None
+
+
+@dataclass
+class Sample:
+    """One completion as the trainer needs it; per-token lists are over completion tokens."""
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    reward: float = 0.0
+    behaviour_logprobs: list[float] | None = None  # log mu per completion token, from inference
+    policy_version: int | None = None  # version that sampled it; None: unknown, never stale
+    group: str | int | None = None  # samples of one prompt share a group (group-relative advantage)
+    task: str = "default"  # running-baseline bucket for samples without a group
+    advantage: float | None = None  # precomputed advantage wins over both rules above
+    routing: torch.Tensor | None = None  # (L, T_i, k) recorded expert ids over prompt+completion
+
+
+@dataclass
+class Batch:
+    """Right-padded tensors; per-token entries are aligned with `input_ids` (entry t is token t)."""
+
+    input_ids: torch.Tensor  # (B, T) long
+    attention_mask: torch.Tensor  # (B, T) long
+    completion_mask: torch.Tensor  # (B, T) bool, True on completion tokens
+    behaviour_logprobs: torch.Tensor  # (B, T) float, 0 where unknown
+    behaviour_mask: torch.Tensor  # (B, T) bool, True where log mu is known
+    advantages: torch.Tensor  # (B,)
+    rewards: torch.Tensor  # (B,)
+    routing: torch.Tensor | None = None  # (B, L, T, k), -1 where not recorded
+    old_logprobs: torch.Tensor | None = None  # (B, T) pi_old; None: this step's pre-update forward
+    dropped_stale: int = 0
+
+    @classmethod
+    def from_samples(cls, samples: Sequence[Sample], pad_id: int, advantages: torch.Tensor) -> Batch:
+        width = max(len(s.prompt_ids) + len(s.completion_ids) for s in samples)
+        rows = [_pack_row(s, width, pad_id) for s in samples]
+        stacked = {k: torch.stack([r[k] for r in rows]) for k in rows[0] if k != "routing"}
+        return cls(
+            **stacked,
+            advantages=advantages.to(torch.float32),
+            rewards=torch.tensor([s.reward for s in samples], dtype=torch.float32),
+            routing=_pack_routing(samples, width),
+        )
+
+    @property
+    def size(self) -> int:
+        return self.input_ids.shape[0]
+
+    def micro_batches(self, size: int) -> Iterator[Batch]:
+        for start in range(0, self.size, size):
+            yield self.rows(slice(start, start + size))
+
+    def rows(self, index: slice) -> Batch:
+        def cut(x: Any) -> Any:
+            return x[index] if isinstance(x, torch.Tensor) else x
+
+        return replace(self, **{f: cut(getattr(self, f)) for f in self.__dataclass_fields__})
+
+
+def _pack_row(s: Sample, width: int, pad_id: int) -> dict[str, torch.Tensor]:
+    n_p, n_c = len(s.prompt_ids), len(s.completion_ids)
+    if n_p < 1 or n_c < 1:
+        raise ValueError("a sample needs at least one prompt token and one completion token")
+    ids = torch.full((width,), pad_id, dtype=torch.long)
+    ids[: n_p + n_c] = torch.tensor(s.prompt_ids + s.completion_ids)
+    span = torch.zeros(width, dtype=torch.bool)
+    span[n_p : n_p + n_c] = True
+    mu = torch.zeros(width, dtype=torch.float32)
+    known = torch.zeros(width, dtype=torch.bool)
+    if s.behaviour_logprobs is not None:
+        if len(s.behaviour_logprobs) != n_c:
+            raise ValueError(f"{len(s.behaviour_logprobs)} behaviour log-probs for {n_c} completion tokens")
+        mu[n_p : n_p + n_c] = torch.tensor(s.behaviour_logprobs, dtype=torch.float32)
+        known = span.clone()
+    attn = (torch.arange(width) < n_p + n_c).long()
+    return {"input_ids": ids, "attention_mask": attn, "completion_mask": span,
+            "behaviour_logprobs": mu, "behaviour_mask": known}
+
+
+def _pack_routing(samples: Sequence[Sample], width: int) -> torch.Tensor | None:
+    if all(s.routing is None for s in samples):
+        return None
+    shape = next(s.routing.shape for s in samples if s.routing is not None)
+    out = torch.full((len(samples), shape[0], width, shape[2]), -1, dtype=torch.long)  # (B, L, T, k)
+    for i, s in enumerate(samples):
+        if s.routing is not None:
+            out[i, :, : s.routing.shape[1]] = s.routing
+    return out
+
+
+# ---------------------------------------------------------------------------------- selection
+
+S = TypeVar("S")
+
+
+class NoFreshSamples(ValueError):
+    """Every sample was stale (or none came); `dropped` says how many were thrown away."""
+
+    def __init__(self, dropped: int) -> None:
+        super().__init__(f"no samples within the staleness bound ({dropped} dropped as stale)")
+        self.dropped = dropped
+
+
+def _version(sample: Any) -> int | None:
+    return sample.get("policy_version") if isinstance(sample, Mapping) else sample.policy_version
+
+
+def filter_stale(samples: Sequence[S], current_version: int, max_staleness: int) -> tuple[list[S], int]:
+    """Keep samples at most K versions behind `current_version`; return (kept, dropped count)."""
+    kept = [s for s in samples if _version(s) is None or current_version - _version(s) <= max_staleness]
+    return kept, len(samples) - len(kept)
+
+
+def compute_advantages(
+    samples: Sequence[Sample], cfg: RLConfig, baseline: RunningBaseline | None = None
+) -> torch.Tensor:
+    """(B,): a given advantage, else group-relative within `group`, else reward - running baseline."""
+    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)  # (B,)
+    out = rewards.clone()
+    grouped = [i for i, s in enumerate(samples) if s.advantage is None and s.group is not None]
+    if grouped:
+        labels = {g: n for n, g in enumerate(dict.fromkeys(samples[i].group for i in grouped))}
+        ids = torch.tensor([labels[samples[i].group] for i in grouped])
+        out[grouped] = group_advantages(rewards[grouped], ids, cfg.group_normalize_std)
+    baseline = baseline if baseline is not None else RunningBaseline(cfg.baseline_decay)
+    for i, s in enumerate(samples):
+        if s.advantage is not None:
+            out[i] = s.advantage
+        elif s.group is None:
+            out[i] = baseline.update(s.task, s.reward)
+    return out
+
+
+def prepare_batch(
+    samples: Sequence[Sample],
+    current_version: int,
+    cfg: RLConfig,
+    pad_id: int,
+    baseline: RunningBaseline | None = None,
+) -> Batch:
+    """Drop stale samples, compute advantages, pack; raises NoFreshSamples when nothing is left."""
+    kept, dropped = filter_stale(samples, current_version, cfg.max_staleness)
+    if not kept:
+        raise NoFreshSamples(dropped)
+    batch = Batch.from_samples(kept, pad_id, compute_advantages(kept, cfg, baseline))
+    batch.dropped_stale = dropped
+    return batch
+
+
+# ---------------------------------------------------------------------------------- log-probs
+
+def _gather_logprobs(logits: torch.Tensor, ids: torch.Tensor, chunk_rows: int = 1024) -> torch.Tensor:
+    """log softmax(logits)[ids] without materialising the (N, V) log-softmax at once.
+
+    logits: (..., V), ids: (...) -> (...) float32. Chunks over rows bound the float32 copy.
+    """
+    flat = logits.reshape(-1, logits.shape[-1])  # (N, V)
+    flat_ids = ids.reshape(-1, 1)  # (N, 1)
+    parts = []
+    for start in range(0, flat.shape[0], chunk_rows):
+        chunk = flat[start : start + chunk_rows].float()  # (n, V)
+        picked = chunk.gather(1, flat_ids[start : start + chunk_rows]).squeeze(1)  # (n,)
+        parts.append(picked - torch.logsumexp(chunk, dim=-1))
+    return torch.cat(parts).reshape(ids.shape)
+
+
+def _selective(logits: torch.Tensor, ids: torch.Tensor, chunk_rows: int) -> torch.Tensor:
+    if _selective_log_softmax is not None:
+        return _selective_log_softmax(logits, ids).float()
+    return _gather_logprobs(logits, ids, chunk_rows)
+
+
+def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, chunk_rows: int = 1024) -> torch.Tensor:
+    """(B, T) log-prob of token t given tokens < t; column 0 (no context) is 0."""
+    picked = _selective(logits[:, :-1], input_ids[:, 1:], chunk_rows)  # (B, T-1)
+    return nn.functional.pad(picked, (1, 0))  # (B, T)
+
+
+@torch.no_grad()
+def token_entropy(logits: torch.Tensor, chunk_rows: int = 1024) -> torch.Tensor:
+    """(B, T) entropy of the distribution that predicted token t; column 0 is 0."""
+    flat = logits[:, :-1].reshape(-1, logits.shape[-1])  # (N, V)
+    parts = []
+    for start in range(0, flat.shape[0], chunk_rows):
+        logp = torch.log_softmax(flat[start : start + chunk_rows].float(), dim=-1)  # (n, V)
+        parts.append(-(logp.exp() * logp).sum(-1))
+    ent = torch.cat(parts).reshape(logits.shape[0], -1)  # (B, T-1)
+    return nn.functional.pad(ent, (1, 0))
+
+
+def _forward_logits(model: nn.Module, batch: Batch, replay: bool) -> tuple[torch.Tensor, ReplayStats]:
+    ctx = replay_routing(model, batch_routing_to_flat(batch.routing)) if replay else nullcontext(ReplayStats())
+    with ctx as stats:
+        out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
+    return out.logits, stats  # (B, T, V)
+
+
+@torch.no_grad()
+def compute_logprobs(model: nn.Module, batch: Batch, cfg: RLConfig, replay: bool | None = None) -> torch.Tensor:
+    """(B, T) token log-probs without gradient: pi_old for multi-epoch updates, or recomputing a
+    missing behaviour mu from the behaviour version's checkpoint (replay defaults to cfg)."""
+    use_replay = cfg.router_replay if replay is None else replay
+    logits, _ = _forward_logits(model, batch, use_replay and batch.routing is not None)
+    return token_logprobs(logits, batch.input_ids, cfg.logprob_chunk_size)
+
+
+# ---------------------------------------------------------------------------------- the step
+
+@dataclass
+class StepMetrics:
+    loss: float
+    kl_ref: float
+    entropy: float
+    clip_fraction: float
+    mismatch_kl: float
+    is_truncated: float
+    grad_norm: float
+    reward_mean: float
+    tokens_per_s: float  # non-pad tokens (prompt + completion) through forward+backward per second
+    dropped_stale: int
+    tokens: int  # completion tokens in the loss
+    routing_mismatch: float = 0.0  # share of replayed tokens whose own experts differed
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _micro_loss(
+    model: nn.Module, ref_model: nn.Module | None, mb: Batch, cfg: RLConfig, normalizer: float
+) -> tuple[LossOutputs, ReplayStats]:
+    replay = cfg.router_replay and mb.routing is not None
+    logits, stats = _forward_logits(model, mb, replay)  # (b, T, V)
+    logprobs = token_logprobs(logits, mb.input_ids, cfg.logprob_chunk_size)  # (b, T)
+    # One update per batch: the pre-update forward *is* this forward, so pi_old = detached pi_theta.
+    old = mb.old_logprobs if mb.old_logprobs is not None else logprobs.detach()
+    ref = None
+    if ref_model is not None and cfg.beta > 0:
+        # No replay here: the KL is to the reference policy as it would act, with its own routing.
+        with torch.no_grad():
+            ref_logits = ref_model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits
+            ref = token_logprobs(ref_logits, mb.input_ids, cfg.logprob_chunk_size)
+    inputs = LossInputs(
+        logprobs=logprobs,
+        old_logprobs=old,
+        advantages=mb.advantages,
+        mask=mb.completion_mask,
+        behaviour_logprobs=torch.where(mb.behaviour_mask, mb.behaviour_logprobs, old),
+        ref_logprobs=ref,
+        entropy=token_entropy(logits, cfg.logprob_chunk_size),
+        normalizer=normalizer,
+    )
+    return policy_loss(inputs, cfg.eps, cfg.eps_high, cfg.is_cap, cfg.beta), stats
+
+
+def rl_step(
+    model: nn.Module, ref_model: nn.Module | None, batch: Batch, optimizer: torch.optim.Optimizer, cfg: RLConfig
+) -> StepMetrics:
+    """One optimiser step over `batch` (micro-batched; loss is the token-mean over the whole batch)."""
+    start = time.perf_counter()
+    total_tokens = int(batch.completion_mask.sum())
+    normalizer = float(max(total_tokens, 1))
+    optimizer.zero_grad(set_to_none=True)
+    sums = dict.fromkeys(("loss", "kl_ref", "entropy", "clip_fraction", "mismatch_kl", "is_truncated"), 0.0)
+    replayed = differed = 0
+    for mb in batch.micro_batches(cfg.micro_batch_size):
+        out, stats = _micro_loss(model, ref_model, mb, cfg, normalizer)
+        out.loss.backward()
+        share = float(mb.completion_mask.sum()) / normalizer  # token-weighted average of the metrics
+        sums["loss"] += float(out.loss.detach())
+        for key in ("kl_ref", "entropy", "clip_fraction", "mismatch_kl", "is_truncated"):
+            sums[key] += float(getattr(out, key)) * share
+        replayed, differed = replayed + stats.replayed, differed + stats.differed
+    params = [p for p in model.parameters() if p.requires_grad]
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip))
+    optimizer.step()
+    elapsed = time.perf_counter() - start
+    return StepMetrics(
+        **sums,
+        grad_norm=grad_norm,
+        reward_mean=float(batch.rewards.mean()),
+        tokens_per_s=float(batch.attention_mask.sum()) / elapsed,
+        dropped_stale=batch.dropped_stale,
+        tokens=total_tokens,
+        routing_mismatch=differed / replayed if replayed else 0.0,
+    )

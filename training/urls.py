@@ -1,0 +1,3 @@
+"""API of the training app under /api/v1/ (versions, promotion, runs)."""
+
+urlpatterns: list = []
