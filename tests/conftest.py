@@ -8,23 +8,16 @@ broker and channel layer are real Redis (embedded unless REDIS_URL is set).
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
 import sys
 import time
 import uuid
-from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from tests.factories import as_django_headers, sign
-
-ROOT = Path(__file__).resolve().parent.parent
-SESSION_KEY_PREFIX = f"test-{uuid.uuid4().hex[:8]}"
+from tests.processes import ROOT, SESSION_KEY_PREFIX, free_port, subprocess_env, wait_http
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -86,33 +79,7 @@ def post_events(client, creds):
     return post
 
 
-# --- a real ASGI server on the test database ------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def database_url_of(settings_dict: dict) -> str:
-    host = settings_dict["HOST"] or ""
-    user = settings_dict["USER"]
-    password = f":{settings_dict['PASSWORD']}" if settings_dict["PASSWORD"] else ""
-    if host.startswith("/"):
-        return f"postgresql://{user}{password}@/{settings_dict['NAME']}?host={host}"
-    port = f":{settings_dict['PORT']}" if settings_dict["PORT"] else ""
-    return f"postgresql://{user}{password}@{host}{port}/{settings_dict['NAME']}"
-
-
-def _test_env() -> dict[str, str]:
-    """Environment for a subprocess (web server, Celery worker) on this session's test database."""
-    from django.conf import settings
-    from django.db import connection
-
-    return {**os.environ, "DATABASE_URL": database_url_of(connection.settings_dict),
-            "REDIS_URL": settings.REDIS_BASE_URL, "DJANGO_SETTINGS_MODULE": "webapp.settings",
-            "CACHE_KEY_PREFIX": SESSION_KEY_PREFIX}
+# --- the project's processes on the test database -------------------------------------------------
 
 
 @pytest.fixture(scope="session")
@@ -122,11 +89,12 @@ def celery_worker_process(django_db_setup):
     from webapp.celery import app
 
     app.control.purge()
+    (ROOT / "var").mkdir(exist_ok=True)
     log = open(ROOT / "var" / "test-celery-worker.log", "wb")
     proc = subprocess.Popen(
         [sys.executable, "-m", "celery", "-A", "webapp", "worker", "-l", "info", "--pool", "solo",
          "-Q", "celery,ingest,rewards,train,rollouts,gate", "-n", f"test-{uuid.uuid4().hex[:6]}@%h"],
-        cwd=ROOT, env=_test_env(), stdout=log, stderr=subprocess.STDOUT,
+        cwd=ROOT, env=subprocess_env(), stdout=log, stderr=subprocess.STDOUT,
     )
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline:
@@ -146,33 +114,17 @@ def celery_worker_process(django_db_setup):
 
 
 @pytest.fixture(scope="session")
-def asgi_server(django_db_setup, django_db_blocker):
+def asgi_server(django_db_setup):
     """Base URL of uvicorn serving webapp.asgi on the test database (tests must commit: use
     `transactional_db`)."""
-    port = _free_port()
-    env = _test_env()
+    port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "uvicorn", "webapp.asgi:application", "--host", "127.0.0.1", "--port", str(port),
          "--log-level", "warning", "--workers", "1"],
-        cwd=ROOT, env=env,
+        cwd=ROOT, env=subprocess_env(),
     )
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url + "/healthz", timeout=1).status_code == 200:
-                break
-        except httpx.TransportError:
-            time.sleep(0.2)
-        if proc.poll() is not None:
-            raise RuntimeError("uvicorn exited during start-up")
-    else:
-        proc.kill()
-        raise RuntimeError("uvicorn did not answer /healthz within 60 s")
+    wait_http(url + "/healthz", proc, 60)
     yield url
     proc.terminate()
     proc.wait(timeout=20)
-
-
-def minutes(n: float) -> timedelta:
-    return timedelta(minutes=n)

@@ -1,3 +1,13 @@
-"""API of the training app under /api/v1/ (versions, promotion, runs)."""
+"""API of the training app under /api/v1/ (versions, promotion)."""
 
-urlpatterns: list = []
+from django.urls import path
+
+from training import apis
+
+urlpatterns = [
+    path("versions", apis.VersionListApi.as_view(), name="api-versions"),
+    path("versions/<int:version_id>", apis.VersionDetailApi.as_view(), name="api-version"),
+    path("versions/<int:version_id>/approve", apis.VersionApproveApi.as_view(), name="api-version-approve"),
+    path("versions/<int:version_id>/reject", apis.VersionRejectApi.as_view(), name="api-version-reject"),
+    path("versions/<int:version_id>/rollback", apis.VersionRollbackApi.as_view(), name="api-version-rollback"),
+]

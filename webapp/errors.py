@@ -105,3 +105,10 @@ def exception_handler(exc: Exception, context: dict) -> Response | None:
         body["message"] = str(detail)
     response.data = {"error": body}
     return response
+
+
+def html_error_response(request: Any, exc: ApplicationError) -> Any:
+    """The dashboard's side of the one error path: the same message and fix, as a page."""
+    from django.shortcuts import render
+
+    return render(request, "dashboard/error.html", {"error": exc}, status=exc.status_code)

@@ -1,15 +1,499 @@
-"""Reads for the dashboard pages."""
+"""Reads for the dashboard pages: rollup tables for anything over time, bounded queries elsewhere.
+
+Every selector runs a fixed number of queries whatever the row counts (tests assert it), and
+returns plain data (dicts and lists) that the views hand to templates and Plotly.
+"""
 
 from __future__ import annotations
 
-from django.db.models import Count
+import math
+from collections import defaultdict
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any
 
-from feedback.models import Project
+from django.conf import settings
+from django.db.models import Count, F, Max, Prefetch, Q, QuerySet, Sum
+from django.utils import timezone
+
+from feedback.models import FeedbackEvent, Project, Step, Trajectory
+from training.models import AuditLog, GateReport, PolicyVersion, Reward, RubricScore, TrainingRun, TrainingStep
+from webapp.errors import Forbidden, NotFound
+from webapp.models import AgreementRollup, FeedbackHourly, RubricRollup, TrajectoryHourly
+
+POSITIVE = ("happy", "accept", "edit_kept")
+NEGATIVE = ("sad", "reject", "followup_dissatisfied")
+METRICS = ("loss", "kl_ref", "entropy", "clip_fraction", "mismatch_kl", "grad_norm", "reward_mean", "tokens_per_s")
+QUEUES = ("celery", "ingest", "rewards", "train", "rollouts", "gate")
+MAX_CURVE_POINTS = 1500
+PAGE_SIZE = 50
 
 
-def project_overview() -> list[Project]:
-    return list(
-        Project.objects.annotate(
-            n_trajectories=Count("trajectories", distinct=True),
-        ).order_by("slug")
-    )
+# --- access -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Access:
+    can_approve: bool
+
+
+def access_check(user: Any) -> Access:
+    """Staff see the dashboard; approvers also hold training.approve_promotion."""
+    if not (user.is_staff or user.is_superuser):
+        raise Forbidden("your account has no access to the dashboard",
+                        "Ask an administrator to give your account staff status.")
+    return Access(can_approve=user.has_perm("training.approve_promotion"))
+
+
+def project_get(slug: str) -> Project:
+    project = Project.objects.filter(slug=slug).first()
+    if project is None:
+        raise NotFound(f"there is no project {slug!r}", "Pick a project on the dashboard's front page.")
+    return project
+
+
+def project_list() -> list[dict[str, Any]]:
+    feedback = dict(FeedbackHourly.objects.values_list("project").annotate(n=Sum("n")))
+    trajectories = dict(TrajectoryHourly.objects.values_list("project").annotate(n=Sum("trajectories")))
+    return [{"slug": p.slug, "name": p.name, "feedback": feedback.get(p.id, 0), "trajectories": trajectories.get(p.id, 0)}
+            for p in Project.objects.order_by("slug")]
+
+
+# --- overview -----------------------------------------------------------------------------------
+
+
+def _version_name(v: int | None) -> str:
+    return "unknown version" if v is None else f"v{v}"
+
+
+def feedback_series(project: Project, since: datetime) -> dict[str, Any]:
+    """Per version per hour: volume and positive rate (positive / (positive + negative))."""
+    rows = (FeedbackHourly.objects.filter(project=project, hour__gte=since)
+            .values("hour", "policy_version")
+            .annotate(total=Sum("n"), pos=Sum("n", filter=Q(signal__in=POSITIVE)),
+                      neg=Sum("n", filter=Q(signal__in=NEGATIVE)))
+            .order_by("hour"))
+    by_version: dict[int | None, dict[str, list]] = defaultdict(lambda: {"x": [], "n": [], "rate": []})
+    total = positive = rated = 0
+    for r in rows:
+        s = by_version[r["policy_version"]]
+        pos, neg = r["pos"] or 0, r["neg"] or 0
+        s["x"].append(r["hour"].isoformat())
+        s["n"].append(r["total"])
+        s["rate"].append(round(pos / (pos + neg), 4) if pos + neg else None)
+        total, positive, rated = total + r["total"], positive + pos, rated + pos + neg
+    return {"by_version": dict(by_version), "total": total, "rate": positive / rated if rated else None}
+
+
+def reward_series(project: Project, since: datetime) -> dict[int | None, dict[str, list]]:
+    rows = (TrajectoryHourly.objects.filter(project=project, hour__gte=since)
+            .values_list("hour", "policy_version", "trajectories", "rewarded", "reward_sum").order_by("hour"))
+    out: dict[int | None, dict[str, list]] = defaultdict(lambda: {"x": [], "reward": [], "trajectories": []})
+    for hour, version, n, rewarded, reward_sum in rows:
+        s = out[version]
+        s["x"].append(hour.isoformat())
+        s["reward"].append(round(reward_sum / rewarded, 4) if rewarded else None)
+        s["trajectories"].append(n)
+    return dict(out)
+
+
+def version_starts(series: dict[int | None, dict[str, list]]) -> list[tuple[str, str]]:
+    """(first hour, version name) of each version seen in the range: the version changes."""
+    starts = [(s["x"][0], _version_name(v)) for v, s in series.items() if s["x"]]
+    return sorted(starts)
+
+
+def overview_charts(project: Project, days: int) -> dict[str, Any]:
+    since = timezone.now() - timedelta(days=days)
+    feedback = feedback_series(project, since)
+    rewards = reward_series(project, since)
+    marks = version_starts({**rewards, **{v: s for v, s in feedback["by_version"].items() if v not in rewards}})
+    shapes = [{"type": "line", "xref": "x", "yref": "paper", "x0": x, "x1": x, "y0": 0, "y1": 1,
+               "line": {"dash": "dot", "width": 1, "color": "#888"}} for x, _ in marks]
+    notes = [{"x": x, "y": 1, "xref": "x", "yref": "paper", "text": name, "showarrow": False,
+              "yanchor": "bottom", "font": {"size": 10}} for x, name in marks]
+    order = sorted(feedback["by_version"], key=lambda v: (v is None, v or 0))
+
+    def layout(title: str, **extra: Any) -> dict[str, Any]:
+        return {"title": {"text": title}, "shapes": shapes, "annotations": notes, "margin": {"t": 40, "r": 10, "l": 40},
+                "legend": {"orientation": "h"}, "hovermode": "x unified", **extra}
+
+    volume = [{"type": "bar", "name": _version_name(v), "x": feedback["by_version"][v]["x"],
+               "y": feedback["by_version"][v]["n"]} for v in order]
+    volume.append({"type": "scatter", "mode": "markers", "name": "live (this page)", "x": [], "y": [],
+                   "marker": {"color": "#d62828", "size": 9}})
+    rate = [{"type": "scatter", "mode": "lines", "name": _version_name(v), "x": feedback["by_version"][v]["x"],
+             "y": feedback["by_version"][v]["rate"], "connectgaps": False} for v in order]
+    reward = [{"type": "scatter", "mode": "lines", "name": _version_name(v), "x": s["x"], "y": s["reward"]}
+              for v, s in sorted(rewards.items(), key=lambda kv: (kv[0] is None, kv[0] or 0))]
+    return {
+        "totals": {"feedback": feedback["total"], "rate": feedback["rate"],
+                   "trajectories": sum(sum(s["trajectories"]) for s in rewards.values())},
+        "figures": {
+            "volume": {"data": volume, "layout": layout("Feedback per hour", barmode="stack")},
+            "rate": {"data": rate, "layout": layout("Happy/accept rate", yaxis={"range": [0, 1]})},
+            "reward": {"data": reward, "layout": layout("Reward mean (latest spec)")},
+        },
+    }
+
+
+def versions_live(project: Project) -> list[PolicyVersion]:
+    return list(PolicyVersion.objects.filter(project=project, state__in=("production", "canary", "awaiting_approval"))
+                .order_by("-number")[:10])
+
+
+def run_active(project: Project) -> dict[str, Any] | None:
+    run = (TrainingRun.objects.filter(project=project, state__in=("queued", "running"))
+           .select_related("base_version").order_by("-created_at").first())
+    if run is None:
+        return None
+    last = TrainingStep.objects.filter(run=run).order_by("-step").values("step", "loss", "reward_mean").first()
+    return {"run": run, "last": last, "percent": round(100 * min(max(run.progress, 0.0), 1.0), 1)}
+
+
+def queue_depths() -> dict[str, int | None]:
+    """Messages waiting per Celery queue (Redis lists of the broker); None when Redis is away."""
+    import redis
+
+    try:
+        client = redis.Redis.from_url(settings.CELERY_BROKER_URL, socket_timeout=0.5, socket_connect_timeout=0.5)
+        with client.pipeline(transaction=False) as pipe:
+            for name in QUEUES:
+                pipe.llen(name)
+            return dict(zip(QUEUES, pipe.execute(), strict=True))
+    except redis.RedisError:
+        return dict.fromkeys(QUEUES)
+
+
+def errors_recent(project: Project) -> dict[str, Any]:
+    failed = list(TrainingRun.objects.filter(project=project, state="failed").order_by("-created_at")
+                  .values("id", "error", "finished_at", "created_at")[:5])
+    judge = RubricRollup.objects.filter(project=project, tag="", bin=-1).aggregate(n=Sum("n"))["n"] or 0
+    return {"runs": failed, "judge_failures": judge}
+
+
+# --- training runs ------------------------------------------------------------------------------
+
+
+def run_list(project: Project) -> list[TrainingRun]:
+    return list(TrainingRun.objects.filter(project=project).select_related("base_version", "candidate")
+                .order_by("-created_at")[:PAGE_SIZE])
+
+
+def run_get(project: Project, run_id: int | None, runs: list[TrainingRun]) -> TrainingRun | None:
+    if run_id is None:
+        return next((r for r in runs if r.state == "running"), runs[0] if runs else None)
+    run = next((r for r in runs if r.id == run_id), None)
+    run = run or TrainingRun.objects.filter(project=project, id=run_id).select_related("base_version", "candidate").first()
+    if run is None:
+        raise NotFound(f"there is no training run {run_id} in {project.slug}", "Pick a run from the list.")
+    return run
+
+
+def run_curves(run: TrainingRun) -> dict[str, list]:
+    """Metric curves of a run, at most MAX_CURVE_POINTS points (every k-th step of a long run)."""
+    last = TrainingStep.objects.filter(run=run).aggregate(m=Max("step"))["m"] or 0
+    stride = max(1, math.ceil(last / MAX_CURVE_POINTS))
+    steps = TrainingStep.objects.filter(run=run)
+    if stride > 1:
+        steps = steps.annotate(mod=F("step") % stride).filter(Q(mod=0) | Q(step=last))
+    rows = list(steps.order_by("step").values_list("step", *METRICS))
+    curves: dict[str, list] = {"step": [r[0] for r in rows]}
+    for i, name in enumerate(METRICS, start=1):
+        curves[name] = [r[i] for r in rows]
+    return curves
+
+
+def run_figures(runs: list[tuple[TrainingRun, dict[str, list]]]) -> dict[str, Any]:
+    figures = {}
+    for name in METRICS:
+        data = [{"type": "scatter", "mode": "lines", "name": f"run {run.id}", "x": c["step"], "y": c[name]}
+                for run, c in runs]
+        figures[name] = {"data": data, "layout": {"title": {"text": name}, "margin": {"t": 40, "r": 10, "l": 50},
+                                                   "xaxis": {"title": {"text": "step"}}, "showlegend": len(runs) > 1,
+                                                   "legend": {"orientation": "h"}}}
+    return figures
+
+
+# --- rubric scores ------------------------------------------------------------------------------
+
+
+def _quantile(bins: dict[int, int], q: float) -> float:
+    """Quantile of a 10-bin histogram over [0, 1], linear inside the bin."""
+    total = sum(bins.values())
+    target, seen = q * total, 0
+    for b in range(10):
+        n = bins.get(b, 0)
+        if n and seen + n >= target:
+            return round((b + (target - seen) / n) / 10, 4)
+        seen += n
+    return 1.0
+
+
+def rubric_filters(project: Project) -> dict[str, list[str]]:
+    base = RubricRollup.objects.filter(project=project)
+    return {"tasks": sorted(base.filter(tag="").values_list("task", flat=True).distinct()),
+            "tags": sorted(t for t in base.values_list("tag", flat=True).distinct() if t)}
+
+
+def rubric_view(project: Project, task: str, tag: str) -> dict[str, Any]:
+    rows = RubricRollup.objects.filter(project=project, tag=tag)
+    agreement = AgreementRollup.objects.filter(project=project, tag=tag)
+    if task:
+        rows, agreement = rows.filter(task=task), agreement.filter(task=task)
+    hist: dict[tuple, dict[int, int]] = defaultdict(dict)
+    sums: dict[tuple, float] = defaultdict(float)
+    for version, aspect, source, b, n, s in (rows.values_list("policy_version", "aspect", "source", "bin")
+                                             .annotate(n=Sum("n"), s=Sum("score_sum"))):
+        hist[(version, aspect, source)][b] = n
+        sums[(version, aspect, source)] += s
+    agree = list(agreement.values("aspect").annotate(pairs=Sum("pairs"), agree=Sum("agree"), err=Sum("abs_err_sum"))
+                 .order_by("aspect"))
+    for a in agree:
+        a["rate"] = a["agree"] / a["pairs"] if a["pairs"] else None
+        a["mae"] = a["err"] / a["pairs"] if a["pairs"] else None
+    return {"figures": _rubric_figures(hist, sums, agree), "agreement": agree,
+            "judge_failures": sum(h.get(-1, 0) for k, h in hist.items() if k[2] == "judge")}
+
+
+def _rubric_figures(hist: dict[tuple, dict[int, int]], sums: dict[tuple, float], agree: list[dict]) -> dict:
+    aspects = sorted({k[1] for k in hist})
+    versions = sorted({k[0] for k in hist if k[0] is not None})
+    boxes = []
+    for aspect in aspects:
+        keys = [(v, aspect, "judge") for v in versions if hist.get((v, aspect, "judge"))]
+        scored = [(k, {b: n for b, n in hist[k].items() if b >= 0}) for k in keys]
+        scored = [(k, h) for k, h in scored if sum(h.values())]
+        if not scored:
+            continue
+        boxes.append({
+            "type": "box", "name": aspect, "x": [f"v{k[0]}" for k, _ in scored],
+            "q1": [_quantile(h, 0.25) for _, h in scored], "median": [_quantile(h, 0.5) for _, h in scored],
+            "q3": [_quantile(h, 0.75) for _, h in scored], "lowerfence": [_quantile(h, 0.0) for _, h in scored],
+            "upperfence": [_quantile(h, 1.0) for _, h in scored],
+            "mean": [round(sums[k] / sum(h.values()), 4) for k, h in scored],
+        })
+    dists = []
+    for aspect in aspects:
+        for source in ("judge", "human"):
+            counts = [sum(h.get(b, 0) for k, h in hist.items() if k[1] == aspect and k[2] == source) for b in range(10)]
+            if sum(counts):
+                dists.append({"type": "bar", "name": f"{aspect} · {source}", "x": [f"{b / 10:.1f}" for b in range(10)],
+                              "y": counts})
+    margin = {"t": 40, "r": 10, "l": 40}
+    return {
+        "boxes": {"data": boxes, "layout": {"title": {"text": "Judge score per aspect per version"}, "boxmode": "group",
+                                            "yaxis": {"range": [0, 1]}, "margin": margin, "legend": {"orientation": "h"}}},
+        "dists": {"data": dists, "layout": {"title": {"text": "Score distributions"}, "barmode": "group",
+                                            "margin": margin, "legend": {"orientation": "h"}}},
+        "agreement": {"data": [{"type": "bar", "x": [a["aspect"] for a in agree], "y": [a["rate"] for a in agree],
+                                "name": "agreement"}],
+                      "layout": {"title": {"text": "Judge vs human agreement (|Δ| ≤ 0.2)"}, "yaxis": {"range": [0, 1]},
+                                 "margin": margin}},
+    }
+
+
+def rubric_strip(project: Project, task: str, tag: str, limit: int = 400) -> dict[str, Any]:
+    """The newest judge scores of the filter, one point each (a bounded sample for the strip plot)."""
+    scores = RubricScore.objects.filter(trajectory__project=project, score__isnull=False)
+    if task:
+        scores = scores.filter(trajectory__task=task)
+    if tag:
+        scores = scores.filter(trajectory__tags__contains=[tag])
+    rows = list(scores.order_by("-id").values_list("aspect", "score", "trajectory__policy_version")[:limit])
+    by_aspect: dict[str, dict[str, list]] = defaultdict(lambda: {"x": [], "y": []})
+    for aspect, score, version in rows:
+        by_aspect[aspect]["x"].append(_version_name(version))
+        by_aspect[aspect]["y"].append(score)
+    data = [{"type": "box", "boxpoints": "all", "jitter": 0.6, "pointpos": 0, "fillcolor": "rgba(0,0,0,0)",
+             "line": {"width": 0}, "name": a, "x": s["x"], "y": s["y"]} for a, s in sorted(by_aspect.items())]
+    return {"data": data, "layout": {"title": {"text": f"Newest {len(rows)} judge scores"}, "boxmode": "group",
+                                     "yaxis": {"range": [0, 1]}, "margin": {"t": 40, "r": 10, "l": 40},
+                                     "legend": {"orientation": "h"}}}
+
+
+# --- rollouts -----------------------------------------------------------------------------------
+
+
+@dataclass
+class RolloutFilter:
+    task: str = ""
+    version: int | None = None
+    source: str = ""
+
+    @classmethod
+    def from_query(cls, query: Any) -> RolloutFilter:
+        raw = query.get("version", "")
+        return cls(task=query.get("task", ""), version=int(raw) if raw.isdigit() else None,
+                   source=query.get("source", ""))
+
+    def apply(self, qs: QuerySet[Trajectory]) -> QuerySet[Trajectory]:
+        if self.task:
+            qs = qs.filter(task=self.task)
+        if self.version is not None:
+            qs = qs.filter(policy_version=self.version)
+        if self.source:
+            qs = qs.filter(source=self.source)
+        return qs
+
+    def query(self) -> str:
+        from urllib.parse import urlencode
+
+        return urlencode({k: v for k, v in (("task", self.task), ("version", self.version), ("source", self.source))
+                          if v not in ("", None)})
+
+
+def rollout_list(project: Project, flt: RolloutFilter) -> list[Trajectory]:
+    qs = flt.apply(Trajectory.objects.filter(project=project))
+    return list(qs.order_by("-occurred_at", "-id")
+                .only("id", "external_id", "policy_version", "task", "source", "occurred_at")[:PAGE_SIZE])
+
+
+def _neighbour(project: Project, t: Trajectory, flt: RolloutFilter, older: bool) -> int | None:
+    qs = flt.apply(Trajectory.objects.filter(project=project))
+    if older:
+        qs = qs.filter(Q(occurred_at__lt=t.occurred_at) | Q(occurred_at=t.occurred_at, id__lt=t.id))
+        qs = qs.order_by("-occurred_at", "-id")
+    else:
+        qs = qs.filter(Q(occurred_at__gt=t.occurred_at) | Q(occurred_at=t.occurred_at, id__gt=t.id))
+        qs = qs.order_by("occurred_at", "id")
+    return qs.values_list("id", flat=True).first()
+
+
+def _group(project: Project, t: Trajectory) -> list[dict[str, Any]]:
+    """Rollouts of the same prompt (same group id, else same prompt within an hour), with rewards."""
+    qs = Trajectory.objects.filter(project=project, task=t.task,
+                                   occurred_at__range=(t.occurred_at - timedelta(hours=1),
+                                                       t.occurred_at + timedelta(hours=1)))
+    group = (t.extra or {}).get("group")
+    qs = qs.filter(extra__group=group) if group else qs.filter(prompt=t.prompt)
+    members = list(qs.order_by("id").prefetch_related(
+        Prefetch("steps", queryset=Step.objects.only("trajectory_id", "index", "role", "content")),
+        Prefetch("rewards", queryset=Reward.objects.select_related("spec").order_by("-spec__version")),
+    )[:8])
+    return [{"t": m, "reward": m.rewards.all()[0].total if m.rewards.all() else None,
+             "completion": " ".join(s.content for s in m.steps.all() if s.role == "assistant")} for m in members]
+
+
+def _token_colour(logprob: float | None) -> str:
+    if logprob is None:
+        return "transparent"
+    p = math.exp(max(min(logprob, 0.0), -20.0))
+    return f"hsl({round(120 * p)}, 75%, 82%)"
+
+
+@dataclass
+class StepView:
+    step: Step
+    tokens: list[dict[str, Any]] = field(default_factory=list)
+    routing: dict[str, Any] | None = None
+
+
+def _step_view(step: Step) -> StepView:
+    ids = step.token_ids or []
+    logprobs = step.logprobs or []
+    texts = (step.extra or {}).get("tokens") or []
+    advantages = (step.extra or {}).get("advantages") or []
+    tokens = []
+    for i, tid in enumerate(ids):
+        lp = logprobs[i] if i < len(logprobs) else None
+        text = texts[i] if i < len(texts) and isinstance(texts[i], str) else f"#{tid}"
+        adv = advantages[i] if i < len(advantages) else None
+        tokens.append({"id": tid, "text": text, "logprob": lp, "colour": _token_colour(lp), "advantage": adv,
+                       "title": f"id {tid} · logprob {lp}" + (f" · advantage {adv}" if adv is not None else "")})
+    return StepView(step=step, tokens=tokens, routing=_routing_figure(step.routing, len(ids)))
+
+
+def _routing_figure(routing: Any, n_tokens: int) -> dict[str, Any] | None:
+    """Heatmap of the top-1 expert per layer (rows) per position (columns); hover shows the top-k."""
+    if not isinstance(routing, list) or not routing or not isinstance(routing[0], list):
+        return None
+    positions = routing[-n_tokens:] if n_tokens else routing
+    layers = max(len(p) for p in positions)
+    z = [[(p[layer][0] if layer < len(p) and p[layer] else None) for p in positions] for layer in range(layers)]
+    text = [[str(p[layer]) if layer < len(p) else "" for p in positions] for layer in range(layers)]
+    return {"data": [{"type": "heatmap", "z": z, "text": text, "hovertemplate": "pos %{x} layer %{y}: %{text}",
+                      "colorscale": "Viridis", "colorbar": {"title": {"text": "expert"}}}],
+            "layout": {"title": {"text": "MoE routing (top-1 expert)"}, "margin": {"t": 40, "r": 10, "l": 40},
+                       "xaxis": {"title": {"text": "token"}}, "yaxis": {"title": {"text": "layer"}}}}
+
+
+def rollout_replay(project: Project, trajectory_id: int, flt: RolloutFilter) -> dict[str, Any]:
+    t = (Trajectory.objects.filter(project=project, id=trajectory_id)
+         .prefetch_related(Prefetch("steps", queryset=Step.objects.order_by("index")),
+                           Prefetch("rewards", queryset=Reward.objects.select_related("spec").order_by("-spec__version")),
+                           Prefetch("rubric_scores", queryset=RubricScore.objects.order_by("aspect", "judge")))
+         .first())
+    if t is None:
+        raise NotFound(f"there is no trajectory {trajectory_id} in {project.slug}", "Pick one from the rollout list.")
+    feedback = list(FeedbackEvent.objects.filter(trajectory=t).order_by("occurred_at", "id")[:200])
+    version = PolicyVersion.objects.filter(project=project, number=t.policy_version).first()
+    return {
+        "t": t, "steps": [_step_view(s) for s in t.steps.all()], "feedback": feedback,
+        "rewards": list(t.rewards.all()), "scores": list(t.rubric_scores.all()), "version": version,
+        "prev": _neighbour(project, t, flt, older=False), "next": _neighbour(project, t, flt, older=True),
+        "group": _group(project, t), "timeline": _timeline(t, feedback),
+    }
+
+
+def _timeline(t: Trajectory, feedback: list[FeedbackEvent]) -> dict[str, Any]:
+    data = [{"type": "scatter", "mode": "markers", "name": "trajectory", "x": [t.occurred_at.isoformat()],
+             "y": ["trajectory"], "marker": {"size": 12, "symbol": "diamond"}},
+            {"type": "scatter", "mode": "markers", "name": "feedback", "x": [f.occurred_at.isoformat() for f in feedback],
+             "y": [f.signal for f in feedback], "marker": {"size": 10}}]
+    return {"data": data, "layout": {"title": {"text": "Feedback timeline"}, "showlegend": False, "height": 260,
+                                     "margin": {"t": 40, "r": 10, "l": 90}}}
+
+
+# --- model registry -----------------------------------------------------------------------------
+
+
+def registry(project: Project) -> list[dict[str, Any]]:
+    """Versions as a lineage tree (depth-first, children newest first), each with its run and gate."""
+    versions = list(PolicyVersion.objects.filter(project=project).order_by("-number")
+                    .prefetch_related(Prefetch("gate_reports", queryset=GateReport.objects.order_by("-created_at")),
+                                      Prefetch("runs_to", queryset=TrainingRun.objects.order_by("-created_at")))[:200])
+    by_parent: dict[int | None, list[PolicyVersion]] = defaultdict(list)
+    ids = {v.id for v in versions}
+    for v in versions:
+        by_parent[v.parent_id if v.parent_id in ids else None].append(v)
+    rows: list[dict[str, Any]] = []
+    stack = [(v, 0) for v in reversed(by_parent[None])]
+    while stack:
+        v, depth = stack.pop()
+        gates = list(v.gate_reports.all())
+        runs = list(v.runs_to.all())
+        rows.append({"v": v, "depth": depth, "gate": gates[0] if gates else None, "run": runs[0] if runs else None})
+        stack.extend((c, depth + 1) for c in reversed(by_parent[v.id]))
+    return rows
+
+
+def audit_log(project: Project, limit: int = 50) -> list[AuditLog]:
+    return list(AuditLog.objects.filter(project=project).order_by("-at", "-id")[:limit])
+
+
+def production_at(project: Project, when: datetime) -> PolicyVersion | None:
+    """The version in production at `when`: the promotion service's answer when it is installed,
+    else the newest audit entry that put a version into production."""
+    try:
+        from training.promotion import production_at as promotion_production_at
+    except ImportError:
+        promotion_production_at = None
+    if promotion_production_at is not None:
+        return promotion_production_at(project, when)
+    entry = (AuditLog.objects.filter(project=project, at__lte=when, after__state="production")
+             .order_by("-at", "-id").values_list("target", flat=True).first())
+    number = entry.lstrip("v") if entry else ""
+    return PolicyVersion.objects.filter(project=project, number=int(number)).first() if number.isdigit() else None
+
+
+def version_get(project: Project, number: int) -> PolicyVersion:
+    version = PolicyVersion.objects.filter(project=project, number=number).first()
+    if version is None:
+        raise NotFound(f"there is no version v{number} in {project.slug}", "Pick a version in the registry.")
+    return version
+
+
+def feedback_counts(project: Project) -> dict[str, int]:
+    return dict(FeedbackHourly.objects.filter(project=project).values_list("signal").annotate(n=Sum("n")))
+

@@ -83,6 +83,8 @@ INSTALLED_APPS = [
     "django_celery_beat",
     "feedback",
     "training",
+    "webapp",
+    "inference",
 ]
 
 MIDDLEWARE = [
@@ -128,6 +130,7 @@ USE_TZ = True
 
 STATIC_URL = "/static/"
 STATIC_ROOT = VAR_DIR / "static"
+STATIC_ROOT.mkdir(parents=True, exist_ok=True)  # whitenoise warns about a missing root
 STATICFILES_DIRS = [BASE_DIR / "webapp" / "static"]
 STORAGES = {
     "default": {"BACKEND": "django.core.files.storage.FileSystemStorage"},

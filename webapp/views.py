@@ -1,13 +1,26 @@
-"""Dashboard pages."""
+"""Dashboard pages: thin views over webapp.selectors; errors go through webapp.errors."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from datetime import datetime
+from functools import wraps
+from pathlib import Path
+from typing import Any
+
+from django.contrib import messages
 from django.contrib.auth.decorators import login_required
 from django.db import connection
-from django.http import HttpRequest, HttpResponse, JsonResponse
-from django.shortcuts import render
+from django.http import FileResponse, HttpRequest, HttpResponse, JsonResponse
+from django.shortcuts import redirect, render
+from django.utils import timezone
+from django.utils.dateparse import parse_datetime
+from django.views.decorators.http import require_POST
 
-from webapp import selectors
+from webapp import selectors, services
+from webapp.errors import ApplicationError, BadRequest, Forbidden, html_error_response
+
+View = Callable[..., HttpResponse]
 
 
 def healthz(request: HttpRequest) -> JsonResponse:
@@ -16,6 +29,126 @@ def healthz(request: HttpRequest) -> JsonResponse:
     return JsonResponse({"ok": True})
 
 
-@login_required
-def overview(request: HttpRequest) -> HttpResponse:
-    return render(request, "dashboard/overview.html", {"projects": selectors.project_overview()})
+def plotly_js(request: HttpRequest) -> FileResponse:
+    """Plotly's bundle from the installed `plotly` package: the dashboard needs no CDN."""
+    import plotly
+
+    path = Path(plotly.__file__).parent / "package_data" / "plotly.min.js"
+    response = FileResponse(path.open("rb"), content_type="application/javascript")
+    response["Cache-Control"] = "public, max-age=86400"
+    return response
+
+
+def page(view: View) -> View:
+    """Login required (else redirect), dashboard access required (else 403), errors as pages."""
+
+    @login_required
+    @wraps(view)
+    def wrapper(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
+        try:
+            request.access = selectors.access_check(request.user)  # type: ignore[attr-defined]
+            return view(request, *args, **kwargs)
+        except ApplicationError as exc:
+            return html_error_response(request, exc)
+
+    return wrapper
+
+
+def _int(raw: str | None, default: int | None, low: int = 1, high: int = 10**12) -> int | None:
+    if raw in (None, ""):
+        return default
+    if not raw.isdigit() or not low <= int(raw) <= high:
+        raise BadRequest(f"{raw!r} is not a number between {low} and {high}", "Fix the number in the URL.")
+    return int(raw)
+
+
+def _ctx(request: HttpRequest, project: Any, tab: str, **extra: Any) -> dict[str, Any]:
+    return {"project": project, "tab": tab, "access": request.access, **extra}  # type: ignore[attr-defined]
+
+
+@page
+def index(request: HttpRequest) -> HttpResponse:
+    return render(request, "dashboard/index.html", {"projects": selectors.project_list()})
+
+
+@page
+def overview(request: HttpRequest, slug: str) -> HttpResponse:
+    project = selectors.project_get(slug)
+    days = _int(request.GET.get("days"), 14, 1, 90)
+    charts = selectors.overview_charts(project, days)
+    return render(request, "dashboard/overview.html", _ctx(
+        request, project, "overview", days=days, totals=charts["totals"], figures=charts["figures"],
+        versions=selectors.versions_live(project), active=selectors.run_active(project),
+        queues=selectors.queue_depths(), errors=selectors.errors_recent(project)))
+
+
+@page
+def runs(request: HttpRequest, slug: str) -> HttpResponse:
+    project = selectors.project_get(slug)
+    run_list = selectors.run_list(project)
+    run = selectors.run_get(project, _int(request.GET.get("run"), None), run_list)
+    compare_id = _int(request.GET.get("compare"), None)
+    compare = selectors.run_get(project, compare_id, run_list) if compare_id and run else None
+    shown = [(r, selectors.run_curves(r)) for r in (run, compare) if r is not None]
+    return render(request, "dashboard/runs.html", _ctx(
+        request, project, "runs", runs=run_list, run=run, compare=compare,
+        figures=selectors.run_figures(shown) if shown else {}))
+
+
+@page
+def rubrics(request: HttpRequest, slug: str) -> HttpResponse:
+    project = selectors.project_get(slug)
+    task, tag = request.GET.get("task", ""), request.GET.get("tag", "")
+    view = selectors.rubric_view(project, task, tag)
+    figures = {**view["figures"], "strip": selectors.rubric_strip(project, task, tag)}
+    return render(request, "dashboard/rubrics.html", _ctx(
+        request, project, "rubrics", task=task, tag=tag, filters=selectors.rubric_filters(project),
+        figures=figures, agreement=view["agreement"], judge_failures=view["judge_failures"]))
+
+
+@page
+def rollouts(request: HttpRequest, slug: str) -> HttpResponse:
+    project = selectors.project_get(slug)
+    flt = selectors.RolloutFilter.from_query(request.GET)
+    return render(request, "dashboard/rollouts.html", _ctx(
+        request, project, "rollouts", flt=flt, rollouts=selectors.rollout_list(project, flt)))
+
+
+@page
+def replay(request: HttpRequest, slug: str, trajectory_id: int) -> HttpResponse:
+    project = selectors.project_get(slug)
+    flt = selectors.RolloutFilter.from_query(request.GET)
+    data = selectors.rollout_replay(project, trajectory_id, flt)
+    figures = {"timeline": data["timeline"]}
+    figures.update({f"routing-{s.step.index}": s.routing for s in data["steps"] if s.routing})
+    return render(request, "dashboard/replay.html", _ctx(request, project, "rollouts", flt=flt, figures=figures, **data))
+
+
+@page
+def registry(request: HttpRequest, slug: str) -> HttpResponse:
+    project = selectors.project_get(slug)
+    at_raw = request.GET.get("at", "")
+    at = _when(at_raw) if at_raw else None
+    return render(request, "dashboard/registry.html", _ctx(
+        request, project, "registry", rows=selectors.registry(project), audit=selectors.audit_log(project),
+        at=at_raw, live_at=selectors.production_at(project, at) if at else None, now=timezone.now()))
+
+
+def _when(raw: str) -> datetime:
+    when = parse_datetime(raw)
+    if when is None:
+        raise BadRequest(f"{raw!r} is not a date and time", "Use ISO 8601, e.g. 2026-11-29T08:00.")
+    return when if timezone.is_aware(when) else timezone.make_aware(when)
+
+
+@require_POST
+@page
+def registry_action(request: HttpRequest, slug: str, number: int, action: str) -> HttpResponse:
+    if not request.access.can_approve:  # type: ignore[attr-defined]
+        raise Forbidden("only approvers can approve, reject or roll back versions",
+                        "Ask an administrator for the 'approve promotion' permission.")
+    project = selectors.project_get(slug)
+    version = services.version_decide(selectors.version_get(project, number), request.user, action,
+                                      request.POST.get("reason", ""))
+    messages.success(request, f"v{version.number}: {action} done, now {version.state}.")
+    return redirect("registry", slug=project.slug)

@@ -1,0 +1,1 @@
+"""Inference: tiny offline policies and the generation engines (vLLM, torch reference)."""

@@ -1,0 +1,212 @@
+"""HTTP endpoints of the serving process (OpenAI subset + internal weight loading).
+
+Mounted by inference/urls.py, served by `manage.py serve_policy`. Errors use the OpenAI shape
+{"error": {"message", "type", "code", "fix"}}, which the `openai` client raises as APIError.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import math
+import time
+import uuid
+from typing import Any
+
+from django.conf import settings
+from django.http import HttpRequest, JsonResponse
+from django.views.decorators.csrf import csrf_exempt
+from django.views.decorators.http import require_GET, require_POST
+
+from inference import serving
+from inference.engine import SamplingParams
+from inference.serving import CompletionRequest, Served, ServingError
+
+VERSION_HEADER = "Flywheel-Policy-Version"
+
+
+def _error(exc: ServingError) -> JsonResponse:
+    kind = "invalid_request_error" if exc.status < 500 else "server_error"
+    body = {"error": {"message": exc.message, "type": kind, "code": exc.status, "fix": exc.fix}}
+    return JsonResponse(body, status=exc.status)
+
+
+def _handles_errors(view):
+    def wrapped(request: HttpRequest, *args, **kwargs):
+        try:
+            return view(request, *args, **kwargs)
+        except ServingError as exc:
+            return _error(exc)
+
+    wrapped.__name__ = view.__name__
+    return wrapped
+
+
+def _json_body(request: HttpRequest) -> dict[str, Any]:
+    try:
+        body = json.loads(request.body or b"{}")
+    except ValueError:
+        raise ServingError(400, "the body is not valid JSON", "Send a JSON object.") from None
+    if not isinstance(body, dict):
+        raise ServingError(400, "the body must be a JSON object", "Send {\"model\": ..., ...}.")
+    return body
+
+
+def _number(body: dict, name: str, default: float, low: float, high: float, integer: bool = False) -> Any:
+    value = body.get(name, default)
+    if value is None:
+        value = default
+    ok_type = type(value) is int if integer else isinstance(value, int | float) and not isinstance(value, bool)
+    if not ok_type or not math.isfinite(value) or not low <= value <= high:
+        kind = "an integer" if integer else "a number"
+        raise ServingError(400, f"'{name}' must be {kind} in [{low}, {high}], got {value!r}",
+                           f"Send {name} between {low} and {high}.")
+    return value
+
+
+def _sampling(body: dict) -> SamplingParams:
+    stop = body.get("stop") or ()
+    stop = (stop,) if isinstance(stop, str) else stop
+    if not isinstance(stop, list | tuple) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
+        raise ServingError(400, "'stop' must be a string or a list of at most 4 strings", "Fix 'stop'.")
+    seed = body.get("seed")
+    if seed is not None and type(seed) is not int:
+        raise ServingError(400, "'seed' must be an integer", "Send an integer seed or none.")
+    return SamplingParams(
+        max_tokens=_number(body, "max_tokens", 64, 1, serving.MAX_TOKENS, integer=True),
+        temperature=float(_number(body, "temperature", 1.0, 0.0, 2.0)),
+        top_p=float(_number(body, "top_p", 1.0, 1e-6, 1.0)),
+        seed=seed, stop=tuple(stop),
+    )
+
+
+def _model(body: dict) -> str:
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise ServingError(400, "'model' is missing", "Name a model from GET /v1/models.")
+    return model
+
+
+def _messages(body: dict) -> list[dict[str, Any]]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ServingError(400, "'messages' must be a non-empty list", 'Send [{"role": "user", "content": "..."}].')
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise ServingError(400, f"messages[{i}] needs a string 'role' and 'content'", "Fix that message.")
+    return messages
+
+
+def _task(body: dict) -> str:
+    metadata = body.get("metadata") or {}
+    task = metadata.get("task", "chat") if isinstance(metadata, dict) else "chat"
+    return task if isinstance(task, str) and len(task) <= 100 else "chat"
+
+
+def _respond(served: Served, payload: dict[str, Any]) -> JsonResponse:
+    response = JsonResponse(payload)
+    response[VERSION_HEADER] = str(served.version)
+    return response
+
+
+def _usage(request: CompletionRequest, served: Served) -> dict[str, int]:
+    completion = sum(len(c.token_ids) for c in served.completions)
+    return {"prompt_tokens": len(request.prompt_ids), "completion_tokens": completion,
+            "total_tokens": len(request.prompt_ids) + completion}
+
+
+@csrf_exempt
+@require_POST
+@_handles_errors
+def chat_completions(request: HttpRequest) -> JsonResponse:
+    body = _json_body(request)
+    server = serving.current()
+    messages = _messages(body)
+    engine = server.pick_engine(_model(body))
+    prompt_ids = list(engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                           return_dict=False))
+    req = CompletionRequest(_model(body), prompt_ids, messages,
+                            _number(body, "n", 1, 1, serving.MAX_N, integer=True), _sampling(body),
+                            bool(body.get("logprobs")), _task(body))
+    served = server.complete(req)
+    tokenizer = engine.tokenizer
+    choices = [{
+        "index": i, "message": {"role": "assistant", "content": c.text}, "finish_reason": c.finish_reason,
+        "logprobs": {"content": [
+            {"token": tokenizer.decode([t]), "logprob": lp, "bytes": list(tokenizer.decode([t]).encode()),
+             "top_logprobs": []} for t, lp in zip(c.token_ids, c.logprobs, strict=True)
+        ]} if req.want_logprobs else None,
+        "trajectory_id": tid,
+    } for i, (c, tid) in enumerate(zip(served.completions, served.trajectory_ids, strict=True))]
+    return _respond(served, {
+        "id": served.trajectory_ids[0] if req.n == 1 else f"chatcmpl-{uuid.uuid4().hex}",
+        "object": "chat.completion", "created": int(time.time()), "model": server.model_name(served.version),
+        "choices": choices, "usage": _usage(req, served),
+    })
+
+
+@csrf_exempt
+@require_POST
+@_handles_errors
+def completions(request: HttpRequest) -> JsonResponse:
+    body = _json_body(request)
+    server = serving.current()
+    prompt = body.get("prompt")
+    if not isinstance(prompt, str) or not prompt:
+        raise ServingError(400, "'prompt' must be a non-empty string", "Send the text to continue.")
+    engine = server.pick_engine(_model(body))
+    logprobs = body.get("logprobs")
+    req = CompletionRequest(_model(body), engine.encode(prompt), [{"role": "user", "content": prompt}],
+                            _number(body, "n", 1, 1, serving.MAX_N, integer=True), _sampling(body),
+                            logprobs is not None and logprobs is not False, _task(body))
+    served = server.complete(req)
+    tok = engine.tokenizer
+    choices = [{
+        "index": i, "text": c.text, "finish_reason": c.finish_reason, "trajectory_id": tid,
+        "logprobs": {"tokens": [tok.decode([t]) for t in c.token_ids], "token_logprobs": c.logprobs,
+                     "top_logprobs": None, "text_offset": None} if req.want_logprobs else None,
+    } for i, (c, tid) in enumerate(zip(served.completions, served.trajectory_ids, strict=True))]
+    return _respond(served, {
+        "id": served.trajectory_ids[0] if req.n == 1 else f"cmpl-{uuid.uuid4().hex}",
+        "object": "text_completion", "created": int(time.time()), "model": server.model_name(served.version),
+        "choices": choices, "usage": _usage(req, served),
+    })
+
+
+@require_GET
+@_handles_errors
+def models(request: HttpRequest) -> JsonResponse:
+    server = serving.current()
+    data = [{"id": name, "object": "model", "created": 0, "owned_by": "flywheel"} for name in server.model_names()]
+    return JsonResponse({"object": "list", "data": data})
+
+
+@csrf_exempt
+@require_POST
+@_handles_errors
+def load_version(request: HttpRequest) -> JsonResponse:
+    """Internal: {"version": N} (production) or {"canary": N, "share": 0.1} / {"canary": null}."""
+    _internal_auth(request)
+    body = _json_body(request)
+    from inference.weights import server_load
+
+    state = server_load(serving.current(), body)
+    return JsonResponse(state)
+
+
+def _internal_auth(request: HttpRequest) -> None:
+    token = settings.FLYWHEEL_INTERNAL_TOKEN
+    if not token:
+        raise ServingError(403, "internal endpoints are off", "Set FLYWHEEL_INTERNAL_TOKEN for both sides.")
+    sent = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+    if not hmac.compare_digest(sent.encode(), token.encode()):
+        raise ServingError(401, "wrong internal token", "Send 'Authorization: Bearer $FLYWHEEL_INTERNAL_TOKEN'.")
+
+
+@require_GET
+def healthz(request: HttpRequest) -> JsonResponse:
+    server = serving.SERVER
+    if server is None:
+        return JsonResponse({"ok": False}, status=503)
+    return JsonResponse({"ok": True, "version": server.engine.version,
+                         "canary": server.canary.version if server.canary else None})

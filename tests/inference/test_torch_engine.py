@@ -1,0 +1,104 @@
+"""The torch reference engine: seeded, batch-independent log-probs, HF numerics, MoE routing.
+
+    .venv/bin/python -m pytest tests/inference/test_torch_engine.py -q -p no:django
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from inference.engine import SamplingParams, TorchEngine, make_engine
+from inference.policies import load_tokenizer, perturbed_state_dict
+from tests.inference.conftest import TRICKY_TEXTS, hf_logprobs
+
+PROMPTS = [
+    "def add(a, b):",
+    "import os",
+    "class Config(object):",
+    "x",
+    "for i in range(10):\n    ",
+    "    return self._value",
+    "# a longer comment that makes this prompt the longest one in the batch",
+    "if __name__ == '__main__':",
+]
+
+
+@pytest.fixture(scope="module")
+def engine(policy_dir: Path) -> TorchEngine:
+    return TorchEngine(policy_dir)
+
+
+def test_one_seed_gives_the_same_tokens(engine: TorchEngine) -> None:
+    sp = SamplingParams(max_tokens=16, seed=7)
+    a = engine.generate(PROMPTS[:2], n=2, sampling=sp)
+    b = engine.generate(PROMPTS[:2], n=2, sampling=sp)
+    assert [c.token_ids for c in a] == [c.token_ids for c in b]
+    other = engine.generate(PROMPTS[:2], n=2, sampling=SamplingParams(max_tokens=16, seed=8))
+    assert [c.token_ids for c in a] != [c.token_ids for c in other]
+
+
+def test_a_sequence_is_the_same_alone_and_in_a_batch_of_8(engine: TorchEngine) -> None:
+    sp = SamplingParams(max_tokens=16, seed=1)
+    batch = engine.generate(PROMPTS, n=1, sampling=sp)
+    for i in (0, 3, 6):
+        [alone] = engine.generate(PROMPTS[i : i + 1], n=1, sampling=SamplingParams(max_tokens=16, seed=1))
+        # The RNG stream is per (prompt index, sample), so only prompt 0 samples the same tokens
+        # alone; every member's log-probs must equal a forward of that sequence alone.
+        assert engine.score(batch[i].prompt_token_ids, batch[i].token_ids, sp)[0] == batch[i].logprobs
+        if i == 0:
+            assert alone.token_ids == batch[0].token_ids
+            assert alone.logprobs == batch[0].logprobs  # bitwise
+
+
+def test_logprobs_equal_hf_log_softmax(engine: TorchEngine, policy_dir: Path) -> None:
+    for c in engine.generate(PROMPTS[:3], n=2, sampling=SamplingParams(max_tokens=12, seed=2)):
+        ref = hf_logprobs(policy_dir, c.prompt_token_ids, c.token_ids)
+        assert torch.allclose(torch.tensor(c.logprobs), ref, atol=1e-5, rtol=0)
+
+
+def test_logprobs_are_those_of_the_tempered_distribution(engine: TorchEngine, policy_dir: Path) -> None:
+    [c] = engine.generate(PROMPTS[:1], n=1, sampling=SamplingParams(max_tokens=12, seed=2, temperature=0.7))
+    ref = hf_logprobs(policy_dir, c.prompt_token_ids, c.token_ids, temperature=0.7)
+    assert torch.allclose(torch.tensor(c.logprobs), ref, atol=1e-5, rtol=0)
+
+
+def test_it_tokenises_like_the_trained_tokenizer(engine: TorchEngine, policy_dir: Path) -> None:
+    trained = load_tokenizer(policy_dir)
+    for text in TRICKY_TEXTS:
+        assert engine.encode(text) == trained.encode(text)
+    [c] = engine.generate([TRICKY_TEXTS[0]], n=1, sampling=SamplingParams(max_tokens=2, seed=0))
+    assert c.prompt_token_ids == trained.encode(TRICKY_TEXTS[0])
+
+
+def test_moe_routing_covers_every_forwarded_position(engine: TorchEngine) -> None:
+    [c] = engine.generate(PROMPTS[:1], n=1, sampling=SamplingParams(max_tokens=8, seed=3, ignore_eos=True))
+    config = engine.model.config
+    if not hasattr(config, "num_experts"):
+        assert c.routing is None
+        return
+    routing = torch.tensor(c.routing)  # (P + T - 1, L, k)
+    assert routing.shape == (len(c.prompt_token_ids) + 7, config.num_hidden_layers, 2)
+    assert 0 <= routing.min() and routing.max() < config.num_experts
+    assert (routing[..., 0] != routing[..., 1]).all()
+
+
+def test_max_tokens_and_stop_tokens_set_the_finish_reason(engine: TorchEngine) -> None:
+    [long] = engine.generate(PROMPTS[:1], n=1, sampling=SamplingParams(max_tokens=5, seed=4, ignore_eos=True))
+    assert (len(long.token_ids), long.finish_reason) == (5, "length")
+    stop_at = long.token_ids[2]
+    sp = SamplingParams(max_tokens=5, seed=4, stop_token_ids=(stop_at,), ignore_eos=True)
+    [short] = engine.generate(PROMPTS[:1], n=1, sampling=sp)
+    assert short.finish_reason == "stop" and short.token_ids[-1] == stop_at
+
+
+def test_load_weights_swaps_and_names_the_version(policy_dir: Path) -> None:
+    engine = make_engine("torch", policy_dir)
+    state = perturbed_state_dict(policy_dir, scale=0.5)
+    engine.load_weights(state, version=5)
+    [c] = engine.generate(PROMPTS[:1], n=1, sampling=SamplingParams(max_tokens=8, seed=5))
+    assert c.version == engine.version == 5
+    ref = hf_logprobs(policy_dir, c.prompt_token_ids, c.token_ids, state_dict=state)
+    assert torch.allclose(torch.tensor(c.logprobs), ref, atol=1e-5, rtol=0)

@@ -1,0 +1,108 @@
+"""Batch invariance: a row's output is bitwise the same alone, in any batch size and position.
+
+Run: `.venv/bin/python -m pytest tests/kernels/test_batch_invariant.py -q -p no:django`
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels.batch_invariant import batch_invariant_mode, linear, log_softmax, matmul, rms_norm
+from kernels.logprobs import selective_log_softmax
+from tests.kernels.conftest import VOCAB
+
+DTYPES = [torch.float32, torch.bfloat16]
+# (K, N): hidden->hidden, hidden->mlp, mlp->hidden (where oneDNN bf16 varies with M), lm head
+SHAPES = [(64, 64), (128, 512), (1024, 256), (256, 2048)]
+
+
+def _assert_rows_invariant(op, x: torch.Tensor) -> None:  # noqa: ANN001
+    """op(x[:b]) == op(x)[:b] for b in 1..64, and each row equals itself moved elsewhere."""
+    full = op(x)  # (64, ...)
+    for b in range(1, x.shape[0] + 1):
+        assert torch.equal(op(x[:b]), full[:b]), f"batch size {b} changed the bits"
+    perm = torch.randperm(x.shape[0], generator=torch.Generator().manual_seed(0))
+    assert torch.equal(op(x[perm]), full[perm]), "position in the batch changed the bits"
+    for i in (0, 17, 63):
+        assert torch.equal(op(x[i : i + 1]), full[i : i + 1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("k", "n"), SHAPES)
+def test_matmul_rows_are_batch_invariant(dtype: torch.dtype, k: int, n: int) -> None:
+    g = torch.Generator().manual_seed(k + n)
+    w = torch.randn(n, k, generator=g).to(dtype)
+    x = torch.randn(64, k, generator=g).to(dtype)
+    _assert_rows_invariant(lambda t: linear(t, w), x)
+    ref = F.linear(x.double(), w.double())
+    assert torch.allclose(matmul(x, w.t()).double(), ref, rtol=2e-2, atol=2e-2 * k**0.5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("v", [100, 2048, 8192])
+def test_log_softmax_rows_are_batch_invariant(dtype: torch.dtype, v: int) -> None:
+    x = torch.randn(64, v, generator=torch.Generator().manual_seed(v)).to(dtype)
+    _assert_rows_invariant(lambda t: log_softmax(t, -1), x)
+    assert torch.allclose(log_softmax(x, -1).float(), torch.log_softmax(x.float(), -1).to(dtype).float(), atol=0.1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("h", [64, 256, 4096])
+def test_rms_norm_rows_are_batch_invariant(dtype: torch.dtype, h: int) -> None:
+    g = torch.Generator().manual_seed(h)
+    x = torch.randn(64, h, generator=g).to(dtype)
+    w = torch.randn(h, generator=g).to(dtype)
+    _assert_rows_invariant(lambda t: rms_norm(t, w, 1e-6), x)
+    xf = x.float()
+    ref = w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
+    assert torch.equal(rms_norm(x, w, 1e-6), ref)
+
+
+def test_selective_log_softmax_rows_are_batch_invariant() -> None:
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(64, 1000, generator=g)
+    ids = torch.randint(0, 1000, (64,), generator=g)
+    full = selective_log_softmax(logits, ids)  # (64,)
+    for b in range(1, 65):
+        assert torch.equal(selective_log_softmax(logits[:b], ids[:b]), full[:b])
+    perm = torch.randperm(64, generator=g)
+    assert torch.equal(selective_log_softmax(logits[perm], ids[perm]), full[perm])
+
+
+def _seq_logprobs(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    logits = model(ids).logits[:, :-1]  # (B, T-1, V)
+    return selective_log_softmax(logits, ids[:, 1:])  # (B, T-1)
+
+
+@pytest.mark.parametrize("which", ["model_fp32", "model_bf16"])
+def test_a_sequence_gets_the_same_logprobs_alone_or_in_a_batch_of_64(which: str, request: pytest.FixtureRequest) -> None:
+    model = request.getfixturevalue(which)
+    ids = torch.randint(0, VOCAB, (64, 6), generator=torch.Generator().manual_seed(5))  # short: MKL varies at M < 16
+    with torch.no_grad(), batch_invariant_mode(model):
+        full = _seq_logprobs(model, ids)  # (64, 11)
+        for b in (1, 2, 7, 33):
+            assert torch.equal(_seq_logprobs(model, ids[:b]), full[:b]), f"batch {b}"
+        for i in (5, 40, 63):
+            assert torch.equal(_seq_logprobs(model, ids[i : i + 1]), full[i : i + 1]), f"position {i}"
+
+
+def test_the_trainer_with_autograd_and_the_engine_without_agree_bitwise(model_bf16: torch.nn.Module) -> None:
+    ids = torch.randint(0, VOCAB, (8, 10), generator=torch.Generator().manual_seed(6))
+    with batch_invariant_mode(model_bf16):
+        with torch.no_grad():
+            engine = _seq_logprobs(model_bf16, ids[:1])  # one request served alone
+        trainer = _seq_logprobs(model_bf16, ids)  # a training batch, graph recorded
+        trainer.sum().backward()
+    model_bf16.zero_grad(set_to_none=True)
+    assert torch.equal(engine, trainer[:1].detach())
+
+
+def test_the_mode_restores_torch_and_the_model_on_exit(model_fp32: torch.nn.Module) -> None:
+    before = (F.linear, torch.matmul, F.log_softmax, torch.log_softmax, torch.Tensor.log_softmax)
+    with batch_invariant_mode(model_fp32):
+        assert F.linear is linear
+        assert any("forward" in vars(m) for m in model_fp32.modules())
+    assert (F.linear, torch.matmul, F.log_softmax, torch.log_softmax, torch.Tensor.log_softmax) == before
+    assert not any("forward" in vars(m) for m in model_fp32.modules())

@@ -1,0 +1,7 @@
+from django.apps import AppConfig
+
+
+class WebappConfig(AppConfig):
+    name = "webapp"
+    label = "webapp"
+    default_auto_field = "django.db.models.BigAutoField"

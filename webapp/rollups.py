@@ -1,0 +1,177 @@
+"""Incremental refresh of the dashboard's rollup tables (webapp/models.py).
+
+    .venv/bin/python manage.py shell -c "from webapp.rollups import rollups_refresh; print(rollups_refresh())"
+
+A refresh finds the units touched since the watermarks (feedback and trajectory hours, rubric
+project × version), deletes their rollup rows and recomputes them from the raw rows, in one
+transaction under an advisory lock: running it twice, or concurrently, gives the same tables.
+
+Watermarks on append-only tables are ids. A row whose transaction is still open at refresh time
+may have a lower id than a committed one, so a watermark only advances to the largest id of rows
+received more than `LAG` ago (ingest transactions are bounded by a statement timeout of
+seconds); newer rows are looked at again by the next refresh, which is harmless.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from django.db import connection, transaction
+from django.utils import timezone
+
+from webapp.models import RollupWatermark
+
+LAG = timedelta(minutes=5)
+_LOCK_KEY = 7_100_001  # pg_advisory_xact_lock: one refresh at a time
+
+_TAGS = ("CROSS JOIN LATERAL (SELECT '' AS tag UNION ALL SELECT jsonb_array_elements_text("
+         "CASE WHEN jsonb_typeof({t}.tags) = 'array' THEN {t}.tags ELSE '[]'::jsonb END)) tg")
+
+_SOURCES = {
+    "feedback": ("feedback_feedbackevent", "received_at"),
+    "trajectory": ("feedback_trajectory", "received_at"),
+    "rubric": ("training_rubricscore", "created_at"),
+}
+
+_TOUCHED = """
+CREATE TEMP TABLE rollup_fb_hours (project_id bigint, hour timestamptz, PRIMARY KEY (project_id, hour))
+    ON COMMIT DROP;
+CREATE TEMP TABLE rollup_traj_hours (project_id bigint, hour timestamptz, PRIMARY KEY (project_id, hour))
+    ON COMMIT DROP;
+CREATE TEMP TABLE rollup_versions (project_id bigint, policy_version int) ON COMMIT DROP;
+INSERT INTO rollup_fb_hours SELECT DISTINCT project_id, date_trunc('hour', occurred_at)
+    FROM feedback_feedbackevent WHERE id > %(feedback)s ON CONFLICT DO NOTHING;
+INSERT INTO rollup_fb_hours SELECT DISTINCT fe.project_id, date_trunc('hour', fe.occurred_at)
+    FROM feedback_feedbackevent fe WHERE fe.trajectory_id > %(trajectory)s ON CONFLICT DO NOTHING;
+INSERT INTO rollup_traj_hours SELECT DISTINCT project_id, date_trunc('hour', occurred_at)
+    FROM feedback_trajectory WHERE id > %(trajectory)s ON CONFLICT DO NOTHING;
+INSERT INTO rollup_traj_hours SELECT DISTINCT t.project_id, date_trunc('hour', t.occurred_at)
+    FROM training_reward r JOIN feedback_trajectory t ON t.id = r.trajectory_id
+    WHERE r.computed_at > %(reward_at)s ON CONFLICT DO NOTHING;
+INSERT INTO rollup_versions
+    SELECT t.project_id, t.policy_version FROM training_rubricscore rs
+        JOIN feedback_trajectory t ON t.id = rs.trajectory_id WHERE rs.id > %(rubric)s
+    UNION
+    SELECT t.project_id, t.policy_version FROM feedback_feedbackevent fe
+        JOIN feedback_trajectory t ON t.id = fe.trajectory_id
+        WHERE fe.aspect_labels IS NOT NULL AND (fe.id > %(feedback)s OR t.id > %(trajectory)s);
+"""
+
+_FEEDBACK = """
+DELETE FROM webapp_feedbackhourly f USING rollup_fb_hours h WHERE f.project_id = h.project_id AND f.hour = h.hour;
+INSERT INTO webapp_feedbackhourly (project_id, policy_version, hour, signal, n)
+SELECT fe.project_id, t.policy_version, h.hour, fe.signal, count(*)
+FROM rollup_fb_hours h
+JOIN feedback_feedbackevent fe ON fe.project_id = h.project_id
+    AND fe.occurred_at >= h.hour AND fe.occurred_at < h.hour + interval '1 hour'
+LEFT JOIN feedback_trajectory t ON t.id = fe.trajectory_id
+GROUP BY 1, 2, 3, 4;
+"""
+
+_TRAJECTORIES = """
+DELETE FROM webapp_trajectoryhourly f USING rollup_traj_hours h WHERE f.project_id = h.project_id AND f.hour = h.hour;
+INSERT INTO webapp_trajectoryhourly (project_id, policy_version, hour, trajectories, rewarded, reward_sum)
+SELECT t.project_id, t.policy_version, h.hour, count(*), count(r.total), coalesce(sum(r.total), 0)
+FROM rollup_traj_hours h
+JOIN feedback_trajectory t ON t.project_id = h.project_id
+    AND t.occurred_at >= h.hour AND t.occurred_at < h.hour + interval '1 hour'
+LEFT JOIN LATERAL (
+    SELECT r.total FROM training_reward r JOIN training_rewardspec s ON s.id = r.spec_id
+    WHERE r.trajectory_id = t.id ORDER BY s.version DESC LIMIT 1
+) r ON true
+GROUP BY 1, 2, 3;
+"""
+
+# Judge scores and human labels of the touched versions' trajectories, one row per score.
+_SCORES = """
+scored AS (
+    SELECT t.id AS tid, t.project_id, t.policy_version, t.task, t.tags, rs.aspect, 'judge' AS source,
+           rs.score
+    FROM rollup_versions v
+    JOIN feedback_trajectory t ON t.project_id = v.project_id
+        AND t.policy_version IS NOT DISTINCT FROM v.policy_version
+    JOIN training_rubricscore rs ON rs.trajectory_id = t.id
+    UNION ALL
+    SELECT t.id, t.project_id, t.policy_version, t.task, t.tags, l.key, 'human', l.value::float
+    FROM rollup_versions v
+    JOIN feedback_trajectory t ON t.project_id = v.project_id
+        AND t.policy_version IS NOT DISTINCT FROM v.policy_version
+    JOIN feedback_feedbackevent fe ON fe.trajectory_id = t.id AND fe.aspect_labels IS NOT NULL
+    CROSS JOIN LATERAL jsonb_each_text(
+        CASE WHEN jsonb_typeof(fe.aspect_labels) = 'object' THEN fe.aspect_labels ELSE '{}'::jsonb END) l
+)
+"""
+
+_RUBRIC = f"""
+DELETE FROM webapp_rubricrollup r USING rollup_versions v
+    WHERE r.project_id = v.project_id AND r.policy_version IS NOT DISTINCT FROM v.policy_version;
+DELETE FROM webapp_agreementrollup r USING rollup_versions v
+    WHERE r.project_id = v.project_id AND r.policy_version IS NOT DISTINCT FROM v.policy_version;
+WITH {_SCORES}
+INSERT INTO webapp_rubricrollup (project_id, policy_version, task, tag, aspect, source, bin, n, score_sum)
+SELECT s.project_id, s.policy_version, s.task, tg.tag, s.aspect, s.source,
+       CASE WHEN s.score IS NULL THEN -1 ELSE least(greatest(floor(s.score * 10), 0), 9)::int END,
+       count(*), coalesce(sum(s.score), 0)
+FROM scored s {_TAGS.format(t="s")}
+GROUP BY 1, 2, 3, 4, 5, 6, 7;
+WITH {_SCORES},
+pairs AS (
+    SELECT tid, project_id, policy_version, task, tags, aspect,
+           avg(score) FILTER (WHERE source = 'judge') AS judge,
+           avg(score) FILTER (WHERE source = 'human') AS human
+    FROM scored GROUP BY 1, 2, 3, 4, 5, 6
+)
+INSERT INTO webapp_agreementrollup (project_id, policy_version, task, tag, aspect, pairs, agree, abs_err_sum)
+SELECT p.project_id, p.policy_version, p.task, tg.tag, p.aspect, count(*),
+       count(*) FILTER (WHERE abs(p.judge - p.human) <= 0.2), sum(abs(p.judge - p.human))
+FROM pairs p {_TAGS.format(t="p")}
+WHERE p.judge IS NOT NULL AND p.human IS NOT NULL
+GROUP BY 1, 2, 3, 4, 5;
+"""
+
+
+def _watermarks() -> dict[str, Any]:
+    marks = {m.name: m for m in RollupWatermark.objects.select_for_update()}
+    out: dict[str, Any] = {name: marks[name].last_id if name in marks else 0 for name in _SOURCES}
+    reward = marks.get("reward")
+    out["reward_at"] = (reward.at - LAG) if reward and reward.at else datetime(1970, 1, 1, tzinfo=UTC)
+    return out
+
+
+def _advance(cur: Any, marks: dict[str, Any], start: datetime) -> dict[str, int]:
+    new: dict[str, int] = {}
+    for name, (table, received) in _SOURCES.items():
+        cur.execute(f"SELECT coalesce(max(id), %s) FROM {table} WHERE id > %s AND {received} <= %s",
+                    [marks[name], marks[name], start - LAG])
+        new[name] = cur.fetchone()[0]
+        RollupWatermark.objects.update_or_create(name=name, defaults={"last_id": new[name]})
+    RollupWatermark.objects.update_or_create(name="reward", defaults={"at": start})
+    return new
+
+
+def _count(cur: Any, table: str) -> int:
+    cur.execute(f"SELECT count(*) FROM {table}")
+    return cur.fetchone()[0]
+
+
+def rollups_refresh() -> dict[str, int]:
+    """Recomputes the rollup rows touched since the last refresh; returns what it touched."""
+    start = timezone.now()
+    with transaction.atomic(), connection.cursor() as cur:
+        cur.execute("SELECT pg_advisory_xact_lock(%s)", [_LOCK_KEY])
+        marks = _watermarks()
+        cur.execute(_TOUCHED, marks)
+        touched = {"feedback_hours": _count(cur, "rollup_fb_hours"),
+                   "trajectory_hours": _count(cur, "rollup_traj_hours"),
+                   "rubric_versions": _count(cur, "rollup_versions")}
+        for sql in (_FEEDBACK, _TRAJECTORIES, _RUBRIC):
+            cur.execute(sql)
+        _advance(cur, marks, start)
+    return touched
+
+
+def rollups_rebuild() -> dict[str, int]:
+    """Forgets the watermarks and recomputes every rollup row (after a bulk load)."""
+    RollupWatermark.objects.all().delete()
+    return rollups_refresh()

@@ -1,0 +1,29 @@
+"""Writes from the dashboard: a person's decision on a policy version goes to the promotion service."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from training.models import PolicyVersion
+from webapp.errors import BadRequest, ServiceUnavailable
+from webapp.notify import project_event
+
+ACTIONS = ("approve", "reject", "rollback")
+
+
+def version_decide(version: PolicyVersion, actor: Any, action: str, reason: str) -> PolicyVersion:
+    """Approve, reject or roll back `version` through training.promotion.candidate_promote."""
+    if action not in ACTIONS:
+        raise BadRequest(f"unknown action {action!r}", f"Use one of {', '.join(ACTIONS)}.")
+    if not reason.strip():
+        raise BadRequest("a reason is required", "Say why, in a few words: it goes into the audit log.")
+    try:
+        from training.promotion import candidate_promote
+    except ImportError as exc:
+        raise ServiceUnavailable("the promotion service is not installed yet",
+                                 "Deploy training.promotion, then try again.") from exc
+    result = candidate_promote(version, actor, action, reason.strip())
+    version = result if isinstance(result, PolicyVersion) else PolicyVersion.objects.get(pk=version.pk)
+    project_event(version.project_id, {"type": "promotion", "version": version.number, "state": version.state,
+                                       "action": action, "actor": getattr(actor, "username", str(actor))})
+    return version
