@@ -63,3 +63,51 @@ class AuditLogAdmin(admin.ModelAdmin):
 
     def has_delete_permission(self, request, obj=None) -> bool:
         return False
+
+
+# --- gated promotion ---------------------------------------------------------------------------
+
+from training.models import CanaryRun, EvalSuite, GatePolicy  # noqa: E402
+
+
+@admin.register(GatePolicy)
+class GatePolicyAdmin(admin.ModelAdmin):
+    """Saving an edited policy stores a new version; the old one stays as GateReports cite it."""
+
+    list_display = ("project", "version", "two_person_rule", "canary_share", "created_by", "created_at")
+    list_filter = ("project",)
+    readonly_fields = ("version", "created_by", "created_at")
+
+    def save_model(self, request, obj, form, change) -> None:
+        from training.promotion import gate_policy_update
+
+        fields = {f: getattr(obj, f) for f in ("thresholds", "two_person_rule", "canary_share",
+                                               "canary_min_events", "canary_max_events", "canary_confidence")}
+        new = gate_policy_update(obj.project, request.user, reason=obj.note, **fields)
+        obj.pk, obj.version = new.pk, new.version
+
+    def has_delete_permission(self, request, obj=None) -> bool:
+        return False
+
+
+@admin.register(EvalSuite)
+class EvalSuiteAdmin(admin.ModelAdmin):
+    """Saving an edited suite stores a new version (a report names the suite version it used)."""
+
+    list_display = ("project", "name", "version", "n_samples", "max_tokens", "created_at")
+    list_filter = ("project", "name")
+    readonly_fields = ("version", "created_at")
+
+    def save_model(self, request, obj, form, change) -> None:
+        from django.db.models import Max
+
+        latest = EvalSuite.objects.filter(project=obj.project, name=obj.name).aggregate(v=Max("version"))["v"]
+        obj.pk, obj.version = None, (latest or 0) + 1
+        obj._state.adding = True
+        super().save_model(request, obj, form, change)
+
+
+@admin.register(CanaryRun)
+class CanaryRunAdmin(admin.ModelAdmin):
+    list_display = ("version", "baseline", "share", "started_at", "decided_at", "outcome")
+    readonly_fields = ("version", "baseline", "share", "rule", "started_at", "decided_at", "outcome", "verdict")

@@ -153,3 +153,102 @@ class AuditLog(models.Model):
     class Meta:
         indexes = [models.Index(fields=["project", "-at"], name="audit_project_time")]
         permissions = [("approve_promotion", "Can approve, reject and roll back policy versions")]
+
+
+# --- gated promotion (training.promotion) ----------------------------------------------------------
+
+
+class GatePolicy(models.Model):
+    """Versioned gate thresholds of a project; the newest version is in force. Rows are not edited:
+    a change is saved as a new version (the admin does so), so a GateReport's policy stays true."""
+
+    project = models.ForeignKey(Project, on_delete=models.CASCADE, related_name="gate_policies")
+    version = models.PositiveIntegerField()
+    thresholds = models.JSONField(default=dict, blank=True)  # training.gate.config.GateThresholds
+    two_person_rule = models.BooleanField(default=False)  # who started a run cannot approve it
+    canary_share = models.FloatField(default=0.0)  # 0: approval goes straight to production
+    canary_min_events = models.PositiveIntegerField(default=100)
+    canary_max_events = models.PositiveIntegerField(default=20_000)
+    canary_confidence = models.FloatField(default=0.95)
+    note = models.TextField(blank=True, default="")
+    created_by = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.SET_NULL, null=True, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["project", "version"], name="uniq_gatepolicy_version"),
+            models.CheckConstraint(condition=models.Q(canary_share__gte=0, canary_share__lt=1),
+                                   name="gatepolicy_canary_share_range"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.project.slug} gate policy v{self.version}"
+
+    def clean(self) -> None:
+        from django.core.exceptions import ValidationError
+
+        from training.gate.config import GateThresholds
+
+        try:
+            GateThresholds.from_json(self.thresholds)
+        except (TypeError, ValueError) as exc:
+            raise ValidationError({"thresholds": str(exc)}) from exc
+
+
+class EvalSuite(models.Model):
+    """A versioned held-out suite: prompts with check inputs, verifiable checks and a judge rubric."""
+
+    project = models.ForeignKey(Project, on_delete=models.CASCADE, related_name="eval_suites")
+    name = models.SlugField(max_length=64, default="default")
+    version = models.PositiveIntegerField()
+    prompts = models.JSONField(default=list)  # [{"id", "prompt", "context": {...}}]
+    checks = models.JSONField(default=list, blank=True)  # [{"name", "weight", **params}]
+    judge = models.JSONField(null=True, blank=True)  # make_judge config
+    aspects = models.JSONField(default=list, blank=True)  # [{"name", "weight"}]
+    n_samples = models.PositiveIntegerField(default=4)
+    max_tokens = models.PositiveIntegerField(default=32)
+    temperature = models.FloatField(default=1.0)
+    seed = models.IntegerField(default=0)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["project", "name", "version"], name="uniq_evalsuite_version")]
+
+    def __str__(self) -> str:
+        return f"{self.project.slug} suite {self.name} v{self.version}"
+
+    def clean(self) -> None:
+        from django.core.exceptions import ValidationError
+
+        try:
+            self.as_spec()
+        except (TypeError, ValueError, KeyError) as exc:
+            raise ValidationError(str(exc)) from exc
+
+    def as_spec(self):  # -> training.gate.config.SuiteSpec (imported lazily: keeps models light)
+        from training.gate.config import SuiteSpec
+
+        return SuiteSpec.from_json(self.prompts, checks=self.checks, judge=self.judge, aspects=self.aspects,
+                                   n_samples=self.n_samples, max_tokens=self.max_tokens,
+                                   temperature=self.temperature, seed=self.seed)
+
+
+class CanaryRun(models.Model):
+    """A version served to a share of traffic next to production until the stopping rule decides."""
+
+    OUTCOMES = [("", "running"), ("promote", "promoted"), ("rollback", "rolled back")]
+
+    version = models.ForeignKey(PolicyVersion, on_delete=models.CASCADE, related_name="canaries")
+    baseline = models.ForeignKey(PolicyVersion, on_delete=models.PROTECT, related_name="canary_baselines")
+    share = models.FloatField()
+    rule = models.JSONField(default=dict)  # training.gate.sequential.CanaryRule in force
+    started_at = models.DateTimeField(auto_now_add=True)
+    decided_at = models.DateTimeField(null=True, blank=True)
+    outcome = models.CharField(max_length=16, choices=OUTCOMES, blank=True, default="")
+    verdict = models.JSONField(null=True, blank=True)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["version"], condition=models.Q(decided_at__isnull=True),
+                                    name="one_open_canary_per_version"),
+        ]

@@ -45,7 +45,20 @@ def _environment() -> dict[str, str]:
         env["REDIS_URL"] = embedded.redis_url()
     env["DJANGO_SETTINGS_MODULE"] = "webapp.settings"
     env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # The web app tells the serving process to hot-swap on promotion through this endpoint.
+    env.setdefault("FLYWHEEL_INFERENCE_URL", f"http://127.0.0.1:{_port(8001)}")
+    env.setdefault("FLYWHEEL_INTERNAL_TOKEN", _internal_token())
     return env
+
+
+def _internal_token() -> str:
+    path = ROOT / "var" / "internal-token"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(secrets.token_urlsafe(24))
+        path.chmod(0o600)
+    return path.read_text().strip()
 
 
 def _prepare(env: dict[str, str]) -> dict:
@@ -56,7 +69,11 @@ def _prepare(env: dict[str, str]) -> dict:
     from django.core.management import call_command
 
     call_command("migrate", verbosity=0)
-    return _demo_state()
+    state = _demo_state()
+    # The base policy: pretrained once on the stdlib sources, then reused.
+    call_command("bootstrap_policy", "--project", state["project"], "--seconds",
+                 os.environ.get("FLYWHEEL_PRETRAIN_SECONDS", "90"))
+    return state
 
 
 def _demo_state() -> dict:
@@ -70,6 +87,10 @@ def _demo_state() -> dict:
     if not Project.objects.filter(slug="demo").exists():
         creds = project_create("Demo coding assistant", "demo")
         state.update(project=creds.project.slug, api_key=creds.api_key, webhook_secret=creds.webhook_secret)
+    if "webhook_secret" not in state:  # var/demo.json was lost: issue a fresh secret
+        from feedback.services import webhook_secret_rotate
+
+        state.update(project="demo", webhook_secret=webhook_secret_rotate(Project.objects.get(slug="demo")).secret)
     users = get_user_model()
     if not users.objects.filter(username="admin").exists():
         state["admin_password"] = secrets.token_urlsafe(12)
@@ -95,18 +116,14 @@ def demo_processes(port: int, state: dict, simulate: bool) -> list[tuple[str, li
 
 
 def _loop_processes(port: int, state: dict, simulate: bool) -> list[tuple[str, list[str]]]:
-    """The inference server and simulated users, once their commands exist."""
-    from django.core.management import get_commands
-
-    commands = get_commands()
+    """The inference server and the simulated users (their webhook secret comes by environment)."""
     py, manage = sys.executable, str(ROOT / "manage.py")
-    procs = []
-    if "serve_policy" in commands:
-        procs.append(("inference", [py, manage, "serve_policy", "--project", state["project"],
-                                    "--port", str(_port(port + 1))]))
-    if simulate and "simulate_users" in commands:
+    serving = os.environ["FLYWHEEL_INFERENCE_URL"]
+    procs = [("inference", [py, manage, "serve_policy", "--project", state["project"],
+                            "--port", serving.rsplit(":", 1)[1]])]
+    if simulate:
         procs.append(("users", [py, manage, "simulate_users", "--project", state["project"],
-                                "--web", f"http://127.0.0.1:{port}"]))
+                                "--web", f"http://127.0.0.1:{port}", "--serving", serving]))
     return procs
 
 
@@ -117,6 +134,7 @@ def main() -> int:
     args = parser.parse_args()
     env = _environment()
     state = _prepare(env)
+    env["FLYWHEEL_DEMO_SECRET"] = state["webhook_secret"]
     port = _port(args.port)
     logs = ROOT / "var" / "log"
     logs.mkdir(parents=True, exist_ok=True)

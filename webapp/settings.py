@@ -197,6 +197,9 @@ SPECTACULAR_SETTINGS = {
 
 FLYWHEEL_CHECKPOINT_DIR = Path(env_str("FLYWHEEL_CHECKPOINT_DIR", str(VAR_DIR / "checkpoints")))
 FLYWHEEL_INFERENCE_URL = env_str("FLYWHEEL_INFERENCE_URL", "")
+# How a promotion reaches the serving process: "http" (its /internal/load) or "record" (a notice only).
+FLYWHEEL_DEPLOY_TRANSPORT = env_str("FLYWHEEL_DEPLOY_TRANSPORT", "http" if FLYWHEEL_INFERENCE_URL else "record")
+FLYWHEEL_GATE_ENGINE = env_str("FLYWHEEL_GATE_ENGINE", "torch")
 FLYWHEEL_INTERNAL_TOKEN = env_str("FLYWHEEL_INTERNAL_TOKEN", "")
 
 LOGGING = {

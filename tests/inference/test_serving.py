@@ -191,3 +191,22 @@ def test_an_engine_failure_is_503(client, local_server, monkeypatch):
     monkeypatch.setattr(local_server.engine, "generate", broken)
     response = _post(client, "/v1/completions", {"model": "acme", "prompt": "x", "max_tokens": 2})
     assert response.status_code == 503
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_approval_hot_swaps_the_running_server(creds, dense_dir, tmp_path, alice, settings):
+    from training.promotion import candidate_promote
+
+    _, v2 = _versions(creds.project, dense_dir, tmp_path)
+    PolicyVersion.objects.filter(pk=v2.pk).update(state="awaiting_approval")
+    proc, url = _serve(creds.project.slug, "torch")
+    settings.FLYWHEEL_INFERENCE_URL, settings.FLYWHEEL_INTERNAL_TOKEN = url, TOKEN
+    settings.FLYWHEEL_DEPLOY_TRANSPORT = "http"
+    try:
+        assert httpx.get(url + "/healthz").json()["version"] == 1
+        candidate_promote(v2.pk, alice, "approve", "better on the held-out suite")
+        assert httpx.get(url + "/healthz").json()["version"] == 2
+        answer = httpx.post(url + "/v1/completions", json={"model": "acme", "prompt": "x", "max_tokens": 2}).json()
+        assert answer["model"] == "acme-v2"
+    finally:
+        _stop(proc)

@@ -1,0 +1,118 @@
+"""HTTP API of promotion: list and read policy versions with their gate report; approve, reject
+or roll back one. Thin views over training.promotion.
+
+Approve/reject/rollback accept any authenticated caller on purpose: the service decides, so a
+refusal (403) is recorded in the audit log instead of stopping at a permission class.
+"""
+
+from __future__ import annotations
+
+from drf_spectacular.utils import extend_schema
+from rest_framework import serializers
+from rest_framework.permissions import IsAuthenticated
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from feedback.auth import HasReadScope, Principal
+from feedback.selectors import project_get
+from training import promotion
+from training.models import PolicyVersion
+from webapp.errors import BadRequest
+
+
+def _project_of(request):
+    if isinstance(request.user, Principal):
+        return request.user.project
+    slug = request.GET.get("project")
+    if not slug:
+        raise BadRequest("which project?", "Pass ?project=<slug> when reading with a logged-in session.")
+    return project_get(slug)
+
+
+class GateReportOutput(serializers.Serializer):
+    id = serializers.IntegerField()
+    passed = serializers.BooleanField()
+    baseline = serializers.IntegerField(source="baseline.number", allow_null=True, default=None)
+    checks = serializers.JSONField()
+    policy = serializers.JSONField()
+    created_at = serializers.DateTimeField()
+
+
+class VersionOutput(serializers.Serializer):
+    id = serializers.IntegerField()
+    number = serializers.IntegerField()
+    parent = serializers.IntegerField(source="parent.number", allow_null=True, default=None)
+    state = serializers.CharField()
+    manifest_hash = serializers.CharField()
+    delta_bytes = serializers.IntegerField(allow_null=True)
+    delta_ratio = serializers.FloatField(allow_null=True)
+    created_at = serializers.DateTimeField()
+    updated_at = serializers.DateTimeField()
+    gate_report = serializers.SerializerMethodField()
+
+    def get_gate_report(self, version: PolicyVersion) -> dict | None:
+        report = promotion.latest_report(version)
+        return GateReportOutput(report).data if report else None
+
+
+class VersionListApi(APIView):
+    """GET /api/v1/versions[?state=]: newest first, each with its latest gate report."""
+
+    permission_classes = [HasReadScope]
+
+    class FilterSerializer(serializers.Serializer):
+        state = serializers.ChoiceField(choices=[s for s, _ in PolicyVersion.STATES], required=False)
+
+    @extend_schema(parameters=[FilterSerializer], responses=VersionOutput(many=True))
+    def get(self, request) -> Response:
+        filters = self.FilterSerializer(data=request.query_params)
+        filters.is_valid(raise_exception=True)
+        versions = promotion.version_list(_project_of(request), **filters.validated_data)
+        return Response({"results": VersionOutput(versions, many=True).data})
+
+
+class VersionDetailApi(APIView):
+    """GET /api/v1/versions/{id}: one version with its latest gate report."""
+
+    permission_classes = [HasReadScope]
+
+    @extend_schema(responses=VersionOutput)
+    def get(self, request, version_id: int) -> Response:
+        version = promotion.version_get(version_id, _project_of(request))
+        return Response(VersionOutput(version).data)
+
+
+class _PromoteApi(APIView):
+    action: promotion.Action
+    permission_classes = [IsAuthenticated]
+
+    class InputSerializer(serializers.Serializer):
+        reason = serializers.CharField(max_length=2000, allow_blank=True, required=False, default="")
+
+    @extend_schema(request=InputSerializer, responses=VersionOutput)
+    def post(self, request, version_id: int) -> Response:
+        data = self.InputSerializer(data=request.data)
+        data.is_valid(raise_exception=True)
+        if isinstance(request.user, Principal):
+            promotion.version_get(version_id, request.user.project)  # a key sees its own project only
+        version = promotion.candidate_promote(version_id, request.user, self.action, data.validated_data["reason"])
+        return Response(VersionOutput(promotion.version_get(version.id)).data)
+
+
+class VersionApproveApi(_PromoteApi):
+    """POST /api/v1/versions/{id}/approve {"reason"}: to production (or canary when configured)."""
+
+    action = "approve"
+
+
+class VersionRejectApi(_PromoteApi):
+    """POST /api/v1/versions/{id}/reject {"reason"}: a version awaiting approval or in canary."""
+
+    action = "reject"
+
+
+class VersionRollbackApi(_PromoteApi):
+    """POST /api/v1/versions/{id}/rollback {"reason"}: end a canary, roll production back to the
+    previous version, or bring an earlier production version back."""
+
+    action = "rollback"

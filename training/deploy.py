@@ -1,0 +1,126 @@
+"""Telling the serving process what to serve: a small transport class + a factory on a setting.
+
+`deploy_hook(version)` is called (after commit) whenever a promotion, canary or rollback changes
+what a project should serve. The desired state is always in the database (the PolicyVersion
+states; `serving_target` reads it), so a transport only has to *announce* it:
+
+- "record" (default): push a `deploy` notice to the project's dashboard group; the serving
+  process reads `serving_target(project)` (or listens to the same channel group).
+- others register with `@register_transport("http")` (e.g. a POST to the serving process's
+  hot-swap endpoint) and are chosen with settings.FLYWHEEL_DEPLOY_TRANSPORT.
+"""
+
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from django.conf import settings
+
+from training.models import CanaryRun, PolicyVersion
+from webapp.notify import project_event
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DeployTarget:
+    """What a project should serve: production, and optionally a canary on a share of traffic."""
+
+    project_id: int
+    production: int | None  # version number
+    production_path: str
+    canary: int | None = None
+    canary_path: str = ""
+    canary_share: float = 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def serving_target(project_id: int) -> DeployTarget:
+    """Selector: the desired serving state of a project, from the PolicyVersion states."""
+    prod = PolicyVersion.objects.filter(project_id=project_id, state="production").order_by("-updated_at").first()
+    canary = (CanaryRun.objects.filter(version__project_id=project_id, decided_at__isnull=True)
+              .select_related("version").order_by("-started_at").first())
+    return DeployTarget(
+        project_id=project_id,
+        production=prod.number if prod else None,
+        production_path=prod.checkpoint_path if prod else "",
+        canary=canary.version.number if canary else None,
+        canary_path=canary.version.checkpoint_path if canary else "",
+        canary_share=canary.share if canary else 0.0,
+    )
+
+
+class DeployTransport(ABC):
+    name: str = ""
+
+    @abstractmethod
+    def send(self, target: DeployTarget) -> None:
+        """Announce `target` to the serving process; raise only if it must be retried."""
+
+
+TRANSPORTS: dict[str, type[DeployTransport]] = {}
+
+
+def register_transport(name: str) -> Callable[[type[DeployTransport]], type[DeployTransport]]:
+    def add(cls: type[DeployTransport]) -> type[DeployTransport]:
+        cls.name = name
+        TRANSPORTS[name] = cls
+        return cls
+
+    return add
+
+
+@register_transport("record")
+class RecordTransport(DeployTransport):
+    """The state is already recorded in PolicyVersion rows: push a notice and log it."""
+
+    def send(self, target: DeployTarget) -> None:
+        log.info("deploy target of project %s: %s", target.project_id, target)
+        project_event(target.project_id, {"type": "deploy", **target.as_dict()})
+
+
+def make_deploy_transport(kind: str | None = None) -> DeployTransport:
+    kind = kind or getattr(settings, "FLYWHEEL_DEPLOY_TRANSPORT", "") or "record"
+    if kind not in TRANSPORTS:
+        raise ValueError(f"unknown deploy transport {kind!r}; known: {sorted(TRANSPORTS)}")
+    return TRANSPORTS[kind]()
+
+
+def deploy_hook(version: PolicyVersion) -> DeployTarget:
+    """Tell the serving process the new desired state of `version`'s project."""
+    target = serving_target(version.project_id)
+    try:
+        make_deploy_transport().send(target)
+    except Exception as exc:  # noqa: BLE001 - the decision is committed; the server catches up on restart
+        # The serving process reads serving_target() when it starts, so nothing is lost; the
+        # dashboard shows the failure so a person can act.
+        log.exception("deploy of project %s failed", version.project_id)
+        project_event(version.project_id, {"type": "deploy_failed", "error": f"{type(exc).__name__}: {exc}",
+                                           **target.as_dict()})
+    return target
+
+
+@register_transport("http")
+class HttpTransport(DeployTransport):
+    """POSTs the target to the serving process's internal endpoint (inference/apis.py), which
+    loads and verifies the weights and swaps between requests."""
+
+    def send(self, target: DeployTarget) -> None:
+        import httpx
+
+        url = settings.FLYWHEEL_INFERENCE_URL.rstrip("/") + "/internal/load"
+        body: dict[str, Any] = {"canary": target.canary}
+        if target.production is not None:
+            body["version"] = target.production
+        if target.canary is not None:
+            body["share"] = target.canary_share
+        headers = {"Authorization": f"Bearer {settings.FLYWHEEL_INTERNAL_TOKEN}"}
+        response = httpx.post(url, json=body, headers=headers, timeout=120)
+        response.raise_for_status()
+        project_event(target.project_id, {"type": "deploy", "served": response.json(), **target.as_dict()})

@@ -1,0 +1,87 @@
+"""Typed gate configuration (thresholds, suites): torch- and Django-free, so the admin and the
+API validate a GatePolicy or an EvalSuite without importing either."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+
+@dataclass(frozen=True)
+class GateThresholds:
+    """What a candidate must show against production on an eval suite (GatePolicy.thresholds)."""
+
+    margin: float = 0.0  # lower bound of the reward-improvement interval must exceed this
+    aspect_tolerance: float = 0.05  # an aspect may lose at most this (interval lower bound)
+    aspect_tolerances: dict[str, float] = field(default_factory=dict)  # per-aspect overrides
+    kl_budget: float | None = 0.5  # nats per token, KL(candidate ‖ production); None: not checked
+    length_ratio_max: float = 1.5  # candidate/production mean length within [1/x, x]
+    silence_jump_max: float = 0.05  # empty/refusal/clarifying-question rate increase
+    repeated_ngram_jump_max: float = 0.05
+    ngram: int = 4
+    tool_failure_jump_max: float = 0.05
+    divergence_max: float = 0.1  # judge improvement beyond the verifiable improvement
+    confidence: float = 0.95
+    resamples: int = 2000
+    seed: int = 0
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any] | None) -> GateThresholds:
+        """Overrides over the defaults; an unknown key is an error (a typo must not pass silently)."""
+        data = dict(data or {})
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown gate thresholds {unknown}; known: {sorted(known)}")
+        out = cls(**data)
+        if not 0 < out.confidence < 1:
+            raise ValueError(f"confidence must be in (0, 1), got {out.confidence}")
+        if out.length_ratio_max < 1:
+            raise ValueError(f"length_ratio_max must be >= 1, got {out.length_ratio_max}")
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def tolerance(self, aspect: str) -> float:
+        return float(self.aspect_tolerances.get(aspect, self.aspect_tolerance))
+
+
+@dataclass(frozen=True)
+class SuitePrompt:
+    id: str
+    prompt: str
+    context: dict[str, Any] = field(default_factory=dict)  # check inputs: prefix, tests, ...
+
+
+@dataclass(frozen=True)
+class SuiteSpec:
+    """An eval suite: prompts, verifiable checks, a judge rubric, and how to sample."""
+
+    prompts: tuple[SuitePrompt, ...]
+    checks: tuple[dict[str, Any], ...] = ()  # [{"name", "weight", **params}] (make_check)
+    judge: dict[str, Any] | None = None  # make_judge config
+    aspects: tuple[dict[str, Any], ...] = ()  # [{"name", "weight"}]: judge aspects in the reward
+    n_samples: int = 4
+    max_tokens: int = 32
+    temperature: float = 1.0
+    seed: int = 0
+
+    @classmethod
+    def from_json(cls, prompts: Sequence[Mapping[str, Any]], **rest: Any) -> SuiteSpec:
+        if not prompts:
+            raise ValueError("an eval suite needs at least one prompt")
+        parsed = tuple(_prompt(i, p) for i, p in enumerate(prompts))
+        ids = [p.id for p in parsed]
+        if len(set(ids)) != len(ids):
+            raise ValueError("prompt ids in an eval suite must be unique")
+        checks = tuple(dict(c) for c in rest.pop("checks", ()) or ())
+        aspects = tuple(dict(a) for a in rest.pop("aspects", ()) or ())
+        return cls(parsed, checks, aspects=aspects, **rest)
+
+
+def _prompt(index: int, item: Mapping[str, Any]) -> SuitePrompt:
+    if "prompt" not in item:
+        raise ValueError(f"suite prompt {index} has no 'prompt': {dict(item)!r}")
+    return SuitePrompt(str(item.get("id", index)), str(item["prompt"]), dict(item.get("context", {})))

@@ -1,0 +1,217 @@
+"""Runs an eval suite: n samples per prompt from candidate and production through an inference
+Engine, scored with the suite's verifiable checks and judge, then compared (`evaluate`) into the
+GateReport's check rows. No Django; torch only through the engines passed in.
+
+    samples = suite_collect(spec, candidate_engine, production_engine)
+    rows = evaluate(samples, GateThresholds())
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+from training.gate import detectors, stats
+from training.gate.config import GateThresholds, SuiteSpec
+from training.rewards.checks import Check, make_check
+from training.rewards.judges import Judge, make_judge
+from training.rewards.spec import RewardSpecData, compute_reward
+
+if TYPE_CHECKING:
+    from inference.engine import Completion, SamplingParams
+
+
+class Policy(Protocol):
+    """What the runner needs of an engine: `inference.engine.Engine` plus `score` (TorchEngine)."""
+
+    def generate(self, prompts: Sequence[str], n: int = 1, sampling: SamplingParams | None = None) -> list[Completion]: ...
+
+    def score(self, prompt: list[int], toks: list[int], sampling: SamplingParams | None = None) -> tuple[list[float], Any]: ...
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One scored completion."""
+
+    prompt_id: str
+    text: str
+    tokens: int
+    reward: float
+    verifiable: float | None = None  # weighted mean of the checks, in [0, 1]
+    judge: float | None = None  # mean of the judge's aspects, in [0, 1]
+    aspects: dict[str, float] = field(default_factory=dict)
+    logprobs: list[float] | None = None  # under the policy that sampled it
+    other_logprobs: list[float] | None = None  # same tokens under the other policy
+
+
+@dataclass
+class SuiteSamples:
+    candidate: list[Sample]
+    production: list[Sample]
+
+
+@dataclass(frozen=True)
+class CheckRow:
+    name: str
+    value: float | None
+    threshold: float | list[float] | None
+    interval: list[float] | None
+    passed: bool
+    detail: str = ""
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# ---------------------------------------------------------------------------------- scoring
+
+
+class SuiteScorer:
+    """Checks + judge + reward weights of one suite, applied to a completion."""
+
+    def __init__(self, spec: SuiteSpec) -> None:
+        self.checks: list[tuple[Check, float, str]] = [
+            (make_check(c["name"], **_params(c)), float(c.get("weight", 1.0)), c["name"]) for c in spec.checks
+        ]
+        self.judge: Judge | None = make_judge(spec.judge) if spec.judge else None
+        self.reward_spec = RewardSpecData.from_json({}, list(spec.checks), list(spec.aspects))
+
+    def score(self, prompt: str, completion: str, context: Mapping[str, Any]) -> dict[str, Any]:
+        results = {name: check.run(completion, context) for check, _, name in self.checks}
+        aspects: dict[str, float] = {}
+        if self.judge is not None:
+            aspects = {a: s for a, s in self.judge.judge(prompt, completion, context).values().items() if s is not None}
+        reward, _ = compute_reward(self.reward_spec, [], results, aspects)
+        total_w = sum(w for _, w, _ in self.checks)
+        verifiable = sum(results[n].score * w for _, w, n in self.checks) / total_w if total_w else None
+        judge = sum(aspects.values()) / len(aspects) if aspects else None
+        return {"reward": reward, "verifiable": verifiable, "judge": judge, "aspects": aspects}
+
+
+def _params(check: Mapping[str, Any]) -> dict[str, Any]:
+    inline = {k: v for k, v in check.items() if k not in ("name", "weight", "params")}
+    return {**inline, **check.get("params", {})}
+
+
+# ---------------------------------------------------------------------------------- sampling
+
+
+def suite_collect(spec: SuiteSpec, candidate: Policy, production: Policy, scorer: SuiteScorer | None = None) -> SuiteSamples:
+    """Sample both policies on the suite and score every completion; candidate samples also carry
+    production's log-probs of the same tokens (for the KL estimate)."""
+    from inference.engine import SamplingParams
+
+    scorer = scorer or SuiteScorer(spec)
+    sampling = SamplingParams(max_tokens=spec.max_tokens, temperature=spec.temperature, seed=spec.seed)
+    texts = [p.prompt for p in spec.prompts]
+    cand = candidate.generate(texts, n=spec.n_samples, sampling=sampling)
+    prod = production.generate(texts, n=spec.n_samples, sampling=sampling)
+    return SuiteSamples(
+        candidate=[_sample(spec, scorer, c, production, sampling) for c in cand],
+        production=[_sample(spec, scorer, c, None, sampling) for c in prod],
+    )
+
+
+def _sample(spec: SuiteSpec, scorer: SuiteScorer, c: Completion, other: Policy | None, sampling: SamplingParams) -> Sample:
+    prompt = spec.prompts[c.prompt_index]
+    scored = scorer.score(prompt.prompt, c.text, prompt.context)
+    other_lp = other.score(c.prompt_token_ids, c.token_ids, sampling)[0] if other is not None else None
+    return Sample(prompt.id, c.text, len(c.token_ids), logprobs=list(c.logprobs), other_logprobs=other_lp, **scored)
+
+
+# ---------------------------------------------------------------------------------- evaluation
+
+
+def evaluate(samples: SuiteSamples, t: GateThresholds) -> list[CheckRow]:
+    """The gate's check rows: reward improvement, per-aspect non-regression, KL, detectors."""
+    boot = {"confidence": t.confidence, "resamples": t.resamples, "seed": t.seed}
+    cand, prod = _by_prompt(samples.candidate), _by_prompt(samples.production)
+    shared = sorted(set(cand) & set(prod))
+    if not shared:
+        raise ValueError("candidate and production samples share no prompt; nothing to compare")
+    rows = [_reward_row(cand, prod, shared, t, boot)]
+    rows += _aspect_rows(cand, prod, shared, t, boot)
+    rows.append(_kl_row(samples.candidate, t))
+    rows += _detector_rows(samples, t)
+    return rows
+
+
+def _by_prompt(samples: Sequence[Sample]) -> dict[str, list[Sample]]:
+    out: dict[str, list[Sample]] = defaultdict(list)
+    for s in samples:
+        out[s.prompt_id].append(s)
+    return out
+
+
+def _mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values)
+
+
+def _reward_row(cand: dict, prod: dict, shared: list[str], t: GateThresholds, boot: dict) -> CheckRow:
+    ci = stats.paired_bootstrap(
+        [_mean([s.reward for s in cand[p]]) for p in shared], [_mean([s.reward for s in prod[p]]) for p in shared], **boot
+    )
+    return CheckRow("reward_improvement", ci.mean, t.margin, ci.as_list(), ci.low > t.margin,
+                    f"mean(candidate − production) over {ci.n} prompts; the interval's lower bound must exceed the margin")
+
+
+def _aspect_means(groups: dict[str, list[Sample]], shared: list[str]) -> dict[str, list[float]]:
+    names = set.intersection(*[set(s.aspects) for p in shared for s in groups[p]]) if shared else set()
+    return {a: [_mean([s.aspects[a] for s in groups[p]]) for p in shared] for a in names}
+
+
+def _aspect_rows(cand: dict, prod: dict, shared: list[str], t: GateThresholds, boot: dict) -> list[CheckRow]:
+    intervals = stats.aspect_intervals(_aspect_means(cand, shared), _aspect_means(prod, shared), **boot)
+    return [
+        CheckRow(f"aspect:{name}", ci.mean, -t.tolerance(name), ci.as_list(), ci.low >= -t.tolerance(name),
+                 "may not regress beyond its tolerance (interval lower bound)")
+        for name, ci in intervals.items()
+    ]
+
+
+def _kl_row(candidate: Sequence[Sample], t: GateThresholds) -> CheckRow:
+    pairs = [(s.logprobs, s.other_logprobs) for s in candidate if s.logprobs is not None and s.other_logprobs is not None]
+    if t.kl_budget is None:
+        return CheckRow("kl", None, None, None, True, "not checked (no KL budget in the gate policy)")
+    if not pairs:
+        return CheckRow("kl", None, t.kl_budget, None, False, "not measured: the engine gave no log-probs")
+    kl = stats.kl_estimate([a for a, _ in pairs], [b for _, b in pairs])
+    return CheckRow("kl", kl, t.kl_budget, None, kl <= t.kl_budget, "KL(candidate ‖ production), nats/token (k3)")
+
+
+def _detector_rows(samples: SuiteSamples, t: GateThresholds) -> list[CheckRow]:
+    c_txt, p_txt = [s.text for s in samples.candidate], [s.text for s in samples.production]
+    ratio = detectors.length_drift_ratio([s.tokens for s in samples.candidate], [s.tokens for s in samples.production])
+    silence = detectors.silence_rate(c_txt) - detectors.silence_rate(p_txt)
+    ngram = detectors.mean_repeated_ngram_rate(c_txt, t.ngram) - detectors.mean_repeated_ngram_rate(p_txt, t.ngram)
+    tools = detectors.tool_call_failure_rate(c_txt) - detectors.tool_call_failure_rate(p_txt)
+    bounds = [1 / t.length_ratio_max, t.length_ratio_max]
+    return [
+        CheckRow("length_drift", ratio, bounds, None, bounds[0] <= ratio <= bounds[1],
+                 "mean completion length, candidate / production"),
+        _jump_row("silence_jump", silence, t.silence_jump_max, "empty, refusal or clarifying-question rate"),
+        _jump_row("repeated_ngram_jump", ngram, t.repeated_ngram_jump_max, f"repeated {t.ngram}-gram rate"),
+        _jump_row("tool_call_failure_jump", tools, t.tool_failure_jump_max, "broken tool-call rate"),
+        _divergence_row(samples, t),
+    ]
+
+
+def _jump_row(name: str, value: float, limit: float, what: str) -> CheckRow:
+    return CheckRow(name, value, limit, None, value <= limit, f"{what}, candidate − production")
+
+
+def _divergence_row(samples: SuiteSamples, t: GateThresholds) -> CheckRow:
+    def delta(attr: str) -> float | None:
+        c = [getattr(s, attr) for s in samples.candidate if getattr(s, attr) is not None]
+        p = [getattr(s, attr) for s in samples.production if getattr(s, attr) is not None]
+        return _mean(c) - _mean(p) if c and p else None
+
+    judge, verifiable = delta("judge"), delta("verifiable")
+    if judge is None or verifiable is None:
+        return CheckRow("judge_verifiable_divergence", None, t.divergence_max, None, True,
+                        "not measured: the suite needs both a judge and verifiable checks")
+    value = detectors.judge_verifiable_divergence(judge, verifiable)
+    return CheckRow("judge_verifiable_divergence", value, t.divergence_max, None, value <= t.divergence_max,
+                    f"judge Δ {judge:+.3f} vs verifiable Δ {verifiable:+.3f}")
