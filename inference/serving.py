@@ -164,16 +164,19 @@ class PolicyServer:
                                "restart the serving process (manage.py serve_policy).") from exc
         ids = [f"traj_{uuid.uuid4().hex}" for _ in completions]
         if self.recorder is not None:
-            self.recorder.put([self._trajectory(request, c, t) for c, t in zip(completions, ids, strict=True)])
+            self.recorder.put([self._trajectory(request, c, t, engine.tokenizer)
+                               for c, t in zip(completions, ids, strict=True)])
         return Served(completions, ids, completions[0].version if completions else engine.version)
 
-    def _trajectory(self, request: CompletionRequest, c: Completion, trajectory_id: str) -> dict[str, Any]:
+    def _trajectory(self, request: CompletionRequest, c: Completion, trajectory_id: str,
+                    tokenizer: Any) -> dict[str, Any]:
         return {
             "type": "trajectory", "id": trajectory_id, "policy_version": c.version, "task": request.task,
             "prompt": request.messages,
             # PostgreSQL text cannot hold NUL; the token ids keep the exact sample.
             "steps": [{"role": "assistant", "content": c.text.replace("\x00", "\ufffd"), "token_ids": c.token_ids, "logprobs": c.logprobs,
                        "routing": c.routing, "prompt_token_ids": c.prompt_token_ids,
+                       "tokens": [tokenizer.decode([t]).replace("\x00", "\ufffd") for t in c.token_ids],
                        "finish_reason": c.finish_reason,
                        "sampling": {"temperature": request.sampling.temperature, "top_p": request.sampling.top_p}}],
             "occurred_at": datetime.now(tz=UTC).isoformat(),

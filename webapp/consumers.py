@@ -16,6 +16,9 @@ class ProjectConsumer(AsyncJsonWebsocketConsumer):
         if user is None or not user.is_authenticated:
             await self.close(code=4401)
             return
+        if not (user.is_staff or user.is_superuser):  # the dashboard's rule (webapp.selectors.access_check)
+            await self.close(code=4403)
+            return
         project_id = await self._project_id(self.scope["url_route"]["kwargs"]["slug"])
         if project_id is None:
             await self.close(code=4404)

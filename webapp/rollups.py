@@ -35,6 +35,7 @@ _SOURCES = {
 }
 
 _TOUCHED = """
+DROP TABLE IF EXISTS rollup_fb_hours, rollup_traj_hours, rollup_versions;  -- a savepoint (tests) keeps them
 CREATE TEMP TABLE rollup_fb_hours (project_id bigint, hour timestamptz, PRIMARY KEY (project_id, hour))
     ON COMMIT DROP;
 CREATE TEMP TABLE rollup_traj_hours (project_id bigint, hour timestamptz, PRIMARY KEY (project_id, hour))

@@ -13,11 +13,19 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from django.conf import settings
-from django.db.models import Count, F, Max, Prefetch, Q, QuerySet, Sum
+from django.db.models import F, Max, Prefetch, Q, QuerySet, Sum
 from django.utils import timezone
 
 from feedback.models import FeedbackEvent, Project, Step, Trajectory
-from training.models import AuditLog, GateReport, PolicyVersion, Reward, RubricScore, TrainingRun, TrainingStep
+from training.models import (
+    AuditLog,
+    GateReport,
+    PolicyVersion,
+    Reward,
+    RubricScore,
+    TrainingRun,
+    TrainingStep,
+)
 from webapp.errors import Forbidden, NotFound
 from webapp.models import AgreementRollup, FeedbackHourly, RubricRollup, TrajectoryHourly
 
@@ -473,18 +481,10 @@ def audit_log(project: Project, limit: int = 50) -> list[AuditLog]:
 
 
 def production_at(project: Project, when: datetime) -> PolicyVersion | None:
-    """The version in production at `when`: the promotion service's answer when it is installed,
-    else the newest audit entry that put a version into production."""
-    try:
-        from training.promotion import production_at as promotion_production_at
-    except ImportError:
-        promotion_production_at = None
-    if promotion_production_at is not None:
-        return promotion_production_at(project, when)
-    entry = (AuditLog.objects.filter(project=project, at__lte=when, after__state="production")
-             .order_by("-at", "-id").values_list("target", flat=True).first())
-    number = entry.lstrip("v") if entry else ""
-    return PolicyVersion.objects.filter(project=project, number=int(number)).first() if number.isdigit() else None
+    """The version in production at `when` (training.promotion reads the append-only audit log)."""
+    from training.promotion import production_at as promotion_production_at
+
+    return promotion_production_at(project, when)
 
 
 def version_get(project: Project, number: int) -> PolicyVersion:

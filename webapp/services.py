@@ -6,7 +6,6 @@ from typing import Any
 
 from training.models import PolicyVersion
 from webapp.errors import BadRequest, ServiceUnavailable
-from webapp.notify import project_event
 
 ACTIONS = ("approve", "reject", "rollback")
 
@@ -22,8 +21,5 @@ def version_decide(version: PolicyVersion, actor: Any, action: str, reason: str)
     except ImportError as exc:
         raise ServiceUnavailable("the promotion service is not installed yet",
                                  "Deploy training.promotion, then try again.") from exc
-    result = candidate_promote(version, actor, action, reason.strip())
-    version = result if isinstance(result, PolicyVersion) else PolicyVersion.objects.get(pk=version.pk)
-    project_event(version.project_id, {"type": "promotion", "version": version.number, "state": version.state,
-                                       "action": action, "actor": getattr(actor, "username", str(actor))})
-    return version
+    # The service audits the decision and pushes {"type": "policy_version", ...} to the dashboard.
+    return candidate_promote(version, actor, action, reason.strip())

@@ -193,6 +193,7 @@ def _gate_and_audit(project: Project, version: PolicyVersion, baseline: PolicyVe
     GateReport.objects.create(version=version, baseline=baseline, passed=True, checks=checks,
                               policy={"kl_max": 0.05})
     if version.state in ("retired", "production"):
-        AuditLog.objects.create(project=project, actor="seed", action="approve", target=f"v{version.number}",
-                                before={"state": "awaiting_approval"}, after={"state": "production"},
-                                reason="seed_load: gate passed")
+        snapshot = {"version_id": version.id, "number": version.number}
+        AuditLog.objects.create(project=project, actor="seed", action="approve", target=f"policy_version:{version.id}",
+                                before={**snapshot, "state": "awaiting_approval"},
+                                after={**snapshot, "state": "production"}, reason="seed_load: gate passed")

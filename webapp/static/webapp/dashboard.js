@@ -62,6 +62,9 @@
       });
       toast("v" + m.version + " → " + m.state + (m.actor ? " (" + m.actor + ")" : ""));
     },
+    policy_version: function (m) {
+      handlers.promotion({ version: m.version, state: m.after, actor: m.actor });
+    },
     gate: function (m) {
       toast("gate v" + m.version + ": " + (m.passed ? "passed" : "failed"));
     },

@@ -1,0 +1,139 @@
+"""Dashboard render time per page at the seed_load volume.
+
+    .venv/bin/python bench/dashboard.py [--events 1000000] [--trajectories 100000] [--repeat 20] [--json]
+
+Runs on a bench database of the embedded PostgreSQL (or DATABASE_URL's server), seeded once by
+`manage.py seed_load` (kept between runs; a smaller load than asked is topped up). Each page is
+rendered in-process through the full Django stack (middleware, session, templates) as a staff user:
+one warm-up request, then --repeat timed requests; p50/p95 per page in milliseconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+BENCH_DB = "flywheel_bench_dashboard"
+SLUG = "bench"
+
+
+def _bench_database_url() -> str:
+    from urllib.parse import urlparse
+
+    base = os.environ.get("DATABASE_URL")
+    if not base:
+        from webapp import embedded
+
+        base = embedded.postgres_url()
+    return urlparse(base)._replace(path=f"/{BENCH_DB}").geturl()
+
+
+def _setup_django(url: str) -> None:
+    import psycopg
+
+    admin_url = url.replace(f"/{BENCH_DB}", "/postgres")
+    with psycopg.connect(admin_url, autocommit=True) as conn:
+        if not conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", [BENCH_DB]).fetchone():
+            conn.execute(f'CREATE DATABASE "{BENCH_DB}"')
+    os.environ["DATABASE_URL"] = url
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "webapp.settings")
+    import django
+
+    django.setup()
+    from django.core.management import call_command
+
+    call_command("migrate", verbosity=0)
+
+
+def _seed(events: int, trajectories: int) -> tuple[int, int]:
+    from django.core.management import call_command
+    from django.db import connection
+
+    def counts() -> tuple[int, int]:
+        with connection.cursor() as cur:
+            cur.execute("SELECT (SELECT count(*) FROM feedback_feedbackevent fe JOIN feedback_project p "
+                        "ON p.id = fe.project_id WHERE p.slug = %s), (SELECT count(*) FROM feedback_trajectory t "
+                        "JOIN feedback_project p ON p.id = t.project_id WHERE p.slug = %s)", [SLUG, SLUG])
+            return cur.fetchone()
+
+    have_events, have_trajectories = counts()
+    if have_events < events:
+        call_command("seed_load", events=events - have_events,
+                     trajectories=max(trajectories - have_trajectories, 4), project=SLUG)
+        with connection.cursor() as cur:
+            cur.execute("VACUUM ANALYZE")
+    return counts()
+
+
+def _pages() -> dict[str, str]:
+    from feedback.models import Trajectory
+    from training.models import TrainingRun
+
+    runs = list(TrainingRun.objects.filter(project__slug=SLUG).order_by("id").values_list("id", flat=True)[:2])
+    t = Trajectory.objects.filter(project__slug=SLUG, steps__routing__isnull=False).order_by("-id").first()
+    return {
+        "index": "/",
+        "overview": f"/p/{SLUG}/",
+        "runs": f"/p/{SLUG}/runs/?run={runs[0]}&compare={runs[1]}",
+        "rubrics": f"/p/{SLUG}/rubrics/",
+        "rubrics_filtered": f"/p/{SLUG}/rubrics/?task=chat&tag=ide",
+        "rollouts": f"/p/{SLUG}/rollouts/?task=refactor",
+        "replay": f"/p/{SLUG}/rollouts/{t.id}/?task={t.task}",
+        "registry": f"/p/{SLUG}/registry/?at=2030-01-01T00:00",
+    }
+
+
+def _time_pages(repeat: int) -> dict[str, tuple[float, float]]:
+    from django.contrib.auth.models import User
+    from django.test import Client
+
+    user, _ = User.objects.get_or_create(username="bench-viewer", defaults={"is_staff": True})
+    client = Client()
+    client.force_login(user)
+    out = {}
+    for name, url in _pages().items():
+        assert client.get(url).status_code == 200, url
+        samples = []
+        for _ in range(repeat):
+            start = time.perf_counter()
+            response = client.get(url)
+            samples.append((time.perf_counter() - start) * 1000)
+            assert response.status_code == 200, url
+        samples.sort()
+        out[name] = (statistics.median(samples), samples[max(0, round(0.95 * len(samples)) - 1)])
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--events", type=int, default=1_000_000)
+    parser.add_argument("--trajectories", type=int, default=100_000)
+    parser.add_argument("--repeat", type=int, default=20)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+
+    _setup_django(_bench_database_url())
+    events, trajectories = _seed(args.events, args.trajectories)
+    times = _time_pages(args.repeat)
+    print(f"volume: {events} feedback events, {trajectories} trajectories; {os.cpu_count()} cores; "
+          f"{args.repeat} requests per page")
+    print(f"{'page':<18} {'p50 ms':>8} {'p95 ms':>8}")
+    for name, (p50, p95) in times.items():
+        print(f"{name:<18} {p50:>8.1f} {p95:>8.1f}")
+    if args.json:
+        out = {"p95_ms_max": round(max(p95 for _, p95 in times.values()), 1)}
+        out.update({f"p95_ms_{name}": round(p95, 1) for name, (_, p95) in times.items()})
+        out.update({f"p50_ms_{name}": round(p50, 1) for name, (p50, _) in times.items()})
+        out.update({"events": events, "trajectories": trajectories, "cores": os.cpu_count()})
+        print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
