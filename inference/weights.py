@@ -8,24 +8,18 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from django.conf import settings
-
 from inference.serving import PolicyServer, ServingError
 
 
 def version_folder(version) -> Path:
     """An HF folder holding `version`'s weights, verified (materialised from the store if needed)."""
-    if version.manifest_hash:
-        from training.checkpoints.store import CheckpointStore
+    from training.services import policy_folder
+    from webapp.errors import NotFound
 
-        out = Path(settings.VAR_DIR) / "materialised" / version.manifest_hash
-        if not (out / "config.json").exists():
-            CheckpointStore(settings.FLYWHEEL_CHECKPOINT_DIR).materialise(version.manifest_hash, out)
-        return out
-    if version.checkpoint_path and Path(version.checkpoint_path).is_dir():
-        return Path(version.checkpoint_path)
-    raise ServingError(409, f"policy version {version.number} has no checkpoint on this machine",
-                       "Register the version with a checkpoint (bootstrap_policy or a training run).")
+    try:
+        return policy_folder(version)
+    except NotFound as exc:
+        raise ServingError(409, exc.message, exc.fix) from None
 
 
 def _version(project_slug: str, number: Any):

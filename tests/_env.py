@@ -8,6 +8,8 @@ test Celery worker never takes the demo's tasks (and the other way round).
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# This session's Celery messages only reach this session's workers.
+os.environ.setdefault("CELERY_KEY_PREFIX", f"test-{os.getpid()}:")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 if not os.environ.get("REDIS_URL"):
     from webapp import embedded

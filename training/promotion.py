@@ -160,10 +160,9 @@ def default_engine_factory(version: PolicyVersion) -> Any:
     from django.conf import settings
 
     from inference.engine import make_engine
+    from training.services import policy_folder
 
-    if not version.checkpoint_path:
-        raise Conflict(f"policy v{version.number} has no checkpoint path", "Gate a version whose checkpoint is stored.")
-    return make_engine(getattr(settings, "FLYWHEEL_GATE_ENGINE", "torch"), version.checkpoint_path)
+    return make_engine(settings.FLYWHEEL_GATE_ENGINE, policy_folder(version), version=version.number)
 
 
 def gate_run(version_id: int, *, actor: Actor = "system:gate", suite: str = "default",

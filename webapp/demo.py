@@ -96,10 +96,31 @@ def _demo_state() -> dict:
         state["admin_password"] = secrets.token_urlsafe(12)
         admin = users.objects.create_superuser("admin", "admin@localhost", state["admin_password"])
         admin.user_permissions.add(Permission.objects.get(codename="approve_promotion"))
+    _demo_loop_config(Project.objects.get(slug="demo"))
     DEMO_FILE.parent.mkdir(parents=True, exist_ok=True)
     DEMO_FILE.write_text(json.dumps(state, indent=2))
     DEMO_FILE.chmod(0o600)
     return state
+
+
+def _demo_loop_config(project) -> None:
+    """The demo's held-out suite, reward spec and beat schedule (idempotent)."""
+    from inference.policies import sample_lines, stdlib_corpus
+    from training.models import EvalSuite
+    from training.services import reward_spec_current, reward_spec_update, training_schedule_install
+
+    if not EvalSuite.objects.filter(project=project).exists():
+        held_out = sample_lines(stdlib_corpus()[-20_000:], 12, seed=7)
+        prompts = [{"id": f"stdlib-{i}", "prompt": line[:20], "context": {"prefix": line[:20]}}
+                   for i, line in enumerate(held_out)]
+        EvalSuite.objects.create(project=project, version=1, prompts=prompts,
+                                 checks=[{"name": "python_compiles", "weight": 1.0}],
+                                 judge={"kind": "rule_rubric", "aspects": ["style", "concision"]},
+                                 aspects=[{"name": "style", "weight": 0.1}, {"name": "concision", "weight": 0.1}],
+                                 n_samples=4, max_tokens=16)
+    if reward_spec_current(project).settle_seconds != 10:
+        reward_spec_update(project, settle_seconds=10)
+    training_schedule_install([project], min_new=32, every_minutes=5)
 
 
 def demo_processes(port: int, state: dict, simulate: bool) -> list[tuple[str, list[str]]]:

@@ -163,6 +163,9 @@ CHANNEL_LAYERS = {
 
 CELERY_BROKER_URL = _redis_db(REDIS_BASE_URL, 0)
 CELERY_RESULT_BACKEND = _redis_db(REDIS_BASE_URL, 1)
+# Separate key spaces on one Redis (e.g. concurrent test sessions, several deployments).
+if env_str("CELERY_KEY_PREFIX", ""):
+    CELERY_BROKER_TRANSPORT_OPTIONS = {"global_keyprefix": env_str("CELERY_KEY_PREFIX", "")}
 CELERY_TASK_ALWAYS_EAGER = env_bool("CELERY_TASK_ALWAYS_EAGER", False)
 CELERY_TASK_ACKS_LATE = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1

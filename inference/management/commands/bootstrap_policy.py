@@ -62,12 +62,9 @@ def _register(project, folder: Path, opts: dict, stats: dict):
     from django.db import transaction
 
     from training.models import PolicyVersion
+    from training.services import policy_register
 
     with transaction.atomic():
         PolicyVersion.objects.filter(project=project, state="production").update(state="retired")
-        number = (PolicyVersion.objects.filter(project=project).order_by("-number").values_list(
-            "number", flat=True).first() or 0) + 1
-        return PolicyVersion.objects.create(
-            project=project, number=number, state="production", checkpoint_path=str(folder),
-            config={"task": opts["task"], "kind": opts["kind"], "pretrain": stats},
-        )
+        return policy_register(project, folder, parent=None, state="production",
+                               config={"task": opts["task"], "kind": opts["kind"], "pretrain": stats})

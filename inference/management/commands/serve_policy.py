@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 
 from django.core.management.base import BaseCommand, CommandError
 
@@ -43,6 +44,9 @@ class Command(BaseCommand):
         self.stdout.write(f"serving {server.model_name(server.engine.version)} ({opts['engine']}) on "
                           f"http://{opts['host']}:{opts['port']}/v1", ending="\n")
         self.stdout.flush()
+        # uvicorn re-raises SIGTERM after its graceful shutdown; with the default action the process
+        # would die before the recorder flushes. Raising SystemExit runs the `finally` below.
+        signal.signal(signal.SIGTERM, _exit_on_signal)
         try:
             uvicorn.run(get_asgi_application(), host=opts["host"], port=opts["port"], log_level="warning")
         finally:
@@ -81,6 +85,10 @@ class Command(BaseCommand):
             raise ServingError(409, f"project {project.slug!r} has no production policy",
                                "Create one with `manage.py bootstrap_policy --project SLUG`.")
         return version_folder(version), version.number
+
+
+def _exit_on_signal(signum, frame) -> None:
+    raise SystemExit(0)
 
 
 def _writer(project):

@@ -68,6 +68,9 @@
     gate: function (m) {
       toast("gate v" + m.version + ": " + (m.passed ? "passed" : "failed"));
     },
+    training_succeeded: function (m) { toast("run " + m.run + " finished: candidate v" + m.candidate); },
+    training_failed: function (m) { toast("run " + m.run + " failed"); },
+    deploy_failed: function (m) { toast("deploy failed: " + m.error); },
   };
 
   function connect(delay) {

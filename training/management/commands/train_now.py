@@ -1,0 +1,58 @@
+"""python manage.py train_now --project SLUG [--steps 4] [--batch-size 32] [--lr 1e-5] [--queue]
+
+Starts a training run for the project's lineage and waits for it: in this process by default,
+or queued for the Celery train workers with --queue. Prints one line per optimiser step.
+"""
+
+from __future__ import annotations
+
+import time
+
+from django.core.management.base import BaseCommand, CommandError
+
+
+class Command(BaseCommand):
+    help = "Start a training run now (one per project at a time) and wait for it."
+
+    def add_arguments(self, parser):
+        parser.add_argument("--project", required=True)
+        parser.add_argument("--steps", type=int, default=4)
+        parser.add_argument("--batch-size", type=int, default=32)
+        parser.add_argument("--lr", type=float, default=None)
+        parser.add_argument("--queue", action="store_true", help="run on a Celery train worker, wait here")
+        parser.add_argument("--timeout", type=float, default=3600.0)
+
+    def handle(self, *args, **opts):
+        from feedback.models import Project
+        from training.services import train_policy, training_run_start
+
+        project = Project.objects.filter(slug=opts["project"]).first()
+        if project is None:
+            raise CommandError(f"no project {opts['project']!r}")
+        rl = {"lr": opts["lr"]} if opts["lr"] is not None else None
+        run, created = training_run_start(project, steps=opts["steps"], rl=rl, batch_size=opts["batch_size"],
+                                          enqueue=opts["queue"])
+        if not created:
+            raise CommandError(f"run {run.pk} is already {run.state} for {project.slug}; wait for it to end")
+        self.stdout.write(f"run {run.pk}: training from v{run.base_version.number}")
+        if not opts["queue"]:
+            train_policy(run.pk)
+        run = self._wait(run.pk, opts["timeout"])
+        if run.state != "succeeded":
+            raise CommandError(f"run {run.pk} {run.state}: {run.error}")
+        self.stdout.write(self.style.SUCCESS(f"run {run.pk} succeeded: candidate v{run.candidate.number}"))
+
+    def _wait(self, run_id: int, timeout: float):
+        from training.models import TrainingRun
+        from training.selectors import training_step_list
+
+        shown, deadline = 0, time.monotonic() + timeout
+        while True:
+            run = TrainingRun.objects.select_related("candidate").get(pk=run_id)
+            for step in training_step_list(run)[shown:]:
+                self.stdout.write(f"  step {step.step}: loss {step.loss:+.4f} reward {step.reward_mean:+.3f} "
+                                  f"kl {step.kl_ref:.4f} clip {step.clip_fraction:.2f} {step.tokens_per_s:,.0f} tok/s")
+                shown += 1
+            if run.state in ("succeeded", "failed") or time.monotonic() > deadline:
+                return run
+            time.sleep(1.0)

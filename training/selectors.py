@@ -1,0 +1,123 @@
+"""Reads of the training app: runs and steps, rewards, what is pending, judge calibration."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from datetime import datetime, timedelta
+
+from django.db.models import DateTimeField, F, Max, OuterRef, Q, QuerySet, Subquery
+from django.db.models.functions import Coalesce, Greatest
+
+from feedback.models import FeedbackEvent, Project, Trajectory
+from training.models import PolicyVersion, Reward, RewardSpec, RubricScore, TrainingRun, TrainingStep
+from training.rewards.calibration import Agreement, aspect_agreement
+
+ACTIVE_RUN_STATES = ("queued", "running")
+
+
+# --- runs ---------------------------------------------------------------------------------------
+
+
+def training_run_list(project: Project) -> QuerySet[TrainingRun]:
+    return TrainingRun.objects.filter(project=project).select_related("base_version", "candidate").order_by(
+        "-created_at"
+    )
+
+
+def training_run_active(project: Project) -> TrainingRun | None:
+    return TrainingRun.objects.filter(project=project, state__in=ACTIVE_RUN_STATES).order_by("created_at").first()
+
+
+def training_run_last(project: Project, states: tuple[str, ...] = ("succeeded",)) -> TrainingRun | None:
+    return TrainingRun.objects.filter(project=project, state__in=states).order_by("-created_at").first()
+
+
+def training_step_list(run: TrainingRun) -> QuerySet[TrainingStep]:
+    return TrainingStep.objects.filter(run=run).order_by("step")
+
+
+def training_run_heartbeat(run: TrainingRun) -> datetime:
+    """The newest sign of life of a run: its last step row, else its start (or creation)."""
+    last_step = TrainingStep.objects.filter(run=run).aggregate(at=Max("created_at"))["at"]
+    return last_step or run.started_at or run.created_at
+
+
+# --- policies -----------------------------------------------------------------------------------
+
+
+def policy_production(project: Project) -> PolicyVersion | None:
+    return PolicyVersion.objects.filter(project=project, state="production").order_by("-number").first()
+
+
+def policy_get(project: Project, number: int | None) -> PolicyVersion | None:
+    if number is None:
+        return None
+    return PolicyVersion.objects.filter(project=project, number=number).first()
+
+
+# --- rewards ------------------------------------------------------------------------------------
+
+
+def reward_list(project: Project, spec: RewardSpec | None = None) -> QuerySet[Reward]:
+    rewards = Reward.objects.filter(trajectory__project=project).select_related("trajectory", "spec")
+    if spec is not None:
+        rewards = rewards.filter(spec=spec)
+    return rewards.order_by("-computed_at")
+
+
+def trajectories_reward_pending(project: Project, spec: RewardSpec, now: datetime) -> QuerySet[Trajectory]:
+    """Trajectories whose feedback has settled and whose reward under `spec` is missing or older
+    than their newest feedback (late feedback makes a reward stale)."""
+    rewarded_at = Reward.objects.filter(trajectory=OuterRef("pk"), spec=spec).values("computed_at")[:1]
+    settled_before = now - timedelta(seconds=spec.settle_seconds)
+    return (
+        Trajectory.objects.filter(project=project)
+        .exclude(source="eval")
+        .annotate(last_feedback=Max("feedback_events__received_at"))
+        .annotate(
+            last_activity=Greatest(Coalesce("last_feedback", "received_at"), "received_at"),
+            rewarded_at=Subquery(rewarded_at, output_field=DateTimeField()),
+        )
+        .filter(last_activity__lte=settled_before)
+        .filter(Q(rewarded_at__isnull=True) | Q(rewarded_at__lt=F("last_feedback")))
+        .order_by("received_at")
+    )
+
+
+def rewarded_trajectories_since(
+    project: Project, spec: RewardSpec, since: datetime | None, until: datetime | None = None
+) -> QuerySet[Reward]:
+    """Rewards under `spec` of trajectories received in (since, until], for training (no eval)."""
+    rewards = Reward.objects.filter(spec=spec, trajectory__project=project).exclude(trajectory__source="eval")
+    if since is not None:
+        rewards = rewards.filter(trajectory__received_at__gt=since)
+    if until is not None:
+        rewards = rewards.filter(trajectory__received_at__lte=until)
+    return rewards.select_related("trajectory").order_by("trajectory__received_at", "trajectory_id")
+
+
+# --- judge calibration --------------------------------------------------------------------------
+
+
+def _human_labels(project: Project) -> dict[tuple[int, str], float]:
+    """(trajectory id, aspect) -> mean human label over the feedback events that carry one."""
+    sums: dict[tuple[int, str], list[float]] = defaultdict(list)
+    events = FeedbackEvent.objects.filter(project=project, trajectory__isnull=False, aspect_labels__isnull=False)
+    for trajectory_id, labels in events.values_list("trajectory_id", "aspect_labels"):
+        for aspect, value in (labels or {}).items():
+            sums[(trajectory_id, aspect)].append(float(value))
+    return {key: sum(values) / len(values) for key, values in sums.items()}
+
+
+def judge_agreement(
+    project: Project, threshold: float = 0.5, human_threshold: float | None = None
+) -> dict[str, dict[str, Agreement]]:
+    """judge id -> aspect -> agreement (Spearman, Cohen's kappa) between judge and human labels."""
+    humans = _human_labels(project)
+    rows: dict[str, list[tuple[str, float, float]]] = defaultdict(list)
+    scores = RubricScore.objects.filter(trajectory__project=project, score__isnull=False)
+    for trajectory_id, aspect, judge, score in scores.values_list("trajectory_id", "aspect", "judge", "score"):
+        human = humans.get((trajectory_id, aspect))
+        if human is not None:
+            rows[judge].append((aspect, score, human))
+    return {judge: aspect_agreement(r, threshold, human_threshold) for judge, r in sorted(rows.items())}

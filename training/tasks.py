@@ -1,0 +1,41 @@
+"""Celery tasks of the training app. They take ids, load, call one service.
+
+Routing (webapp/settings.py): rewards_* -> queue rewards, train_* -> train, rollout_* -> rollouts.
+Beat entries are rows made by `training.services.training_schedule_install()`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from celery import shared_task
+
+import training.gate.tasks  # noqa: F401 - the gate's tasks, so workers discover them
+from feedback.models import Project
+from training import services
+
+
+@shared_task(name="training.tasks.rewards_compute_pending")
+def rewards_compute_pending(project_id: int) -> int:
+    return services.rewards_compute_pending(Project.objects.get(pk=project_id))
+
+
+@shared_task(name="training.tasks.train_policy", bind=True)
+def train_policy_task(self: Any, run_id: int) -> str:
+    worker = services.WorkerRef.here("celery", node=self.request.hostname or "", task_id=self.request.id or "")
+    return services.train_policy(run_id, worker).state
+
+
+@shared_task(name="training.tasks.train_maybe")
+def train_maybe(project_id: int, min_new: int = 64, every_minutes: float = 60.0) -> int | None:
+    run = services.train_maybe(Project.objects.get(pk=project_id), min_new, every_minutes)
+    return run.pk if run is not None else None
+
+
+@shared_task(name="training.tasks.rollout_and_train")
+def rollout_and_train_task(project_id: int, prompts: list[Any], G: int = 16, steps: int = 1,
+                           max_tokens: int = 24, seed: int = 0) -> int:
+    """Rollouts here (queue rollouts); the training itself is queued for the train workers."""
+    run, _ = services.rollout_and_train(Project.objects.get(pk=project_id), prompts, G, steps=steps,
+                                        max_tokens=max_tokens, seed=seed, inline=False)
+    return run.pk

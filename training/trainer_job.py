@@ -1,0 +1,210 @@
+"""One training run, top to bottom: the production policy's weights, the rewarded trajectories as
+Samples, `rl_step` N times, one TrainingStep row per step, the candidate registered.
+
+Django-aware (it reads trajectories and writes rows through `training.services`); the maths is
+in `training.rl`. Called by `training.services.train_policy`, which owns the run's state.
+
+    .venv/bin/python manage.py train_now --project SLUG --steps 4
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections import defaultdict
+from collections.abc import Iterator, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+from django.db.models import Prefetch, QuerySet
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+from feedback.models import Step, Trajectory
+from training import selectors, services
+from training.models import PolicyVersion, Reward, RewardSpec, TrainingRun
+from training.rl.advantages import RunningBaseline
+from training.rl.config import RLConfig
+from training.rl.trainer import Batch, Sample, compute_logprobs, prepare_batch, rl_step
+
+RECOMPUTE_CHUNK = 64  # samples per no-grad forward when recomputing behaviour log-probs
+
+
+def run(run: TrainingRun) -> PolicyVersion:
+    cfg = RLConfig.from_dict(run.config["rl"])
+    torch.manual_seed(int(run.config.get("seed", 0)))
+    base_dir = services.policy_folder(run.base_version)
+    tokenizer = AutoTokenizer.from_pretrained(str(base_dir))
+    pad_id = _pad_id(tokenizer)
+    model = setup_model(base_dir)
+    samples = setup_samples(run, tokenizer)
+    unknown_mu = fill_behaviour_logprobs(run, samples, model, cfg, pad_id)
+    baseline = setup_baseline(run, cfg)
+    batch = prepare_batch(samples, run.base_version.number, cfg, pad_id, baseline)
+    # pi_old is the pre-update policy for every step of the run (PPO's clip is against it).
+    batch.old_logprobs = _chunked_logprobs(model, batch, cfg)
+    ref_model = setup_model(base_dir).eval() if cfg.beta > 0 else None
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    steps, size = int(run.config["steps"]), int(run.config["batch_size"])
+    for step, mb in zip(range(steps), _cycle(batch, size), strict=False):
+        metrics = rl_step(model, ref_model, mb, optimizer, cfg)
+        services.training_step_record(run, step, metrics.to_dict(), steps)
+    folder = services.staging_dir(run)
+    try:
+        save_candidate(model, base_dir, folder)
+        extra = {"baseline": baseline.state_dict(), "samples": len(samples), "dropped_stale": batch.dropped_stale,
+                 "behaviour_unknown": unknown_mu}
+        return services.training_run_finish(run, folder, extra)
+    finally:
+        services.staging_drop(folder)
+
+
+# --------------------------------------------------------------------------------- setup
+
+
+def setup_model(folder: Path) -> PreTrainedModel:
+    return AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).train()
+
+
+def setup_baseline(run: TrainingRun, cfg: RLConfig) -> RunningBaseline:
+    """The running baseline per task bucket carries over from the project's last successful run."""
+    previous = selectors.training_run_last(run.project)
+    state = previous.config.get("baseline") if previous is not None else None
+    return RunningBaseline.from_state_dict(state) if state else RunningBaseline(cfg.baseline_decay)
+
+
+def _rewards_of(run: TrainingRun) -> QuerySet[Reward]:
+    spec = RewardSpec.objects.get(pk=run.config["spec"])
+    ids = run.config.get("trajectory_ids")
+    if ids is not None:
+        return Reward.objects.filter(spec=spec, trajectory_id__in=ids).order_by("trajectory_id")
+    since, until = (_when(run.config.get(k)) for k in ("data_since", "data_until"))
+    return selectors.rewarded_trajectories_since(run.project, spec, since, until)
+
+
+def setup_samples(run: TrainingRun, tokenizer: Any) -> list[Sample]:
+    limit = int(run.config.get("max_samples", services.DEFAULT_MAX_SAMPLES))
+    rewards = _rewards_of(run).select_related("trajectory").prefetch_related(
+        Prefetch("trajectory__steps", queryset=Step.objects.order_by("index"))
+    )
+    rewards = list(rewards)[-limit:]  # the newest `limit`
+    samples = [s for r in rewards if (s := sample_from(r.trajectory, r.total, tokenizer)) is not None]
+    if not samples:
+        raise ValueError(f"no rewarded trajectories with token ids to train on ({len(rewards)} rewarded)")
+    return samples
+
+
+def sample_from(trajectory: Trajectory, reward: float, tokenizer: Any) -> Sample | None:
+    """The first assistant step with token ids becomes the completion; None without one."""
+    step = next((s for s in trajectory.steps.all() if s.role == "assistant" and s.token_ids), None)
+    if step is None:
+        return None
+    prompt_ids = prompt_token_ids(trajectory, tokenizer)
+    if not prompt_ids:
+        return None
+    logprobs = step.logprobs if step.logprobs and len(step.logprobs) == len(step.token_ids) else None
+    extra = trajectory.extra if isinstance(trajectory.extra, dict) else {}
+    return Sample(
+        prompt_ids=prompt_ids, completion_ids=list(step.token_ids), reward=float(reward),
+        behaviour_logprobs=logprobs, policy_version=trajectory.policy_version,
+        group=extra.get("group"), task=trajectory.task or "default",
+        routing=routing_tensor(step.routing, len(prompt_ids) + len(step.token_ids)),
+    )
+
+
+def prompt_token_ids(trajectory: Trajectory, tokenizer: Any) -> list[int]:
+    """The ids the engine was fed: recorded with the trajectory, else the chat template's."""
+    extra = trajectory.extra if isinstance(trajectory.extra, dict) else {}
+    recorded = extra.get("prompt_token_ids")
+    if isinstance(recorded, list) and recorded:
+        return [int(t) for t in recorded]
+    messages = trajectory.prompt or []
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    else:
+        text = "".join(str(m.get("content", "")) for m in messages)
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def routing_tensor(routing: Any, width: int) -> torch.Tensor | None:
+    """Engine routing (positions fed, L, k) -> the trainer's (L, width, k), -1 where unrecorded."""
+    if not routing:
+        return None
+    recorded = torch.tensor(routing, dtype=torch.long)  # (N, L, k)
+    if recorded.dim() != 3:
+        return None
+    n = min(recorded.shape[0], width)
+    out = torch.full((recorded.shape[1], width, recorded.shape[2]), -1, dtype=torch.long)  # (L, width, k)
+    out[:, :n] = recorded[:n].permute(1, 0, 2)
+    return out
+
+
+# --------------------------------------------------------------------------------- log-probs
+
+
+def _chunked_logprobs(model: PreTrainedModel, batch: Batch, cfg: RLConfig) -> torch.Tensor:
+    parts = [compute_logprobs(model, mb, cfg) for mb in batch.micro_batches(RECOMPUTE_CHUNK)]
+    width = batch.input_ids.shape[1]
+    return torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1])) for p in parts])  # (B, T)
+
+
+def fill_behaviour_logprobs(
+    run: TrainingRun, samples: Sequence[Sample], current: PreTrainedModel, cfg: RLConfig, pad_id: int
+) -> int:
+    """Recompute missing behaviour log-probs mu from the version that sampled them; returns how
+    many samples stay unknown (their version has no checkpoint: mu is taken as pi_old)."""
+    by_version: dict[int | None, list[Sample]] = defaultdict(list)
+    for s in samples:
+        if s.behaviour_logprobs is None:
+            by_version[s.policy_version].append(s)
+    unknown = 0
+    for number, group in by_version.items():
+        model = _behaviour_model(run, number, current)
+        if model is None:
+            unknown += len(group)
+            continue
+        batch = Batch.from_samples(group, pad_id, torch.zeros(len(group)))
+        lp = _chunked_logprobs(model, batch, cfg)  # (B, T)
+        for i, s in enumerate(group):
+            start = len(s.prompt_ids)
+            s.behaviour_logprobs = lp[i, start : start + len(s.completion_ids)].tolist()
+    return unknown
+
+
+def _behaviour_model(run: TrainingRun, number: int | None, current: PreTrainedModel) -> PreTrainedModel | None:
+    if number == run.base_version.number:
+        return current  # still at the base weights: nothing has been trained yet
+    version = selectors.policy_get(run.project, number)
+    if version is None:
+        return None
+    try:
+        return setup_model(services.policy_folder(version)).eval()
+    except Exception:  # noqa: BLE001 - a lost checkpoint degrades to mu = pi_old, it doesn't stop training
+        return None
+
+
+# --------------------------------------------------------------------------------- helpers
+
+
+def _cycle(batch: Batch, size: int) -> Iterator[Batch]:
+    while True:
+        yield from batch.micro_batches(size)
+
+
+def save_candidate(model: PreTrainedModel, base_dir: Path, folder: Path) -> None:
+    """The base folder's tokenizer and side files, with the trained weights."""
+    for path in base_dir.iterdir():
+        if path.is_file() and path.suffix != ".safetensors" and not path.name.endswith(".index.json"):
+            shutil.copy2(path, folder / path.name)
+    model.save_pretrained(folder)
+
+
+def _pad_id(tokenizer: Any) -> int:
+    for candidate in (tokenizer.pad_token_id, tokenizer.eos_token_id):
+        if candidate is not None:
+            return int(candidate)
+    return 0
+
+
+def _when(text: str | None) -> datetime | None:
+    return datetime.fromisoformat(text) if text else None
