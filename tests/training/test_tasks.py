@@ -1,0 +1,91 @@
+"""Training tasks in a real Celery worker process: a worker killed with SIGKILL mid-run leaves a
+failed run and no candidate, and the next run proceeds.
+
+    .venv/bin/python -m pytest tests/training/test_tasks.py -q
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+from tests.processes import ROOT, subprocess_env
+from tests.training.test_services import ingest_live, later, plain_spec
+from training import services
+from training.models import PolicyVersion, TrainingRun, TrainingStep
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture
+def worker_on_own_queue(django_db_setup, checkpoint_root):
+    """(process, queue): a Celery worker of its own (function-scoped, so killing it harms no other
+    test), consuming a queue no other worker reads."""
+    from webapp.celery import app
+
+    queue = f"train-test-{uuid.uuid4().hex[:8]}"
+    node = f"killme-{uuid.uuid4().hex[:6]}@%h"
+    env = subprocess_env(FLYWHEEL_CHECKPOINT_DIR=str(checkpoint_root))
+    log = open(ROOT / "var" / "test-celery-worker-kill.log", "wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "celery", "-A", "webapp", "worker", "-l", "info", "--pool", "solo", "-Q", queue,
+         "-n", node], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+    )
+    deadline = time.monotonic() + 90
+    while not app.control.ping(destination=[node.replace("%h", os.uname().nodename)], timeout=0.5):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError("the test Celery worker did not start; see var/test-celery-worker-kill.log")
+    yield proc, queue
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait()
+    log.close()
+
+
+def wait_for(predicate, timeout: float = 120.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_a_worker_killed_mid_run_fails_the_run_registers_nothing_and_the_next_run_proceeds(
+    creds, production, tokenizer, worker_on_own_queue
+):
+    from training.tasks import train_policy_task
+
+    proc, queue = worker_on_own_queue
+    plain_spec(creds.project, settle_seconds=0)
+    ingest_live(creds.project, tokenizer, 8)
+    services.rewards_compute_pending(creds.project, now=later(1))
+    doomed, _ = services.training_run_start(creds.project, steps=100_000, batch_size=2, enqueue=False)
+    train_policy_task.apply_async(args=[doomed.pk], queue=queue)
+
+    wait_for(lambda: TrainingStep.objects.filter(run=doomed).exists(), what="the first optimiser step")
+    doomed.refresh_from_db()
+    assert doomed.state == "running"
+    assert services.WorkerRef.parse(doomed.worker).pid == proc.pid  # the process we are about to kill
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+    nxt, created = services.training_run_start(creds.project, steps=2, batch_size=4, enqueue=False)
+    doomed.refresh_from_db()
+    assert created
+    assert doomed.state == "failed" and "worker lost" in doomed.error and doomed.candidate is None
+    assert doomed.finished_at is not None
+    assert not PolicyVersion.objects.filter(state="candidate").exists()
+
+    nxt = services.train_policy(nxt.pk)
+    assert nxt.state == "succeeded", nxt.error
+    assert list(PolicyVersion.objects.filter(state="candidate")) == [nxt.candidate]
+    assert TrainingRun.objects.get(pk=doomed.pk).state == "failed"  # the late finish cannot revive it
