@@ -14,8 +14,22 @@ from training.models import (
 
 @admin.register(RewardSpec)
 class RewardSpecAdmin(admin.ModelAdmin):
+    """Edits go through reward_spec_update: a spec that rewards used becomes a new version."""
+
     list_display = ("project", "version", "settle_seconds", "created_at")
     list_filter = ("project",)
+    readonly_fields = ("version",)
+
+    def save_model(self, request, obj, form, change) -> None:
+        from training.services import SPEC_FIELDS, reward_spec_update
+
+        if not change:
+            super().save_model(request, obj, form, change)
+            return
+        saved = reward_spec_update(obj.project, **{f: getattr(obj, f) for f in SPEC_FIELDS})
+        if saved.pk != obj.pk:
+            self.message_user(request, f"v{obj.version} is used by rewards, so the edit was saved as v{saved.version}.")
+        obj.pk, obj.version = saved.pk, saved.version
 
 
 @admin.register(Reward)

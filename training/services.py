@@ -49,8 +49,8 @@ DEFAULT_BATCH_SIZE = 32
 DEFAULT_MAX_SAMPLES = 4096
 
 
-def _setting(name: str, default: float) -> float:
-    return float(getattr(settings, name, default))
+def _setting(name: str) -> float:
+    return float(getattr(settings, name))
 
 
 # === reward specs ===============================================================================
@@ -281,13 +281,13 @@ def training_run_lost_reason(run: TrainingRun, now: datetime | None = None) -> s
     now = now or timezone.now()
     if run.state == "queued":
         waited = (now - run.created_at).total_seconds()
-        limit = _setting("FLYWHEEL_TRAIN_QUEUE_TIMEOUT_S", 3600)
+        limit = _setting("FLYWHEEL_TRAIN_QUEUE_TIMEOUT_S")
         return f"no worker picked the run up within {limit:g} s" if waited > limit else None
     ref = WorkerRef.parse(run.worker)
     if ref is not None and ref.host == socket.gethostname() and not _pid_alive(ref.pid):
         return f"worker process {ref.pid} on {ref.host} ({ref.node}) is gone"
     silent = (now - selectors.training_run_heartbeat(run)).total_seconds()
-    limit = _setting("FLYWHEEL_TRAIN_HEARTBEAT_TIMEOUT_S", 900)
+    limit = _setting("FLYWHEEL_TRAIN_HEARTBEAT_TIMEOUT_S")
     return f"no heartbeat for {silent:.0f} s (limit {limit:g} s)" if silent > limit else None
 
 

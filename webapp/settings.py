@@ -203,6 +203,9 @@ FLYWHEEL_INFERENCE_URL = env_str("FLYWHEEL_INFERENCE_URL", "")
 # How a promotion reaches the serving process: "http" (its /internal/load) or "record" (a notice only).
 FLYWHEEL_DEPLOY_TRANSPORT = env_str("FLYWHEEL_DEPLOY_TRANSPORT", "http" if FLYWHEEL_INFERENCE_URL else "record")
 FLYWHEEL_GATE_ENGINE = env_str("FLYWHEEL_GATE_ENGINE", "torch")
+# A running training run with no step for this long (or queued for this long) is presumed dead.
+FLYWHEEL_TRAIN_HEARTBEAT_TIMEOUT_S = env_int("FLYWHEEL_TRAIN_HEARTBEAT_TIMEOUT_S", 900)
+FLYWHEEL_TRAIN_QUEUE_TIMEOUT_S = env_int("FLYWHEEL_TRAIN_QUEUE_TIMEOUT_S", 3600)
 FLYWHEEL_INTERNAL_TOKEN = env_str("FLYWHEEL_INTERNAL_TOKEN", "")
 
 LOGGING = {
