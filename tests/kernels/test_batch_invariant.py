@@ -9,11 +9,19 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import kernels.batch_invariant as bi
 from kernels.batch_invariant import batch_invariant_mode, linear, log_softmax, matmul, rms_norm
 from kernels.logprobs import selective_log_softmax
 from tests.kernels.conftest import VOCAB
 
 DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.fixture(params=[16, bi.ROW_TILE], ids=["tile16", "tile_default"])
+def row_tile(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> int:
+    """Also run with a tile smaller than the batch: full tiles plus a padded partial one."""
+    monkeypatch.setattr(bi, "ROW_TILE", request.param)
+    return request.param
 # (K, N): hidden->hidden, hidden->mlp, mlp->hidden (where oneDNN bf16 varies with M), lm head
 SHAPES = [(64, 64), (128, 512), (1024, 256), (256, 2048)]
 
@@ -31,7 +39,7 @@ def _assert_rows_invariant(op, x: torch.Tensor) -> None:  # noqa: ANN001
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("k", "n"), SHAPES)
-def test_matmul_rows_are_batch_invariant(dtype: torch.dtype, k: int, n: int) -> None:
+def test_matmul_rows_are_batch_invariant(dtype: torch.dtype, k: int, n: int, row_tile: int) -> None:
     g = torch.Generator().manual_seed(k + n)
     w = torch.randn(n, k, generator=g).to(dtype)
     x = torch.randn(64, k, generator=g).to(dtype)
@@ -42,14 +50,14 @@ def test_matmul_rows_are_batch_invariant(dtype: torch.dtype, k: int, n: int) -> 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("v", [100, 2048, 8192])
-def test_log_softmax_rows_are_batch_invariant(dtype: torch.dtype, v: int) -> None:
+def test_log_softmax_rows_are_batch_invariant(dtype: torch.dtype, v: int, row_tile: int) -> None:
     x = torch.randn(64, v, generator=torch.Generator().manual_seed(v)).to(dtype)
     _assert_rows_invariant(lambda t: log_softmax(t, -1), x)
     assert torch.allclose(log_softmax(x, -1).float(), torch.log_softmax(x.float(), -1).to(dtype).float(), atol=0.1)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("h", [64, 256, 4096])
+@pytest.mark.parametrize("h", [64, 256, 4096, 40_000])
 def test_rms_norm_rows_are_batch_invariant(dtype: torch.dtype, h: int) -> None:
     g = torch.Generator().manual_seed(h)
     x = torch.randn(64, h, generator=g).to(dtype)
@@ -77,7 +85,9 @@ def _seq_logprobs(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("which", ["model_fp32", "model_bf16"])
-def test_a_sequence_gets_the_same_logprobs_alone_or_in_a_batch_of_64(which: str, request: pytest.FixtureRequest) -> None:
+def test_a_sequence_gets_the_same_logprobs_alone_or_in_a_batch_of_64(
+    which: str, request: pytest.FixtureRequest, row_tile: int
+) -> None:
     model = request.getfixturevalue(which)
     ids = torch.randint(0, VOCAB, (64, 6), generator=torch.Generator().manual_seed(5))  # short: MKL varies at M < 16
     with torch.no_grad(), batch_invariant_mode(model):

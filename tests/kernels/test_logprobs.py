@@ -31,10 +31,10 @@ def test_it_never_materialises_the_full_log_softmax() -> None:
     logits = torch.randn(4, 256, 2048).to(torch.bfloat16)  # (B, T, V)
     ids = torch.randint(0, 2048, (4, 256))
     full_fp32 = logits.numel() * 4
-    ours = peak_allocated_bytes(lambda: selective_log_softmax(logits, ids, chunk_size=128))
+    ours = peak_allocated_bytes(lambda: selective_log_softmax(logits, ids, chunk_size=64))
     ref = peak_allocated_bytes(lambda: selective_log_softmax_reference(logits, ids))
     assert ref >= full_fp32
-    assert ours <= 128 * 2048 * 4 * 3 < full_fp32 / 2
+    assert ours <= 64 * 2048 * 4 * 4 < full_fp32 / 2  # a few (chunk, V) fp32 buffers
 
 
 def test_it_rejects_ids_of_the_wrong_shape() -> None:

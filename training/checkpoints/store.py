@@ -234,12 +234,22 @@ class CheckpointStore:
             save_file({k: v.contiguous() for k, v in state.items()}, tmp / WEIGHTS, metadata={"format": "pt"})
             for name, data in files.items():
                 (tmp / name).write_bytes(data)
-            if out.exists():
-                out.rmdir()
-            os.replace(tmp, out)
+            _publish(tmp, out)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         return out
+
+
+def _publish(tmp: Path, out: Path) -> None:
+    """Rename the finished folder into place; a concurrent writer that got there first wins."""
+    try:
+        if out.exists():
+            out.rmdir()  # empty (checked by the caller); fails if another writer filled it
+        os.replace(tmp, out)
+    except OSError as e:
+        if out.exists() and any(out.iterdir()):
+            raise FileExistsError(f"{out} was written concurrently") from e
+        raise
 
 
 def _blob_checkpoint_hash(blob: bytes) -> str:
