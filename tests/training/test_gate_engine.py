@@ -19,6 +19,7 @@ from training.gate.tasks import gate_run_task
 from training.models import AuditLog, EvalSuite, PolicyVersion
 from training.promotion import gate_policy_update, gate_run
 from training.rewards.checks import Check, CheckResult, register_check
+from webapp.errors import NotFound
 
 
 @register_check("x_rate")
@@ -105,7 +106,7 @@ def test_a_worse_candidate_is_rejected_with_the_report(creds, suite, policies):
 @pytest.mark.django_db
 def test_a_gate_that_crashes_puts_the_candidate_back(creds, suite, tmp_path):
     _, cand = _versions(creds.project, tmp_path / "missing", tmp_path / "missing")
-    with pytest.raises(OSError):
+    with pytest.raises(NotFound, match="no checkpoint"):
         gate_run(cand.id)
     cand.refresh_from_db()
     assert cand.state == "candidate"

@@ -26,6 +26,7 @@ class RLConfig:
     micro_batch_size: int = 8
     logprob_chunk_size: int = 1024  # rows per chunk of the selective log-softmax
     router_replay: bool = True  # replay recorded MoE routing in the trainer forward
+    batch_invariant: bool = True  # recomputed log-probs bitwise equal to the torch engine's
 
     def __post_init__(self) -> None:
         problems = self.problems()

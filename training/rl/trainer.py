@@ -223,13 +223,34 @@ def _forward_logits(model: nn.Module, batch: Batch, replay: bool) -> tuple[torch
     return out.logits, stats  # (B, T, V)
 
 
+def exact_token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, chunk_rows: int = 1024) -> torch.Tensor:
+    """(B, T) like token_logprobs, but through log_softmax + gather, the inference engine's exact
+    arithmetic (under batch_invariant_mode the two agree bit for bit); row chunks keep memory low
+    and do not change a row's bits (the invariant log_softmax is row-wise on fixed tiles)."""
+    flat = logits[:, :-1].reshape(-1, logits.shape[-1])  # (N, V)
+    ids = input_ids[:, 1:].reshape(-1, 1)  # (N, 1)
+    parts = [flat[i : i + chunk_rows].float().log_softmax(-1).gather(-1, ids[i : i + chunk_rows])[:, 0]
+             for i in range(0, flat.shape[0], chunk_rows)]
+    picked = torch.cat(parts).reshape(logits.shape[0], -1)  # (B, T-1)
+    return nn.functional.pad(picked, (1, 0))  # (B, T)
+
+
 @torch.no_grad()
 def compute_logprobs(model: nn.Module, batch: Batch, cfg: RLConfig, replay: bool | None = None) -> torch.Tensor:
     """(B, T) token log-probs without gradient: pi_old for multi-epoch updates, or recomputing a
-    missing behaviour mu from the behaviour version's checkpoint (replay defaults to cfg)."""
+    missing behaviour mu from the behaviour version's checkpoint (replay defaults to cfg).
+
+    With cfg.batch_invariant the forward runs under kernels' batch_invariant_mode, so a sequence's
+    log-probs equal the torch engine's bit for bit whatever batch it is in (same-length rows)."""
     use_replay = cfg.router_replay if replay is None else replay
-    logits, _ = _forward_logits(model, batch, use_replay and batch.routing is not None)
-    return token_logprobs(logits, batch.input_ids, cfg.logprob_chunk_size)
+    if not cfg.batch_invariant:
+        logits, _ = _forward_logits(model, batch, use_replay and batch.routing is not None)
+        return token_logprobs(logits, batch.input_ids, cfg.logprob_chunk_size)
+    from kernels.batch_invariant import batch_invariant_mode
+
+    with batch_invariant_mode(model):
+        logits, _ = _forward_logits(model, batch, use_replay and batch.routing is not None)
+        return exact_token_logprobs(logits, batch.input_ids, cfg.logprob_chunk_size)
 
 
 # ---------------------------------------------------------------------------------- the step
