@@ -47,7 +47,8 @@ SELECT t.id, 0, 'assistant', ' return x + ' || (t.id %% 97),
        CASE WHEN t.id %% 10 = 0 THEN '[{"name": "run_tests", "arguments": {"path": "tests/"}}]'::jsonb END,
        (SELECT jsonb_agg((t.id * 7 + k * 13) %% 32000) FROM generate_series(1, 16) k),
        (SELECT jsonb_agg(round((-random() * random() * 3)::numeric, 3)) FROM generate_series(1, 16) k),
-       CASE WHEN t.id %% 50 = 0 THEN (
+       -- by the trajectory's ordinal, not its id: ids depend on the sequence's history
+       CASE WHEN split_part(t.external_id, '-t', 2)::int %% 50 = 4 THEN (
            SELECT jsonb_agg(pos) FROM (
                SELECT (SELECT jsonb_agg(jsonb_build_array((p * 3 + l * 5) %% 8, (p + l * 7 + 1) %% 8))
                        FROM generate_series(0, 3) l) AS pos
