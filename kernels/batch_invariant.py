@@ -196,7 +196,9 @@ def _rms_modules(models: tuple[nn.Module, ...]) -> list[nn.Module]:
 
 @contextlib.contextmanager
 def batch_invariant_mode(*models: nn.Module) -> Iterator[None]:
-    """Route F.linear, torch.matmul (2-D right side), log_softmax and the models' RMSNorms."""
+    """Route F.linear, torch.matmul (2-D right side), log_softmax and the models' RMSNorms, and
+    run HF MoE experts eagerly (per-expert F.linear calls, routed here): the default grouped_mm
+    experts kernel is not batch invariant (a row's bits depend on how many tokens share its expert)."""
     patches: list[tuple[Any, str, Any]] = [
         (F, "linear", linear),
         (torch, "matmul", _matmul_patch),
@@ -206,14 +208,26 @@ def batch_invariant_mode(*models: nn.Module) -> Iterator[None]:
     ]
     saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
     norms = _rms_modules(models)
+    experts = _moe_configs(models)
+    experts_saved = {k: getattr(c, "_experts_implementation", None) for k, c in experts.items()}
     try:
         for obj, name, fn in patches:
             setattr(obj, name, fn)
         for module in norms:
             module.forward = _rms_forward(module)  # type: ignore[method-assign]
+        for config in experts.values():
+            config._experts_implementation = "eager"
         yield
     finally:
         for obj, name, fn in saved:
             setattr(obj, name, fn)
         for module in norms:
             del module.forward  # back to the class's forward
+        for key, config in experts.items():
+            config._experts_implementation = experts_saved[key]
+
+
+def _moe_configs(models: tuple[nn.Module, ...]) -> dict[int, Any]:
+    """The configs of the HF MoE expert blocks in `models` (they read _experts_implementation)."""
+    return {id(m.config): m.config for model in models for m in model.modules()
+            if hasattr(m, "has_gate") and hasattr(m, "config")}

@@ -11,6 +11,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # This session's Celery messages only reach this session's workers.
 os.environ.setdefault("CELERY_KEY_PREFIX", f"test-{os.getpid()}:")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Without a GPU the Triton kernels are tested in Triton's interpreter. Triton reads this once,
+# when it is first imported (vLLM and transformers import it early), so it is set here.
+if not os.path.exists("/dev/nvidia0"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 if not os.environ.get("REDIS_URL"):
     from webapp import embedded
 

@@ -102,3 +102,33 @@ def test_load_weights_swaps_and_names_the_version(policy_dir: Path) -> None:
     assert c.version == engine.version == 5
     ref = hf_logprobs(policy_dir, c.prompt_token_ids, c.token_ids, state_dict=state)
     assert torch.allclose(torch.tensor(c.logprobs), ref, atol=1e-5, rtol=0)
+
+
+def test_equal_length_sequences_are_scored_in_one_forward_with_the_bits_of_each_alone(
+    engine: TorchEngine,
+) -> None:
+    sp = SamplingParams(max_tokens=12, seed=6, ignore_eos=True)
+    batch = engine.generate(PROMPTS[:1], n=8, sampling=sp)
+    calls: list[int] = []
+    handle = engine.model.register_forward_hook(lambda m, a, kw, out: calls.append(1), with_kwargs=True)
+    try:
+        scored = engine.score_many([(c.prompt_token_ids, c.token_ids) for c in batch], sp)
+    finally:
+        handle.remove()
+    assert len(calls) == 1
+    for c, (logprobs, routing) in zip(batch, scored, strict=True):
+        assert logprobs == c.logprobs  # bitwise: batched in generate and here
+        assert engine.score(c.prompt_token_ids, c.token_ids, sp) == (logprobs, routing)  # and alone
+
+
+def test_mixed_lengths_score_like_each_sequence_alone(engine: TorchEngine) -> None:
+    sp = SamplingParams(max_tokens=10, seed=8)
+    batch = engine.generate(PROMPTS, n=2, sampling=sp)
+    for c in batch:
+        assert engine.score(c.prompt_token_ids, c.token_ids, sp)[0] == c.logprobs
+
+
+def test_sampling_never_draws_a_masked_token(engine: TorchEngine) -> None:
+    greedy = engine.generate(PROMPTS, n=1, sampling=SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
+    top1 = engine.generate(PROMPTS, n=1, sampling=SamplingParams(max_tokens=10, top_k=1, seed=3, ignore_eos=True))
+    assert [c.token_ids for c in top1] == [c.token_ids for c in greedy]
