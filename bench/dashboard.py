@@ -20,36 +20,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from bench._django import setup_django  # noqa: E402
+
 BENCH_DB = "flywheel_bench_dashboard"
 SLUG = "bench"
-
-
-def _bench_database_url() -> str:
-    from urllib.parse import urlparse
-
-    base = os.environ.get("DATABASE_URL")
-    if not base:
-        from webapp import embedded
-
-        base = embedded.postgres_url()
-    return urlparse(base)._replace(path=f"/{BENCH_DB}").geturl()
-
-
-def _setup_django(url: str) -> None:
-    import psycopg
-
-    admin_url = url.replace(f"/{BENCH_DB}", "/postgres")
-    with psycopg.connect(admin_url, autocommit=True) as conn:
-        if not conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", [BENCH_DB]).fetchone():
-            conn.execute(f'CREATE DATABASE "{BENCH_DB}"')
-    os.environ["DATABASE_URL"] = url
-    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "webapp.settings")
-    import django
-
-    django.setup()
-    from django.core.management import call_command
-
-    call_command("migrate", verbosity=0)
 
 
 def _seed(events: int, trajectories: int) -> tuple[int, int]:
@@ -119,7 +94,7 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
-    _setup_django(_bench_database_url())
+    setup_django(BENCH_DB)
     events, trajectories = _seed(args.events, args.trajectories)
     times = _time_pages(args.repeat)
     print(f"volume: {events} feedback events, {trajectories} trajectories; {os.cpu_count()} cores; "

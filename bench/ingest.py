@@ -22,36 +22,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from bench._django import setup_django  # noqa: E402
+
 BENCH_DB = "flywheel_bench"
-
-
-def _bench_database_url() -> str:
-    from urllib.parse import urlparse
-
-    base = os.environ.get("DATABASE_URL")
-    if not base:
-        from webapp import embedded
-
-        base = embedded.postgres_url()
-    parsed = urlparse(base)
-    return parsed._replace(path=f"/{BENCH_DB}").geturl()
-
-
-def _setup_django(url: str) -> None:
-    import psycopg
-
-    admin_url = url.replace(f"/{BENCH_DB}", "/postgres")
-    with psycopg.connect(admin_url, autocommit=True) as conn:
-        if not conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", [BENCH_DB]).fetchone():
-            conn.execute(f'CREATE DATABASE "{BENCH_DB}"')
-    os.environ["DATABASE_URL"] = url
-    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "webapp.settings")
-    import django
-
-    django.setup()
-    from django.core.management import call_command
-
-    call_command("migrate", verbosity=0)
 
 
 def make_events(prefix: str, n: int) -> list[dict]:
@@ -153,8 +127,7 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
-    url = _bench_database_url()
-    _setup_django(url)
+    url = setup_django(BENCH_DB)
     naive = bench_naive(args.naive_events)
     proc, base = _serve(url)
     try:

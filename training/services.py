@@ -33,6 +33,7 @@ from training.rewards.checks import CheckResult, make_check
 from training.rewards.judges import AspectScore, Judge, make_judge
 from training.rewards.spec import DEFAULT_SIGNAL_REWARDS, RewardSpecData, compute_reward
 from training.rl.config import RLConfig
+from webapp.embedded import pid_alive
 from webapp.errors import BadRequest, Conflict, NotFound
 from webapp.notify import project_event
 
@@ -263,19 +264,6 @@ class WorkerRef:
         return cls(kind, node or kind, socket.gethostname(), os.getpid(), task_id)
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a killed but not yet reaped process answers kill(0): it is still dead
-        return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1][:1] != "Z"
-    except (OSError, IndexError):
-        return True
-
-
 def training_run_lost_reason(run: TrainingRun, now: datetime | None = None) -> str | None:
     """Why an active run is presumed dead (its worker process is gone, or it stopped beating)."""
     now = now or timezone.now()
@@ -284,7 +272,7 @@ def training_run_lost_reason(run: TrainingRun, now: datetime | None = None) -> s
         limit = _setting("FLYWHEEL_TRAIN_QUEUE_TIMEOUT_S")
         return f"no worker picked the run up within {limit:g} s" if waited > limit else None
     ref = WorkerRef.parse(run.worker)
-    if ref is not None and ref.host == socket.gethostname() and not _pid_alive(ref.pid):
+    if ref is not None and ref.host == socket.gethostname() and not pid_alive(ref.pid):
         return f"worker process {ref.pid} on {ref.host} ({ref.node}) is gone"
     silent = (now - selectors.training_run_heartbeat(run)).total_seconds()
     limit = _setting("FLYWHEEL_TRAIN_HEARTBEAT_TIMEOUT_S")

@@ -49,14 +49,18 @@ def _lock(name: str) -> Iterator[None]:
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` runs on this host (a killed, not yet reaped zombie counts as dead)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1][:1] != "Z"
+    except (OSError, IndexError):
+        return True
 
 
 # --- PostgreSQL ----------------------------------------------------------------------------
@@ -115,7 +119,7 @@ def _pg_running() -> bool:
         pid = int(pidfile.read_text().splitlines()[0])
     except (ValueError, IndexError, OSError):
         return False
-    return _pid_alive(pid)
+    return pid_alive(pid)
 
 
 def _chown_tree(path: Path, uid: int, gid: int) -> None:
@@ -201,7 +205,7 @@ def _redis_state() -> tuple[int, int] | None:
         pid, port = int(pidfile.read_text().strip()), int(portfile.read_text().strip())
     except ValueError:
         return None
-    return (pid, port) if _pid_alive(pid) else None
+    return (pid, port) if pid_alive(pid) else None
 
 
 def start_redis() -> str:
