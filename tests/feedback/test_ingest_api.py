@@ -253,3 +253,14 @@ def test_the_same_ids_in_two_projects_are_two_rows(post_events, other_creds):
                 project=other_creds.project.slug)
     assert Trajectory.objects.count() == 2 and FeedbackEvent.objects.count() == 2
     assert all(f.trajectory.project_id == f.project_id for f in FeedbackEvent.objects.all())
+
+
+def test_feedback_still_lands_when_redis_is_down(post_events, settings):
+    from tests.processes import free_port
+
+    # A real connection to a port nobody listens on: the rate counter is unreachable.
+    settings.CACHES = {"default": {"BACKEND": "django.core.cache.backends.redis.RedisCache",
+                                   "LOCATION": f"redis://127.0.0.1:{free_port()}/0"}}
+    response = post_events([feedback()])
+    assert response.status_code == 202 and response.json()["accepted"] == 1
+    assert FeedbackEvent.objects.count() == 1
