@@ -116,3 +116,40 @@ def test_the_mode_restores_torch_and_the_model_on_exit(model_fp32: torch.nn.Modu
         assert any("forward" in vars(m) for m in model_fp32.modules())
     assert (F.linear, torch.matmul, F.log_softmax, torch.log_softmax, torch.Tensor.log_softmax) == before
     assert not any("forward" in vars(m) for m in model_fp32.modules())
+
+
+def test_the_probe_rejects_a_call_size_whose_reduction_order_differs() -> None:
+    """A stand-in library that splits K in two whenever a call is not exactly one tile: the
+    cancelling probe inputs must expose it at every other size (rows alone would not, in bf16)."""
+    k, n, tile = 256, 64, 16
+    exact, inputs = bi._mm_probe_ops(k, n, torch.bfloat16, torch.bfloat16, torch.device("cpu"), True)
+    b = exact(torch.eye(k, dtype=torch.bfloat16))  # (K, N): one exact product per output
+
+    def library(t: torch.Tensor) -> torch.Tensor:
+        if t.shape[0] == tile:
+            return torch.mm(t.float(), b.float()).to(t.dtype)
+        return (torch.mm(t[:, : k // 2].float(), b[: k // 2].float())
+                + torch.mm(t[:, k // 2 :].float(), b[k // 2 :].float())).to(t.dtype)  # fmt: skip
+
+    probe = bi._Probe(tile, lambda: (library, inputs), ())
+    assert probe(tile)
+    assert not any(probe(s) for s in (1, 5, tile - 1, 2 * tile, 8 * tile))
+    # so every call is one tile, the last one padded
+    assert probe.plan(3 * tile + 5) == [(0, tile, tile), (tile, tile, tile), (2 * tile, tile, tile), (3 * tile, 5, tile)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_planned_calls_cover_the_rows_in_verified_sizes(dtype: torch.dtype) -> None:
+    probe = bi._probe(16, bi._mm_probe_ops, 1024, 256, dtype, dtype, torch.device("cpu"), True)
+    for m in range(1, 300):
+        calls = probe.plan(m)
+        assert [i for i, _, _ in calls] == [sum(n for _, n, _ in calls[:j]) for j in range(len(calls))]
+        assert sum(n for _, n, _ in calls) == m
+        assert all(s >= n and probe.same[s] for _, n, s in calls)
+        assert all(n == s for _, n, s in calls[:-1]), "only the last call may be padded"
+
+
+def test_probing_leaves_the_global_rng_alone() -> None:
+    state = torch.get_rng_state()
+    bi._probe(bi.ROW_TILE, bi._mm_probe_ops, 96, 40, torch.float32, torch.float32, torch.device("cpu"), True)(7)
+    assert torch.equal(torch.get_rng_state(), state)
