@@ -8,6 +8,7 @@ follow-up. Feedback goes through the signed webhook like a real product's. No Dj
 from __future__ import annotations
 
 import random
+import threading
 import time
 import uuid
 from collections.abc import Iterator, Sequence
@@ -45,8 +46,10 @@ def react(prompt: str, completion: str, rng: random.Random) -> list[Reaction]:
 
 
 def prompts_from(lines: Sequence[str], rng: random.Random, prefix_chars: int = 24) -> Iterator[str]:
+    """The start of a statement: a line's first 8..prefix_chars characters, its indentation dropped
+    (an indented prefix alone never compiles, whatever the completion: users could accept nothing)."""
     while True:
-        line = rng.choice(lines)
+        line = rng.choice(lines).strip()
         yield line[: rng.randint(8, prefix_chars)]
 
 
@@ -60,22 +63,48 @@ def run_users(
     pause_s: float = 0.5,
     max_tokens: int = 16,
     seed: int = 0,
+    users: int = 4,
 ) -> int:
-    """Asks for completions and sends reactions; returns the number of completions served."""
-    rng = random.Random(seed)
-    served = 0
-    with httpx.Client(base_url=serving_url, timeout=120) as http:
-        for prompt in prompts_from(lines, rng):
-            if requests is not None and served >= requests:
-                break
-            choice = _complete(http, model, prompt, max_tokens)
-            if choice is None:
-                time.sleep(2)
-                continue
-            sender.send(_feedback_events(choice, prompt, rng))
-            served += 1
-            time.sleep(pause_s)
-    return served
+    """Asks for completions and sends reactions; returns the number of completions served.
+
+    `users` simulated users work concurrently (the server batches their requests)."""
+    served = [0]
+    lock = threading.Lock()
+
+    def claim() -> bool:
+        with lock:
+            if requests is not None and served[0] >= requests:
+                return False
+            served[0] += 1
+            return True
+
+    def unclaim() -> None:
+        with lock:
+            served[0] -= 1
+
+    def user(index: int) -> None:
+        rng = random.Random(seed + 1000 * index)
+        with httpx.Client(base_url=serving_url, timeout=120) as http:
+            for prompt in prompts_from(lines, rng):
+                if not claim():
+                    break
+                choice = _complete(http, model, prompt, max_tokens)
+                if choice is None:
+                    unclaim()
+                    time.sleep(2)
+                    continue
+                sender.send(_feedback_events(choice, prompt, rng))
+                time.sleep(pause_s)
+
+    if users <= 1:
+        user(0)
+        return served[0]
+    threads = [threading.Thread(target=user, args=(i,), daemon=True) for i in range(users)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return served[0]
 
 
 def _complete(http: httpx.Client, model: str, prompt: str, max_tokens: int) -> dict[str, Any] | None:

@@ -410,9 +410,14 @@ def training_run_finish(run: TrainingRun, folder: Path, extra_config: dict[str, 
 # === beat =======================================================================================
 
 
-def train_maybe(project: Project, min_new: int = 64, every_minutes: float = 60.0) -> TrainingRun | None:
+def train_maybe(
+    project: Project, min_new: int = 64, every_minutes: float = 60.0, *, steps: int = DEFAULT_TRAIN_STEPS,
+    batch_size: int = DEFAULT_BATCH_SIZE, rl: dict[str, Any] | None = None,
+) -> TrainingRun | None:
     """Starts a run when >= min_new rewarded trajectories arrived since the last run, or when
-    every_minutes passed since it and at least one did. Returns the new run or None."""
+    every_minutes passed since it and at least one did. Returns the new run or None.
+
+    `steps`, `batch_size` and `rl` (RLConfig overrides, e.g. {"lr": 1e-3}) go to the run."""
     if selectors.policy_production(project) is None:
         return None
     last = selectors.training_run_last(project, ("succeeded", "failed", "queued", "running"))
@@ -420,18 +425,35 @@ def train_maybe(project: Project, min_new: int = 64, every_minutes: float = 60.0
     new = selectors.rewarded_trajectories_since(project, reward_spec_current(project), since).count()
     due = last is None or timezone.now() - last.created_at >= timedelta(minutes=every_minutes)
     if new >= min_new or (due and new > 0):
-        run, created = training_run_start(project)
+        run, created = training_run_start(project, steps=steps, batch_size=batch_size, rl=rl)
         return run if created else None
     return None
 
 
 def training_schedule_install(
     projects: Iterable[Project] | None = None, rewards_every_s: int = 30, train_check_every_s: int = 60,
-    min_new: int = 64, every_minutes: float = 60.0,
+    min_new: int = 64, every_minutes: float = 60.0, *, steps: int | None = None, batch_size: int | None = None,
+    rl: dict[str, Any] | None = None,
 ) -> list[Any]:
     """Creates or updates the beat entries (django-celery-beat, editable in the admin) per project:
-    rewards every `rewards_every_s`, the train check every `train_check_every_s`. Idempotent."""
+    rewards every `rewards_every_s`, the train check every `train_check_every_s`. Idempotent.
+
+    `steps`, `batch_size` and `rl` (RLConfig overrides) are stored in the train entry's kwargs for
+    every run it starts; left out (None), the runs use the defaults."""
     import json
+
+    train_kwargs: dict[str, Any] = {"min_new": min_new, "every_minutes": every_minutes}
+    for name, value in (("steps", steps), ("batch_size", batch_size)):
+        if value is not None:
+            if int(value) < 1:
+                raise BadRequest(f"{name} must be >= 1", "Give a positive number.")
+            train_kwargs[name] = int(value)
+    if rl is not None:
+        try:
+            RLConfig.from_dict(dict(rl))
+        except (TypeError, ValueError) as exc:
+            raise BadRequest(f"invalid RL overrides: {exc}", "Use RLConfig field names and valid values.") from exc
+        train_kwargs["rl"] = dict(rl)
 
     from django_celery_beat.models import IntervalSchedule, PeriodicTask
 
@@ -443,7 +465,7 @@ def training_schedule_install(
         entries = [
             (f"flywheel rewards {project.slug}", "training.tasks.rewards_compute_pending", every(rewards_every_s), {}),
             (f"flywheel train {project.slug}", "training.tasks.train_maybe", every(train_check_every_s),
-             {"min_new": min_new, "every_minutes": every_minutes}),
+             train_kwargs),
         ]
         for name, task, interval, kwargs in entries:
             entry, _ = PeriodicTask.objects.update_or_create(

@@ -103,24 +103,46 @@ def _demo_state() -> dict:
     return state
 
 
+# The demo's learning settings. A tiny policy needs a far larger step than the library default
+# (lr 1e-5, 4 steps) to change measurably within one run; PPO's clip against the pre-update policy
+# bounds each run's move (KL to production stays well under the gate's budget). A rejected
+# candidate's update is lost (the next run starts from production again, on new data only), so
+# each run waits for enough trajectories (~2 minutes of the simulated users) to learn something
+# that carries over to the held-out prompts.
+DEMO_TRAINING = {"min_new": 600, "every_minutes": 5, "steps": 32, "batch_size": 128, "rl": {"lr": 1e-3}}
+# Held-out suite: enough prompts and samples that a real change in compile rate shows in the
+# gate's paired interval (12 prompts x 4 samples could not tell one apart from noise).
+DEMO_SUITE_PROMPTS = 48
+DEMO_SUITE_SAMPLES = 8
+
+
+def _demo_suite_prompts() -> list[dict]:
+    """Statement starts from held-out stdlib lines (the tail of the corpus the users never see),
+    indentation dropped like the simulated users' prompts."""
+    from inference.policies import sample_lines, stdlib_corpus
+
+    lines = [line.strip() for line in stdlib_corpus()[-20_000:]]
+    held_out = sample_lines([line for line in lines if len(line) >= 12], DEMO_SUITE_PROMPTS, seed=7)
+    return [{"id": f"stdlib-{i}", "prompt": line[:20], "context": {"prefix": line[:20]}}
+            for i, line in enumerate(held_out)]
+
+
 def _demo_loop_config(project) -> None:
     """The demo's held-out suite, reward spec and beat schedule (idempotent)."""
-    from inference.policies import sample_lines, stdlib_corpus
     from training.models import EvalSuite
     from training.services import reward_spec_current, reward_spec_update, training_schedule_install
 
-    if not EvalSuite.objects.filter(project=project).exists():
-        held_out = sample_lines(stdlib_corpus()[-20_000:], 12, seed=7)
-        prompts = [{"id": f"stdlib-{i}", "prompt": line[:20], "context": {"prefix": line[:20]}}
-                   for i, line in enumerate(held_out)]
-        EvalSuite.objects.create(project=project, version=1, prompts=prompts,
+    prompts = _demo_suite_prompts()
+    current = EvalSuite.objects.filter(project=project, name="default").order_by("-version").first()
+    if current is None or current.prompts != prompts or current.n_samples != DEMO_SUITE_SAMPLES:
+        EvalSuite.objects.create(project=project, version=(current.version + 1) if current else 1, prompts=prompts,
                                  checks=[{"name": "python_compiles", "weight": 1.0}],
                                  judge={"kind": "rule_rubric", "aspects": ["style", "concision"]},
                                  aspects=[{"name": "style", "weight": 0.1}, {"name": "concision", "weight": 0.1}],
-                                 n_samples=4, max_tokens=16)
+                                 n_samples=DEMO_SUITE_SAMPLES, max_tokens=16)
     if reward_spec_current(project).settle_seconds != 10:
         reward_spec_update(project, settle_seconds=10)
-    training_schedule_install([project], min_new=32, every_minutes=5)
+    training_schedule_install([project], **DEMO_TRAINING)
 
 
 def demo_processes(port: int, state: dict, simulate: bool) -> list[tuple[str, list[str]]]:
