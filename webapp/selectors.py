@@ -130,9 +130,9 @@ def overview_charts(project: Project, days: int) -> dict[str, Any]:
                "y": feedback["by_version"][v]["n"]} for v in order]
     volume.append({"type": "scatter", "mode": "markers", "name": "live (this page)", "x": [], "y": [],
                    "marker": {"color": "#d62828", "size": 9}})
-    rate = [{"type": "scatter", "mode": "lines", "name": _version_name(v), "x": feedback["by_version"][v]["x"],
+    rate = [{"type": "scatter", "mode": "lines+markers", "name": _version_name(v), "x": feedback["by_version"][v]["x"],
              "y": feedback["by_version"][v]["rate"], "connectgaps": False} for v in order]
-    reward = [{"type": "scatter", "mode": "lines", "name": _version_name(v), "x": s["x"], "y": s["reward"]}
+    reward = [{"type": "scatter", "mode": "lines+markers", "name": _version_name(v), "x": s["x"], "y": s["reward"]}
               for v, s in sorted(rewards.items(), key=lambda kv: (kv[0] is None, kv[0] or 0))]
     return {
         "totals": {"feedback": feedback["total"], "rate": feedback["rate"],
