@@ -115,34 +115,47 @@ def _usage(request: CompletionRequest, served: Served) -> dict[str, int]:
             "total_tokens": len(request.prompt_ids) + completion}
 
 
+def _serve(body: dict[str, Any], messages: list[dict[str, Any]], encode, want_logprobs: bool):
+    """Picks the engine once (a canary draw included), tokenises with it, generates, records."""
+    server, model = serving.current(), _model(body)
+    engine = server.pick_engine(model)
+    req = CompletionRequest(model, encode(engine), messages,
+                            _number(body, "n", 1, 1, serving.MAX_N, integer=True), _sampling(body),
+                            want_logprobs, _task(body))
+    return server, engine, req, server.complete(req, engine)
+
+
+def _envelope(server, req: CompletionRequest, served: Served, chat: bool, choices: list) -> JsonResponse:
+    prefix, kind = ("chatcmpl", "chat.completion") if chat else ("cmpl", "text_completion")
+    return _respond(served, {
+        "id": served.trajectory_ids[0] if req.n == 1 else f"{prefix}-{uuid.uuid4().hex}",
+        "object": kind, "created": int(time.time()), "model": server.model_name(served.version),
+        "choices": choices, "usage": _usage(req, served),
+    })
+
+
+def _pairs(served: Served):
+    return enumerate(zip(served.completions, served.trajectory_ids, strict=True))
+
+
 @csrf_exempt
 @require_POST
 @_handles_errors
 def chat_completions(request: HttpRequest) -> JsonResponse:
     body = _json_body(request)
-    server = serving.current()
     messages = _messages(body)
-    engine = server.pick_engine(_model(body))
-    prompt_ids = list(engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                           return_dict=False))
-    req = CompletionRequest(_model(body), prompt_ids, messages,
-                            _number(body, "n", 1, 1, serving.MAX_N, integer=True), _sampling(body),
-                            bool(body.get("logprobs")), _task(body))
-    served = server.complete(req)
-    tokenizer = engine.tokenizer
+    server, engine, req, served = _serve(body, messages, lambda e: list(e.tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=False)), bool(body.get("logprobs")))
+    decode = engine.tokenizer.decode
     choices = [{
         "index": i, "message": {"role": "assistant", "content": c.text}, "finish_reason": c.finish_reason,
         "logprobs": {"content": [
-            {"token": tokenizer.decode([t]), "logprob": lp, "bytes": list(tokenizer.decode([t]).encode()),
-             "top_logprobs": []} for t, lp in zip(c.token_ids, c.logprobs, strict=True)
+            {"token": decode([t]), "logprob": lp, "bytes": list(decode([t]).encode()), "top_logprobs": []}
+            for t, lp in zip(c.token_ids, c.logprobs, strict=True)
         ]} if req.want_logprobs else None,
         "trajectory_id": tid,
-    } for i, (c, tid) in enumerate(zip(served.completions, served.trajectory_ids, strict=True))]
-    return _respond(served, {
-        "id": served.trajectory_ids[0] if req.n == 1 else f"chatcmpl-{uuid.uuid4().hex}",
-        "object": "chat.completion", "created": int(time.time()), "model": server.model_name(served.version),
-        "choices": choices, "usage": _usage(req, served),
-    })
+    } for i, (c, tid) in _pairs(served)]
+    return _envelope(server, req, served, True, choices)
 
 
 @csrf_exempt
@@ -150,27 +163,19 @@ def chat_completions(request: HttpRequest) -> JsonResponse:
 @_handles_errors
 def completions(request: HttpRequest) -> JsonResponse:
     body = _json_body(request)
-    server = serving.current()
     prompt = body.get("prompt")
     if not isinstance(prompt, str) or not prompt:
         raise ServingError(400, "'prompt' must be a non-empty string", "Send the text to continue.")
-    engine = server.pick_engine(_model(body))
     logprobs = body.get("logprobs")
-    req = CompletionRequest(_model(body), engine.encode(prompt), [{"role": "user", "content": prompt}],
-                            _number(body, "n", 1, 1, serving.MAX_N, integer=True), _sampling(body),
-                            logprobs is not None and logprobs is not False, _task(body))
-    served = server.complete(req)
-    tok = engine.tokenizer
+    server, engine, req, served = _serve(body, [{"role": "user", "content": prompt}], lambda e: e.encode(prompt),
+                                         logprobs is not None and logprobs is not False)
+    decode = engine.tokenizer.decode
     choices = [{
         "index": i, "text": c.text, "finish_reason": c.finish_reason, "trajectory_id": tid,
-        "logprobs": {"tokens": [tok.decode([t]) for t in c.token_ids], "token_logprobs": c.logprobs,
+        "logprobs": {"tokens": [decode([t]) for t in c.token_ids], "token_logprobs": c.logprobs,
                      "top_logprobs": None, "text_offset": None} if req.want_logprobs else None,
-    } for i, (c, tid) in enumerate(zip(served.completions, served.trajectory_ids, strict=True))]
-    return _respond(served, {
-        "id": served.trajectory_ids[0] if req.n == 1 else f"cmpl-{uuid.uuid4().hex}",
-        "object": "text_completion", "created": int(time.time()), "model": server.model_name(served.version),
-        "choices": choices, "usage": _usage(req, served),
-    })
+    } for i, (c, tid) in _pairs(served)]
+    return _envelope(server, req, served, False, choices)
 
 
 @require_GET

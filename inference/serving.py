@@ -149,8 +149,9 @@ class PolicyServer:
                            f"Use one of {self.model_names()} (GET /v1/models lists them).")
 
     # --- requests ---------------------------------------------------------------------------
-    def complete(self, request: CompletionRequest) -> Served:
-        engine = self.pick_engine(request.model)
+    def complete(self, request: CompletionRequest, engine: Engine | None = None) -> Served:
+        """Generates on `engine` (picked from request.model when not given) and records."""
+        engine = engine or self.pick_engine(request.model)
         if len(request.prompt_ids) + request.sampling.max_tokens > self.max_model_len:
             raise ServingError(
                 400, f"the prompt is {len(request.prompt_ids)} tokens and max_tokens is "
