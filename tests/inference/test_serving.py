@@ -210,3 +210,27 @@ def test_an_approval_hot_swaps_the_running_server(creds, dense_dir, tmp_path, al
         assert answer["model"] == "acme-v2"
     finally:
         _stop(proc)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_canary_takes_its_share_of_traffic_and_can_be_dropped(creds, dense_dir, tmp_path):
+    _versions(creds.project, dense_dir, tmp_path)
+    proc, url = _serve(creds.project.slug, "torch")
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    try:
+        state = httpx.post(url + "/internal/load", json={"canary": 2, "share": 0.5}, headers=auth, timeout=120).json()
+        assert state == {"version": 1, "canary": 2, "canary_share": 0.5}
+        assert {m["id"] for m in httpx.get(url + "/v1/models").json()["data"]} == {"acme", "acme-v1", "acme-v2"}
+        served = [httpx.post(url + "/v1/completions", json={"model": "acme", "prompt": "x", "max_tokens": 1},
+                             timeout=60).json()["model"] for _ in range(40)]
+        assert served.count("acme-v2") >= 5 and served.count("acme-v1") >= 5  # P(fail) < 1e-6 at share 0.5
+        pinned = httpx.post(url + "/v1/completions", json={"model": "acme-v2", "prompt": "x", "max_tokens": 1}).json()
+        assert pinned["model"] == "acme-v2"
+        httpx.post(url + "/internal/load", json={"canary": None}, headers=auth, timeout=60)
+        after = {httpx.post(url + "/v1/completions", json={"model": "acme", "prompt": "x", "max_tokens": 1},
+                            timeout=60).json()["model"] for _ in range(10)}
+        assert after == {"acme-v1"}
+        bad = httpx.post(url + "/internal/load", json={"canary": 2, "share": 1.5}, headers=auth)
+        assert bad.status_code == 400 and "share" in bad.json()["error"]["message"]
+    finally:
+        _stop(proc)
