@@ -35,6 +35,8 @@ from typing import Any, Literal
 
 import torch
 
+from training.rl.router_replay import capture_routing, moe_routers
+
 FinishReason = Literal["stop", "length"]
 Prompts = Sequence[Sequence[int]] | Sequence[str]
 WeightsSource = str | Path | Mapping[str, torch.Tensor]
@@ -185,39 +187,6 @@ def _batch_invariant_mode() -> Any:
     return batch_invariant_mode
 
 
-class _RoutingCapture:
-    """Forward hooks on MoE routers that record the top-k expert ids of every token."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.routers = [m for name, m in model.named_modules() if _is_router(name, m)]
-        self.top_k = getattr(model.config, "num_experts_per_tok", 0)
-        self.layers: list[torch.Tensor] = []
-        self._handles = [r.register_forward_hook(self._hook) for r in self.routers]
-
-    def _hook(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        if isinstance(output, tuple):
-            ids = output[-1]  # HF 5 TopKRouter: (logits, scores, indices)
-        else:
-            ids = torch.topk(output, self.top_k, dim=-1).indices  # a plain gate: logits
-        self.layers.append(ids.reshape(-1, ids.shape[-1]).detach().cpu())  # (tokens, k)
-
-    def take(self) -> list[list[list[int]]] | None:
-        rows = self.take_rows(1)
-        return rows[0] if rows else None
-
-    def take_rows(self, batch: int) -> list[list[list[list[int]]]] | None:
-        """Per sequence of a (batch, length) forward: (length, L, k) expert ids."""
-        if not self.routers:
-            return None
-        stacked = torch.stack(self.layers, dim=1)  # (batch * length, L, k)
-        self.layers = []
-        return stacked.reshape(batch, -1, *stacked.shape[1:]).tolist()  # (batch, length, L, k)
-
-
-def _is_router(name: str, module: torch.nn.Module) -> bool:
-    return name.endswith("mlp.gate") and ("Router" in type(module).__name__ or hasattr(module, "top_k"))
-
-
 class TorchEngine(Engine):
     """HF transformers model, batched sampling with a KV cache, fp32 log-probs.
 
@@ -251,7 +220,7 @@ class TorchEngine(Engine):
         self.seed = seed
         self.max_model_len = max_model_len
         self.eos_ids = _eos_ids(self.model, self._tokenizer)
-        self._routing = _RoutingCapture(self.model)
+        self._moe = bool(moe_routers(self.model))
 
     @property
     def tokenizer(self) -> Any:
@@ -364,8 +333,9 @@ class TorchEngine(Engine):
     ) -> list[tuple[list[float], list[list[list[int]]] | None]]:
         ids = torch.tensor([prompt + toks[:-1] for prompt, toks in pairs])  # (B, L)
         mode = _batch_invariant_mode()
-        self._routing.layers = []
-        with mode(self.model) if mode else contextlib.nullcontext():
+        # Routing is captured only here, in the scoring forward (not at every sampling step).
+        capture = capture_routing(self.model) if self._moe else contextlib.nullcontext()
+        with mode(self.model) if mode else contextlib.nullcontext(), capture as routed:
             logits = self.model(input_ids=ids).logits.float()  # (B, L, V)
             starts = [len(prompt) - 1 for prompt, _ in pairs]
             picked = [
@@ -373,8 +343,14 @@ class TorchEngine(Engine):
                 .gather(-1, torch.tensor(toks)[:, None])[:, 0]  # (T,)
                 for b, (s, (_, toks)) in enumerate(zip(starts, pairs, strict=True))
             ]
-        routing = self._routing.take_rows(len(pairs))
+        routing = _per_sequence(routed.routing(), len(pairs)) if self._moe else None
         return [(p.tolist(), routing[b] if routing else None) for b, p in enumerate(picked)]
+
+
+def _per_sequence(routing: torch.Tensor, batch: int) -> list[list[list[list[int]]]]:
+    """(L, B * T, k) expert ids of a (B, T) forward -> per sequence (T, L, k) nested lists."""
+    n_layers, tokens, k = routing.shape
+    return routing.permute(1, 0, 2).reshape(batch, tokens // batch, n_layers, k).tolist()
 
 
 def _uniforms(gens: list[torch.Generator], steps: int) -> torch.Tensor:
