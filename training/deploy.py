@@ -4,10 +4,11 @@
 what a project should serve. The desired state is always in the database (the PolicyVersion
 states; `serving_target` reads it), so a transport only has to *announce* it:
 
-- "record" (default): push a `deploy` notice to the project's dashboard group; the serving
-  process reads `serving_target(project)` (or listens to the same channel group).
-- others register with `@register_transport("http")` (e.g. a POST to the serving process's
-  hot-swap endpoint) and are chosen with settings.FLYWHEEL_DEPLOY_TRANSPORT.
+- "http" (the default when FLYWHEEL_INFERENCE_URL is set): POST the serving process's
+  /internal/load, which verifies and hot-swaps the weights (HttpTransport below).
+- "record": push a `deploy` notice to the dashboard only; `serve_policy` picks the production
+  version up when it (re)starts.
+Transports register with `@register_transport(name)`; settings.FLYWHEEL_DEPLOY_TRANSPORT chooses.
 """
 
 from __future__ import annotations
@@ -32,9 +33,7 @@ class DeployTarget:
 
     project_id: int
     production: int | None  # version number
-    production_path: str
     canary: int | None = None
-    canary_path: str = ""
     canary_share: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
@@ -49,9 +48,7 @@ def serving_target(project_id: int) -> DeployTarget:
     return DeployTarget(
         project_id=project_id,
         production=prod.number if prod else None,
-        production_path=prod.checkpoint_path if prod else "",
         canary=canary.version.number if canary else None,
-        canary_path=canary.version.checkpoint_path if canary else "",
         canary_share=canary.share if canary else 0.0,
     )
 
