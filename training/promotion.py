@@ -89,6 +89,19 @@ def _production(project_id: int, *, lock: bool = False) -> PolicyVersion | None:
     return (qs.select_for_update() if lock else qs).order_by("-updated_at").first()
 
 
+def base_policy_install(version: PolicyVersion, actor: Actor, reason: str) -> PolicyVersion:
+    """Put a base policy (one not produced by a training run, e.g. bootstrap_policy's) straight
+    into production, retiring the current one; audited like every other state change."""
+    with transaction.atomic():
+        version = _locked(version.id)
+        current = _production(version.project_id, lock=True)
+        if current is not None and current.id != version.id:
+            _transition(current, "retired", actor, "retire", reason)
+        _transition(version, "production", actor, "install_base", reason)
+        _deploy_after_commit(version)
+    return version
+
+
 def _deploy_after_commit(version: PolicyVersion) -> None:
     transaction.on_commit(lambda: deploy_hook(version))
 

@@ -59,12 +59,10 @@ def _progress_bar(seconds: float):
 
 
 def _register(project, folder: Path, opts: dict, stats: dict):
-    from django.db import transaction
-
-    from training.models import PolicyVersion
+    from training.promotion import base_policy_install
     from training.services import policy_register
 
-    with transaction.atomic():
-        PolicyVersion.objects.filter(project=project, state="production").update(state="retired")
-        return policy_register(project, folder, parent=None, state="production",
-                               config={"task": opts["task"], "kind": opts["kind"], "pretrain": stats})
+    version = policy_register(project, folder, parent=None, state="candidate",
+                              config={"task": opts["task"], "kind": opts["kind"], "pretrain": stats})
+    return base_policy_install(version, "system:bootstrap_policy",
+                               f"base policy pretrained {opts['seconds']:g} s on stdlib sources")

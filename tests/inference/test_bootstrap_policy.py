@@ -1,0 +1,38 @@
+"""manage.py bootstrap_policy: a pretrained base policy in production, stored and on record."""
+
+from __future__ import annotations
+
+from io import StringIO
+
+import pytest
+from django.core.management import call_command
+from django.utils import timezone
+from transformers import AutoModelForCausalLM
+
+from training.models import AuditLog, PolicyVersion
+from training.promotion import production_at
+from training.services import policy_folder
+
+pytestmark = pytest.mark.django_db
+
+
+def _bootstrap(slug: str, *extra: str) -> str:
+    out = StringIO()
+    call_command("bootstrap_policy", "--project", slug, "--seconds", "1", *extra, stdout=out)
+    return out.getvalue()
+
+
+def test_it_installs_an_audited_base_policy_and_force_replaces_it(creds, settings, tmp_path):
+    settings.VAR_DIR, settings.FLYWHEEL_CHECKPOINT_DIR = tmp_path, tmp_path / "checkpoints"
+    assert "registered acme v1 in production" in _bootstrap("acme")
+    v1 = PolicyVersion.objects.get(project=creds.project, number=1)
+    assert v1.state == "production" and v1.manifest_hash and v1.config["pretrain"]["step"] >= 1
+    assert AutoModelForCausalLM.from_pretrained(str(policy_folder(v1))) is not None
+    assert production_at(creds.project, timezone.now()) == v1
+    assert "already has policy v1" in _bootstrap("acme")  # idempotent without --force
+    _bootstrap("acme", "--force")
+    v1.refresh_from_db()
+    assert v1.state == "retired"
+    assert production_at(creds.project, timezone.now()).number == 2
+    assert list(AuditLog.objects.filter(project=creds.project).values_list("action", flat=True).order_by("id")) == [
+        "install_base", "retire", "install_base"]
