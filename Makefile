@@ -31,10 +31,10 @@ browser:
 	  else echo "install Debian's chromium (sudo apt-get install chromium) for the browser tests"; exit 1; fi; }
 
 services: install
-	$(BIN)/python -m webapp.embedded up
+	$(BIN)/python -m core.embedded up
 
 services-down:
-	$(BIN)/python -m webapp.embedded down
+	$(BIN)/python -m core.embedded down
 
 demo: install
 	$(BIN)/python -m webapp.demo
@@ -42,8 +42,10 @@ demo: install
 test: install
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
+# ruff, then the import contracts in pyproject.toml ([tool.importlinter]): imports only point down.
 lint: install
 	$(BIN)/ruff check .
+	$(BIN)/lint-imports
 
 bench: install
 	@for script in bench/[a-z]*.py; do echo "== $$script"; $(BIN)/python $$script --json || exit 1; done

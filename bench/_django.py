@@ -16,7 +16,7 @@ if str(ROOT) not in sys.path:
 def bench_database_url(name: str) -> str:
     base = os.environ.get("DATABASE_URL")
     if not base:
-        from webapp import embedded
+        from core import embedded
 
         base = embedded.postgres_url()
     return urlparse(base)._replace(path=f"/{name}").geturl()

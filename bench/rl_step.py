@@ -52,7 +52,7 @@ def reward_of(text: str) -> float:
 
 
 def build_model(folder: Path) -> Path:
-    from inference.policies import PolicyConfig, build_policy, stdlib_corpus
+    from training.pretrain import PolicyConfig, build_policy, stdlib_corpus
 
     if not (folder / "config.json").exists():
         build_policy(folder, PolicyConfig(**MODEL), stdlib_corpus(MODEL["tokenizer_lines"]))
@@ -61,7 +61,7 @@ def build_model(folder: Path) -> Path:
 
 def make_prompts(folder: Path, n: int, length: int) -> list[list[int]]:
     """n prompts of exactly `length` tokens whose decode/encode round trip is stable (TRL re-tokenises)."""
-    from inference.policies import load_tokenizer, stdlib_corpus
+    from training.pretrain import load_tokenizer, stdlib_corpus
 
     tok = load_tokenizer(folder)
     out: list[list[int]] = []
@@ -92,7 +92,7 @@ class Ours:
         from transformers import AutoModelForCausalLM
 
         from inference.engine import SamplingParams, make_engine
-        from inference.policies import load_tokenizer
+        from training.pretrain import load_tokenizer
         from training.rl.config import RLConfig
 
         self.prompts, self.G = prompts, G
@@ -283,7 +283,7 @@ def trl_worker(config_path: str) -> None:
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from inference.policies import load_tokenizer
+    from training.pretrain import load_tokenizer
 
     torch.set_num_threads(1)
     c = json.loads(Path(config_path).read_text())

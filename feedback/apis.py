@@ -14,6 +14,8 @@ from rest_framework.pagination import CursorPagination
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from core.errors import BadRequest, Forbidden, PayloadTooLarge, ServiceUnavailable, Unauthorized
+from core.notify import project_event
 from feedback import selectors
 from feedback.auth import (
     PROJECT_HEADER,
@@ -25,7 +27,6 @@ from feedback.auth import (
 )
 from feedback.ratelimit import ingest_rate_check
 from feedback.services import feedback_ingest
-from webapp.errors import BadRequest, Forbidden, PayloadTooLarge, ServiceUnavailable, Unauthorized
 
 
 class IngestApi(APIView):
@@ -111,7 +112,6 @@ def _events(body: bytes) -> list[Any]:
 
 def _notifier(project_id: int):
     def notify(counts: dict[str, int]) -> None:
-        from webapp.notify import project_event
 
         project_event(project_id, {"type": "ingest", **counts})
 

@@ -13,8 +13,8 @@ from rest_framework.authentication import BaseAuthentication
 from rest_framework.permissions import BasePermission
 from standardwebhooks.webhooks import Webhook, WebhookVerificationError
 
+from core.errors import Forbidden, Unauthorized
 from feedback.models import ApiKey, Project, WebhookSecret
-from webapp.errors import Forbidden, Unauthorized
 
 WEBHOOK_HEADERS = ("webhook-id", "webhook-timestamp", "webhook-signature")
 PROJECT_HEADER = "flywheel-project"

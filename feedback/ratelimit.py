@@ -12,8 +12,8 @@ import time
 from django.core.cache import cache
 from redis.exceptions import RedisError
 
+from core.errors import RateLimited
 from feedback.models import Project
-from webapp.errors import RateLimited
 
 log = logging.getLogger(__name__)
 

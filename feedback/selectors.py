@@ -6,8 +6,8 @@ from datetime import datetime
 
 from django.db.models import Prefetch, QuerySet
 
+from core.errors import NotFound
 from feedback.models import FeedbackEvent, Project, Step, Trajectory
-from webapp.errors import NotFound
 
 
 def project_get(slug: str) -> Project:

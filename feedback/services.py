@@ -16,9 +16,9 @@ from typing import Any
 from django.db import connection, transaction
 from django.utils import timezone
 
+from core.errors import BadRequest, NotFound
 from feedback.events import EventError, FeedbackRecord, TrajectoryRecord, event_identity, parse_event
 from feedback.models import ApiKey, Project, WebhookSecret
-from webapp.errors import BadRequest, NotFound
 
 SECRET_ROTATION_GRACE = timedelta(hours=24)
 

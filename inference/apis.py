@@ -192,11 +192,7 @@ def models(request: HttpRequest) -> JsonResponse:
 def load_version(request: HttpRequest) -> JsonResponse:
     """Internal: {"version": N} (production) or {"canary": N, "share": 0.1} / {"canary": null}."""
     _internal_auth(request)
-    body = _json_body(request)
-    from inference.weights import server_load
-
-    state = server_load(serving.current(), body)
-    return JsonResponse(state)
+    return JsonResponse(serving.current().load(_json_body(request)))
 
 
 def _internal_auth(request: HttpRequest) -> None:

@@ -28,14 +28,15 @@ import abc
 import contextlib
 import os
 import threading
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 
-from training.rl.router_replay import capture_routing, moe_routers
+from kernels.batch_invariant import batch_invariant_mode
+from kernels.routing import capture_routing, moe_routers
 
 FinishReason = Literal["stop", "length"]
 Prompts = Sequence[Sequence[int]] | Sequence[str]
@@ -127,12 +128,33 @@ class Engine(abc.ABC):
         pass
 
 
-def make_engine(kind: Literal["vllm", "torch"], model_dir: str | Path, **kw: Any) -> Engine:
-    if kind == "torch":
-        return TorchEngine(model_dir, **kw)
-    if kind == "vllm":
-        return VLLMEngine(model_dir, **kw)
-    raise ValueError(f"unknown engine kind {kind!r}; use 'vllm' or 'torch'")
+ENGINES: dict[str, type[Engine]] = {}
+
+
+def register_engine(kind: str) -> Callable[[type[Engine]], type[Engine]]:
+    def add(cls: type[Engine]) -> type[Engine]:
+        ENGINES[kind] = cls
+        return cls
+
+    return add
+
+
+def make_engine(kind: str, model_dir: str | Path, **kw: Any) -> Engine:
+    if kind not in ENGINES:
+        raise ValueError(f"unknown engine kind {kind!r}; use one of {sorted(ENGINES)}")
+    return ENGINES[kind](model_dir, **kw)
+
+
+@dataclass(frozen=True)
+class EngineFactory:
+    """Builds engines of one kind with the same settings (e.g. a serving process's max_model_len),
+    so a second engine (a canary) is made exactly like the first."""
+
+    kind: str
+    settings: Mapping[str, Any] = field(default_factory=dict)
+
+    def __call__(self, model_dir: str | Path, version: int) -> Engine:
+        return make_engine(self.kind, model_dir, version=version, **self.settings)
 
 
 def read_state_dict(source: WeightsSource) -> dict[str, torch.Tensor]:
@@ -178,15 +200,7 @@ def _top_p_mask(logits: torch.Tensor, top_p: float) -> torch.Tensor:
 # ----------------------------------------------------------------------------- torch reference
 
 
-def _batch_invariant_mode() -> Any:
-    """kernels.batch_invariant_mode when it exists (bitwise equal to the trainer), else None."""
-    try:
-        from kernels.batch_invariant import batch_invariant_mode
-    except ImportError:
-        return None
-    return batch_invariant_mode
-
-
+@register_engine("torch")
 class TorchEngine(Engine):
     """HF transformers model, batched sampling with a KV cache, fp32 log-probs.
 
@@ -332,10 +346,9 @@ class TorchEngine(Engine):
         self, pairs: list[tuple[list[int], list[int]]], sampling: SamplingParams
     ) -> list[tuple[list[float], list[list[list[int]]] | None]]:
         ids = torch.tensor([prompt + toks[:-1] for prompt, toks in pairs])  # (B, L)
-        mode = _batch_invariant_mode()
         # Routing is captured only here, in the scoring forward (not at every sampling step).
         capture = capture_routing(self.model) if self._moe else contextlib.nullcontext()
-        with mode(self.model) if mode else contextlib.nullcontext(), capture as routed:
+        with batch_invariant_mode(self.model), capture as routed:
             logits = self.model(input_ids=ids).logits.float()  # (B, L, V)
             starts = [len(prompt) - 1 for prompt, _ in pairs]
             picked = [
@@ -433,6 +446,7 @@ def patch_cpu_moe_reload() -> None:
     cls._flywheel_reload_patch = True
 
 
+@register_engine("vllm")
 class VLLMEngine(Engine):
     """vLLM in-process (uni executor, eager), sampled-token log-probs, in-place weight reload.
 

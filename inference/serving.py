@@ -23,7 +23,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from inference.engine import Completion, Engine, SamplingParams
+from inference.engine import Completion, Engine, EngineFactory, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -112,13 +112,26 @@ class Recorder:
         self.put(batch)
 
 
+# Version number -> a verified HF folder of its weights; raises ServingError (404 unknown, 409 not
+# on this machine). Handed in by whoever knows the versions (the serve_policy command).
+WeightsResolver = Callable[[int], Path]
+
+
+def _no_versions(number: int) -> Path:
+    raise ServingError(409, "this serving process was started on a folder, not on the project's versions",
+                       "Start it with `manage.py serve_policy --project SLUG` (without --model-dir).")
+
+
 class PolicyServer:
     """Engines by version, the production/canary routing, and the recorder."""
 
     def __init__(self, project_slug: str, engine: Engine, recorder: Recorder | None,
-                 max_model_len: int = 512, canary_seed: int | None = None) -> None:
+                 max_model_len: int = 512, canary_seed: int | None = None,
+                 engines: EngineFactory | None = None, resolve: WeightsResolver = _no_versions) -> None:
         self.project_slug = project_slug
         self.engine = engine
+        self.engines = engines
+        self.resolve = resolve
         self.canary: Engine | None = None
         self.canary_share = 0.0
         self.recorder = recorder
@@ -195,12 +208,43 @@ class PolicyServer:
         if old is not None and old is not engine:
             old.close()
 
+    def load(self, body: dict[str, Any]) -> dict[str, Any]:
+        """{"version": N} swaps production; {"canary": N, "share": s} loads a canary; {"canary": null}
+        drops it. Returns what is served now."""
+        if "version" in body:
+            number = _version_number(body["version"])
+            self.load_version(self.resolve(number), number)
+        if "canary" in body:
+            if body["canary"] is None:
+                self.set_canary(None, 0.0)
+            else:
+                share = body.get("share", 0.1)
+                if not isinstance(share, int | float) or isinstance(share, bool) or not 0 < share < 1:
+                    raise ServingError(400, "'share' must be a fraction in (0, 1)", "Send e.g. {\"share\": 0.1}.")
+                number = _version_number(body["canary"])
+                self.set_canary(self.engine_for(self.resolve(number), number), float(share))
+        return {"version": self.engine.version, "canary": self.canary.version if self.canary else None,
+                "canary_share": self.canary_share}
+
+    def engine_for(self, folder: str | Path, version: int) -> Engine:
+        """A second engine built like the first (same kind and settings)."""
+        if self.engines is None:
+            raise ServingError(409, "this serving process cannot build a second engine",
+                               "Start it with `manage.py serve_policy`, which sets the engine factory.")
+        return self.engines(folder, version)
+
     def close(self) -> None:
         if self.recorder is not None:
             self.recorder.close()
         self.engine.close()
         if self.canary is not None:
             self.canary.close()
+
+
+def _version_number(value: Any) -> int:
+    if type(value) is not int:
+        raise ServingError(400, "'version' must be an integer policy version number", "Send {\"version\": 3}.")
+    return value
 
 
 # The process-wide server, set by `serve_policy` (or by tests) before requests arrive.

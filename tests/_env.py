@@ -16,6 +16,6 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 if not os.path.exists("/dev/nvidia0"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
 if not os.environ.get("REDIS_URL"):
-    from webapp import embedded
+    from core import embedded
 
     os.environ["REDIS_URL"] = embedded.redis_url() + "/4"

@@ -2,6 +2,9 @@ from django.contrib import admin
 
 from training.models import (
     AuditLog,
+    CanaryRun,
+    EvalSuite,
+    GatePolicy,
     GateReport,
     PolicyVersion,
     Reward,
@@ -10,6 +13,8 @@ from training.models import (
     TrainingRun,
     TrainingStep,
 )
+from training.promotion.services import gate_policy_update
+from training.rewards.services import SPEC_FIELDS, reward_spec_update
 
 
 @admin.register(RewardSpec)
@@ -21,7 +26,6 @@ class RewardSpecAdmin(admin.ModelAdmin):
     readonly_fields = ("version",)
 
     def save_model(self, request, obj, form, change) -> None:
-        from training.services import SPEC_FIELDS, reward_spec_update
 
         if not change:
             super().save_model(request, obj, form, change)
@@ -81,7 +85,6 @@ class AuditLogAdmin(admin.ModelAdmin):
 
 # --- gated promotion ---------------------------------------------------------------------------
 
-from training.models import CanaryRun, EvalSuite, GatePolicy  # noqa: E402
 
 
 @admin.register(GatePolicy)
@@ -93,7 +96,6 @@ class GatePolicyAdmin(admin.ModelAdmin):
     readonly_fields = ("version", "created_by", "created_at")
 
     def save_model(self, request, obj, form, change) -> None:
-        from training.promotion import gate_policy_update
 
         fields = {f: getattr(obj, f) for f in ("thresholds", "two_person_rule", "canary_share",
                                                "canary_min_events", "canary_max_events", "canary_confidence")}

@@ -1,5 +1,5 @@
 """HTTP API of promotion: list and read policy versions with their gate report; approve, reject
-or roll back one. Thin views over training.promotion.
+or roll back one. Thin views over training.promotion and training.versions.
 
 Approve/reject/rollback accept any authenticated caller on purpose: the service decides, so a
 refusal (403) is recorded in the audit log instead of stopping at a permission class.
@@ -13,11 +13,12 @@ from rest_framework.permissions import IsAuthenticated
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from core.errors import BadRequest
 from feedback.auth import HasReadScope, Principal
 from feedback.selectors import project_get
-from training import promotion
 from training.models import PolicyVersion
-from webapp.errors import BadRequest
+from training.promotion.services import Action, candidate_promote
+from training.versions.selectors import latest_report, version_get, version_list
 
 
 def _project_of(request):
@@ -51,7 +52,7 @@ class VersionOutput(serializers.Serializer):
     gate_report = serializers.SerializerMethodField()
 
     def get_gate_report(self, version: PolicyVersion) -> dict | None:
-        report = promotion.latest_report(version)
+        report = latest_report(version)
         return GateReportOutput(report).data if report else None
 
 
@@ -67,7 +68,7 @@ class VersionListApi(APIView):
     def get(self, request) -> Response:
         filters = self.FilterSerializer(data=request.query_params)
         filters.is_valid(raise_exception=True)
-        versions = promotion.version_list(_project_of(request), **filters.validated_data)
+        versions = version_list(_project_of(request), **filters.validated_data)
         return Response({"results": VersionOutput(versions, many=True).data})
 
 
@@ -78,12 +79,12 @@ class VersionDetailApi(APIView):
 
     @extend_schema(responses=VersionOutput)
     def get(self, request, version_id: int) -> Response:
-        version = promotion.version_get(version_id, _project_of(request))
+        version = version_get(version_id, _project_of(request))
         return Response(VersionOutput(version).data)
 
 
 class _PromoteApi(APIView):
-    action: promotion.Action
+    action: Action
     permission_classes = [IsAuthenticated]
 
     class InputSerializer(serializers.Serializer):
@@ -94,9 +95,9 @@ class _PromoteApi(APIView):
         data = self.InputSerializer(data=request.data)
         data.is_valid(raise_exception=True)
         if isinstance(request.user, Principal):
-            promotion.version_get(version_id, request.user.project)  # a key sees its own project only
-        version = promotion.candidate_promote(version_id, request.user, self.action, data.validated_data["reason"])
-        return Response(VersionOutput(promotion.version_get(version.id)).data)
+            version_get(version_id, request.user.project)  # a key sees its own project only
+        version = candidate_promote(version_id, request.user, self.action, data.validated_data["reason"])
+        return Response(VersionOutput(version_get(version.id)).data)
 
 
 class VersionApproveApi(_PromoteApi):

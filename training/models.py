@@ -6,6 +6,7 @@ from django.conf import settings
 from django.db import models
 
 from feedback.models import Project, Trajectory
+from training.gate.config import GateThresholds, SuiteSpec
 
 
 class RewardSpec(models.Model):
@@ -187,8 +188,6 @@ class GatePolicy(models.Model):
     def clean(self) -> None:
         from django.core.exceptions import ValidationError
 
-        from training.gate.config import GateThresholds
-
         try:
             GateThresholds.from_json(self.thresholds)
         except (TypeError, ValueError) as exc:
@@ -226,7 +225,6 @@ class EvalSuite(models.Model):
             raise ValidationError(str(exc)) from exc
 
     def as_spec(self):  # -> training.gate.config.SuiteSpec (imported lazily: keeps models light)
-        from training.gate.config import SuiteSpec
 
         return SuiteSpec.from_json(self.prompts, checks=self.checks, judge=self.judge, aspects=self.aspects,
                                    n_samples=self.n_samples, max_tokens=self.max_tokens,
@@ -241,7 +239,7 @@ class CanaryRun(models.Model):
     version = models.ForeignKey(PolicyVersion, on_delete=models.CASCADE, related_name="canaries")
     baseline = models.ForeignKey(PolicyVersion, on_delete=models.PROTECT, related_name="canary_baselines")
     share = models.FloatField()
-    rule = models.JSONField(default=dict)  # training.gate.sequential.CanaryRule in force
+    rule = models.JSONField(default=dict)  # training.promotion.sequential.CanaryRule in force
     started_at = models.DateTimeField(auto_now_add=True)
     decided_at = models.DateTimeField(null=True, blank=True)
     outcome = models.CharField(max_length=16, choices=OUTCOMES, blank=True, default="")

@@ -1,44 +1,14 @@
-"""Celery tasks of the training app. They take ids, load, call one service.
+"""Where Celery finds the training app's tasks (`app.autodiscover_tasks()` imports `training.tasks`).
 
-Routing (webapp/settings.py): rewards_* -> queue rewards, train_* -> train, rollout_* -> rollouts.
-Beat entries are rows made by `training.services.training_schedule_install()`.
+Each entity keeps its tasks next to its services: rewards, runs, gate, promotion. Task names
+(`training.tasks.*`) are a wire contract — beat rows and queued messages carry them, and
+settings.CELERY_TASK_ROUTES routes on them — so they stay as they were when the tasks moved.
 """
 
-from __future__ import annotations
+from training.gate.tasks import gate_run_enqueue, gate_run_task
+from training.promotion.tasks import gate_canaries_check_task
+from training.rewards.tasks import rewards_compute_pending
+from training.runs.tasks import rollout_and_train_task, train_maybe, train_policy_task
 
-from typing import Any
-
-from celery import shared_task
-
-import training.gate.tasks  # noqa: F401 - the gate's tasks, so workers discover them
-from feedback.models import Project
-from training import services
-
-
-@shared_task(name="training.tasks.rewards_compute_pending")
-def rewards_compute_pending(project_id: int) -> int:
-    return services.rewards_compute_pending(Project.objects.get(pk=project_id))
-
-
-@shared_task(name="training.tasks.train_policy", bind=True)
-def train_policy_task(self: Any, run_id: int) -> str:
-    worker = services.WorkerRef.here("celery", node=self.request.hostname or "", task_id=self.request.id or "")
-    return services.train_policy(run_id, worker).state
-
-
-@shared_task(name="training.tasks.train_maybe")
-def train_maybe(project_id: int, min_new: int = 64, every_minutes: float = 60.0,
-                steps: int = services.DEFAULT_TRAIN_STEPS, batch_size: int = services.DEFAULT_BATCH_SIZE,
-                rl: dict[str, Any] | None = None) -> int | None:
-    run = services.train_maybe(Project.objects.get(pk=project_id), min_new, every_minutes, steps=steps,
-                               batch_size=batch_size, rl=rl)
-    return run.pk if run is not None else None
-
-
-@shared_task(name="training.tasks.rollout_and_train")
-def rollout_and_train_task(project_id: int, prompts: list[Any], G: int = 16, steps: int = 1,
-                           max_tokens: int = 24, seed: int = 0) -> int:
-    """Rollouts here (queue rollouts); the training itself is queued for the train workers."""
-    run, _ = services.rollout_and_train(Project.objects.get(pk=project_id), prompts, G, steps=steps,
-                                        max_tokens=max_tokens, seed=seed, inline=False)
-    return run.pk
+__all__ = ["gate_canaries_check_task", "gate_run_enqueue", "gate_run_task", "rewards_compute_pending",
+           "rollout_and_train_task", "train_maybe", "train_policy_task"]

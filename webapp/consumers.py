@@ -5,7 +5,7 @@ from __future__ import annotations
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
 
-from webapp.notify import project_group
+from core.notify import project_group
 
 
 class ProjectConsumer(AsyncJsonWebsocketConsumer):
@@ -36,6 +36,7 @@ class ProjectConsumer(AsyncJsonWebsocketConsumer):
 
     @database_sync_to_async
     def _project_id(self, slug: str) -> int | None:
+        # Imported here: webapp.routing imports this module before Django's apps are ready.
         from feedback.models import Project
 
         return Project.objects.filter(slug=slug).values_list("id", flat=True).first()

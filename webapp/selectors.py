@@ -16,6 +16,7 @@ from django.conf import settings
 from django.db.models import F, Max, Prefetch, Q, QuerySet, Sum
 from django.utils import timezone
 
+from core.errors import Forbidden, NotFound
 from feedback.models import FeedbackEvent, Project, Step, Trajectory
 from training.models import (
     AuditLog,
@@ -26,12 +27,12 @@ from training.models import (
     TrainingRun,
     TrainingStep,
 )
-from webapp.errors import Forbidden, NotFound
+from webapp import charts
+from webapp.charts import METRICS
 from webapp.models import AgreementRollup, FeedbackHourly, RubricRollup, TrajectoryHourly
 
 POSITIVE = ("happy", "accept", "edit_kept")
 NEGATIVE = ("sad", "reject", "followup_dissatisfied")
-METRICS = ("loss", "kl_ref", "entropy", "clip_fraction", "mismatch_kl", "grad_norm", "reward_mean", "tokens_per_s")
 QUEUES = ("celery", "ingest", "rewards", "train", "rollouts", "gate")
 MAX_CURVE_POINTS = 1500
 PAGE_SIZE = 50
@@ -70,10 +71,6 @@ def project_list() -> list[dict[str, Any]]:
 # --- overview -----------------------------------------------------------------------------------
 
 
-def _version_name(v: int | None) -> str:
-    return "unknown version" if v is None else f"v{v}"
-
-
 def feedback_series(project: Project, since: datetime) -> dict[str, Any]:
     """Per version per hour: volume and positive rate (positive / (positive + negative))."""
     rows = (FeedbackHourly.objects.filter(project=project, hour__gte=since)
@@ -105,17 +102,11 @@ def reward_series(project: Project, since: datetime) -> dict[int | None, dict[st
     return dict(out)
 
 
-def version_starts(series: dict[int | None, dict[str, list]]) -> list[tuple[str, str]]:
-    """(first hour, version name) of each version seen in the range: the version changes."""
-    starts = [(s["x"][0], _version_name(v)) for v, s in series.items() if s["x"]]
-    return sorted(starts)
-
-
 def overview_charts(project: Project, days: int) -> dict[str, Any]:
     since = timezone.now() - timedelta(days=days)
     feedback = feedback_series(project, since)
     rewards = reward_series(project, since)
-    marks = version_starts({**rewards, **{v: s for v, s in feedback["by_version"].items() if v not in rewards}})
+    marks = charts.version_starts({**rewards, **{v: s for v, s in feedback["by_version"].items() if v not in rewards}})
     shapes = [{"type": "line", "xref": "x", "yref": "paper", "x0": x, "x1": x, "y0": 0, "y1": 1,
                "line": {"dash": "dot", "width": 1, "color": "#888"}} for x, _ in marks]
     notes = [{"x": x, "y": 1, "xref": "x", "yref": "paper", "text": name, "showarrow": False,
@@ -126,13 +117,13 @@ def overview_charts(project: Project, days: int) -> dict[str, Any]:
         return {"title": {"text": title}, "shapes": shapes, "annotations": notes, "margin": {"t": 40, "r": 10, "l": 40},
                 "legend": {"orientation": "h"}, "hovermode": "x unified", **extra}
 
-    volume = [{"type": "bar", "name": _version_name(v), "x": feedback["by_version"][v]["x"],
+    volume = [{"type": "bar", "name": charts.version_name(v), "x": feedback["by_version"][v]["x"],
                "y": feedback["by_version"][v]["n"]} for v in order]
     volume.append({"type": "scatter", "mode": "markers", "name": "live (this page)", "x": [], "y": [],
                    "marker": {"color": "#d62828", "size": 9}})
-    rate = [{"type": "scatter", "mode": "lines+markers", "name": _version_name(v), "x": feedback["by_version"][v]["x"],
+    rate = [{"type": "scatter", "mode": "lines+markers", "name": charts.version_name(v), "x": feedback["by_version"][v]["x"],
              "y": feedback["by_version"][v]["rate"], "connectgaps": False} for v in order]
-    reward = [{"type": "scatter", "mode": "lines+markers", "name": _version_name(v), "x": s["x"], "y": s["reward"]}
+    reward = [{"type": "scatter", "mode": "lines+markers", "name": charts.version_name(v), "x": s["x"], "y": s["reward"]}
               for v, s in sorted(rewards.items(), key=lambda kv: (kv[0] is None, kv[0] or 0))]
     return {
         "totals": {"feedback": feedback["total"], "rate": feedback["rate"],
@@ -212,30 +203,7 @@ def run_curves(run: TrainingRun) -> dict[str, list]:
     return curves
 
 
-def run_figures(runs: list[tuple[TrainingRun, dict[str, list]]]) -> dict[str, Any]:
-    figures = {}
-    for name in METRICS:
-        data = [{"type": "scatter", "mode": "lines", "name": f"run {run.id}", "x": c["step"], "y": c[name]}
-                for run, c in runs]
-        figures[name] = {"data": data, "layout": {"title": {"text": name}, "margin": {"t": 40, "r": 10, "l": 50},
-                                                   "xaxis": {"title": {"text": "step"}}, "showlegend": len(runs) > 1,
-                                                   "legend": {"orientation": "h"}}}
-    return figures
-
-
 # --- rubric scores ------------------------------------------------------------------------------
-
-
-def _quantile(bins: dict[int, int], q: float) -> float:
-    """Quantile of a 10-bin histogram over [0, 1], linear inside the bin."""
-    total = sum(bins.values())
-    target, seen = q * total, 0
-    for b in range(10):
-        n = bins.get(b, 0)
-        if n and seen + n >= target:
-            return round((b + (target - seen) / n) / 10, 4)
-        seen += n
-    return 1.0
 
 
 def rubric_filters(project: Project) -> dict[str, list[str]]:
@@ -260,45 +228,8 @@ def rubric_view(project: Project, task: str, tag: str) -> dict[str, Any]:
     for a in agree:
         a["rate"] = a["agree"] / a["pairs"] if a["pairs"] else None
         a["mae"] = a["err"] / a["pairs"] if a["pairs"] else None
-    return {"figures": _rubric_figures(hist, sums, agree), "agreement": agree,
+    return {"figures": charts.rubric_figures(hist, sums, agree), "agreement": agree,
             "judge_failures": sum(h.get(-1, 0) for k, h in hist.items() if k[2] == "judge")}
-
-
-def _rubric_figures(hist: dict[tuple, dict[int, int]], sums: dict[tuple, float], agree: list[dict]) -> dict:
-    aspects = sorted({k[1] for k in hist})
-    versions = sorted({k[0] for k in hist if k[0] is not None})
-    boxes = []
-    for aspect in aspects:
-        keys = [(v, aspect, "judge") for v in versions if hist.get((v, aspect, "judge"))]
-        scored = [(k, {b: n for b, n in hist[k].items() if b >= 0}) for k in keys]
-        scored = [(k, h) for k, h in scored if sum(h.values())]
-        if not scored:
-            continue
-        boxes.append({
-            "type": "box", "name": aspect, "x": [f"v{k[0]}" for k, _ in scored],
-            "q1": [_quantile(h, 0.25) for _, h in scored], "median": [_quantile(h, 0.5) for _, h in scored],
-            "q3": [_quantile(h, 0.75) for _, h in scored], "lowerfence": [_quantile(h, 0.0) for _, h in scored],
-            "upperfence": [_quantile(h, 1.0) for _, h in scored],
-            "mean": [round(sums[k] / sum(h.values()), 4) for k, h in scored],
-        })
-    dists = []
-    for aspect in aspects:
-        for source in ("judge", "human"):
-            counts = [sum(h.get(b, 0) for k, h in hist.items() if k[1] == aspect and k[2] == source) for b in range(10)]
-            if sum(counts):
-                dists.append({"type": "bar", "name": f"{aspect} · {source}", "x": [f"{b / 10:.1f}" for b in range(10)],
-                              "y": counts})
-    margin = {"t": 40, "r": 10, "l": 40}
-    return {
-        "boxes": {"data": boxes, "layout": {"title": {"text": "Judge score per aspect per version"}, "boxmode": "group",
-                                            "yaxis": {"range": [0, 1]}, "margin": margin, "legend": {"orientation": "h"}}},
-        "dists": {"data": dists, "layout": {"title": {"text": "Score distributions"}, "barmode": "group",
-                                            "margin": margin, "legend": {"orientation": "h"}}},
-        "agreement": {"data": [{"type": "bar", "x": [a["aspect"] for a in agree], "y": [a["rate"] for a in agree],
-                                "name": "agreement"}],
-                      "layout": {"title": {"text": "Judge vs human agreement (|Δ| ≤ 0.2)"}, "yaxis": {"range": [0, 1]},
-                                 "margin": margin}},
-    }
 
 
 def rubric_strip(project: Project, task: str, tag: str, limit: int = 400) -> dict[str, Any]:
@@ -311,7 +242,7 @@ def rubric_strip(project: Project, task: str, tag: str, limit: int = 400) -> dic
     rows = list(scores.order_by("-id").values_list("aspect", "score", "trajectory__policy_version")[:limit])
     by_aspect: dict[str, dict[str, list]] = defaultdict(lambda: {"x": [], "y": []})
     for aspect, score, version in rows:
-        by_aspect[aspect]["x"].append(_version_name(version))
+        by_aspect[aspect]["x"].append(charts.version_name(version))
         by_aspect[aspect]["y"].append(score)
     data = [{"type": "box", "boxpoints": "all", "jitter": 0.6, "pointpos": 0, "fillcolor": "rgba(0,0,0,0)",
              "line": {"width": 0}, "name": a, "x": s["x"], "y": s["y"]} for a, s in sorted(by_aspect.items())]
@@ -383,13 +314,6 @@ def _group(project: Project, t: Trajectory) -> list[dict[str, Any]]:
              "completion": " ".join(s.content for s in m.steps.all() if s.role == "assistant")} for m in members]
 
 
-def _token_colour(logprob: float | None) -> str:
-    if logprob is None:
-        return "transparent"
-    p = math.exp(max(min(logprob, 0.0), -20.0))
-    return f"hsl({round(120 * p)}, 75%, 82%)"
-
-
 @dataclass
 class StepView:
     step: Step
@@ -407,23 +331,9 @@ def _step_view(step: Step) -> StepView:
         lp = logprobs[i] if i < len(logprobs) else None
         text = texts[i] if i < len(texts) and isinstance(texts[i], str) else f"#{tid}"
         adv = advantages[i] if i < len(advantages) else None
-        tokens.append({"id": tid, "text": text, "logprob": lp, "colour": _token_colour(lp), "advantage": adv,
+        tokens.append({"id": tid, "text": text, "logprob": lp, "colour": charts.token_colour(lp), "advantage": adv,
                        "title": f"id {tid} · logprob {lp}" + (f" · advantage {adv}" if adv is not None else "")})
-    return StepView(step=step, tokens=tokens, routing=_routing_figure(step.routing, len(ids)))
-
-
-def _routing_figure(routing: Any, n_tokens: int) -> dict[str, Any] | None:
-    """Heatmap of the top-1 expert per layer (rows) per position (columns); hover shows the top-k."""
-    if not isinstance(routing, list) or not routing or not isinstance(routing[0], list):
-        return None
-    positions = routing[-n_tokens:] if n_tokens else routing
-    layers = max(len(p) for p in positions)
-    z = [[(p[layer][0] if layer < len(p) and p[layer] else None) for p in positions] for layer in range(layers)]
-    text = [[str(p[layer]) if layer < len(p) else "" for p in positions] for layer in range(layers)]
-    return {"data": [{"type": "heatmap", "z": z, "text": text, "hovertemplate": "pos %{x} layer %{y}: %{text}",
-                      "colorscale": "Viridis", "colorbar": {"title": {"text": "expert"}}}],
-            "layout": {"title": {"text": "MoE routing (top-1 expert)"}, "margin": {"t": 40, "r": 10, "l": 40},
-                       "xaxis": {"title": {"text": "token"}}, "yaxis": {"title": {"text": "layer"}}}}
+    return StepView(step=step, tokens=tokens, routing=charts.routing_figure(step.routing, len(ids)))
 
 
 def rollout_replay(project: Project, trajectory_id: int, flt: RolloutFilter) -> dict[str, Any]:
@@ -440,17 +350,8 @@ def rollout_replay(project: Project, trajectory_id: int, flt: RolloutFilter) -> 
         "t": t, "steps": [_step_view(s) for s in t.steps.all()], "feedback": feedback,
         "rewards": list(t.rewards.all()), "scores": list(t.rubric_scores.all()), "version": version,
         "prev": _neighbour(project, t, flt, older=False), "next": _neighbour(project, t, flt, older=True),
-        "group": _group(project, t), "timeline": _timeline(t, feedback),
+        "group": _group(project, t), "timeline": charts.timeline_figure(t, feedback),
     }
-
-
-def _timeline(t: Trajectory, feedback: list[FeedbackEvent]) -> dict[str, Any]:
-    data = [{"type": "scatter", "mode": "markers", "name": "trajectory", "x": [t.occurred_at.isoformat()],
-             "y": ["trajectory"], "marker": {"size": 12, "symbol": "diamond"}},
-            {"type": "scatter", "mode": "markers", "name": "feedback", "x": [f.occurred_at.isoformat() for f in feedback],
-             "y": [f.signal for f in feedback], "marker": {"size": 10}}]
-    return {"data": data, "layout": {"title": {"text": "Feedback timeline"}, "showlegend": False, "height": 260,
-                                     "margin": {"t": 40, "r": 10, "l": 90}}}
 
 
 # --- model registry -----------------------------------------------------------------------------
@@ -478,20 +379,6 @@ def registry(project: Project) -> list[dict[str, Any]]:
 
 def audit_log(project: Project, limit: int = 50) -> list[AuditLog]:
     return list(AuditLog.objects.filter(project=project).order_by("-at", "-id")[:limit])
-
-
-def production_at(project: Project, when: datetime) -> PolicyVersion | None:
-    """The version in production at `when` (training.promotion reads the append-only audit log)."""
-    from training.promotion import production_at as promotion_production_at
-
-    return promotion_production_at(project, when)
-
-
-def version_get(project: Project, number: int) -> PolicyVersion:
-    version = PolicyVersion.objects.filter(project=project, number=number).first()
-    if version is None:
-        raise NotFound(f"there is no version v{number} in {project.slug}", "Pick a version in the registry.")
-    return version
 
 
 def feedback_counts(project: Project) -> dict[str, int]:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from core.errors import BadRequest
 from training.models import PolicyVersion
-from webapp.errors import BadRequest, ServiceUnavailable
+from training.promotion.services import candidate_promote
 
 ACTIONS = ("approve", "reject", "rollback")
 
@@ -16,10 +17,5 @@ def version_decide(version: PolicyVersion, actor: Any, action: str, reason: str)
         raise BadRequest(f"unknown action {action!r}", f"Use one of {', '.join(ACTIONS)}.")
     if not reason.strip():
         raise BadRequest("a reason is required", "Say why, in a few words: it goes into the audit log.")
-    try:
-        from training.promotion import candidate_promote
-    except ImportError as exc:
-        raise ServiceUnavailable("the promotion service is not installed yet",
-                                 "Deploy training.promotion, then try again.") from exc
     # The service audits the decision and pushes {"type": "policy_version", ...} to the dashboard.
     return candidate_promote(version, actor, action, reason.strip())

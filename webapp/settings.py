@@ -1,7 +1,7 @@
 """Flywheel settings: everything comes from environment variables read through strict helpers.
 
 Defaults run on a fresh clone: with DATABASE_URL / REDIS_URL unset, the embedded PostgreSQL and
-Redis under var/ are started (or reused) by webapp.embedded.
+Redis under var/ are started (or reused) by core.embedded.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from urllib.parse import parse_qs, unquote, urlparse
 
-from webapp.env import ConfigError, env_bool, env_int, env_list, env_str
+from core.env import ConfigError, env_bool, env_int, env_list, env_str
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 VAR_DIR = Path(env_str("FLYWHEEL_VAR_DIR", str(BASE_DIR / "var")))
@@ -42,7 +42,7 @@ def _database_from_url(url: str) -> dict:
 def _redis_base() -> str:
     url = env_str("REDIS_URL", "")
     if not url:
-        from webapp import embedded
+        from core import embedded
 
         return embedded.redis_url()
     parsed = urlparse(url)
@@ -62,7 +62,7 @@ def _database_url() -> str:
     url = env_str("DATABASE_URL", "")
     if url:
         return url
-    from webapp import embedded
+    from core import embedded
 
     return embedded.postgres_url()
 
@@ -187,7 +187,7 @@ REST_FRAMEWORK = {
     ],
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
-    "EXCEPTION_HANDLER": "webapp.errors.exception_handler",
+    "EXCEPTION_HANDLER": "core.errors.exception_handler",
     "UNAUTHENTICATED_USER": None,
 }
 

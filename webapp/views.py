@@ -1,4 +1,4 @@
-"""Dashboard pages: thin views over webapp.selectors; errors go through webapp.errors."""
+"""Dashboard pages: thin views over webapp.selectors; errors go through core.errors."""
 
 from __future__ import annotations
 
@@ -17,8 +17,9 @@ from django.utils import timezone
 from django.utils.dateparse import parse_datetime
 from django.views.decorators.http import require_POST
 
-from webapp import selectors, services
-from webapp.errors import ApplicationError, BadRequest, Forbidden, html_error_response
+from core.errors import ApplicationError, BadRequest, Forbidden, html_error_response
+from training.versions.selectors import policy_by_number, production_at
+from webapp import charts, selectors, services
 
 View = Callable[..., HttpResponse]
 
@@ -92,7 +93,7 @@ def runs(request: HttpRequest, slug: str) -> HttpResponse:
     shown = [(r, selectors.run_curves(r)) for r in (run, compare) if r is not None]
     return render(request, "dashboard/runs.html", _ctx(
         request, project, "runs", runs=run_list, run=run, compare=compare,
-        figures=selectors.run_figures(shown) if shown else {}))
+        figures=charts.run_figures(shown) if shown else {}))
 
 
 @page
@@ -131,7 +132,7 @@ def registry(request: HttpRequest, slug: str) -> HttpResponse:
     at = _when(at_raw) if at_raw else None
     return render(request, "dashboard/registry.html", _ctx(
         request, project, "registry", rows=selectors.registry(project), audit=selectors.audit_log(project),
-        at=at_raw, live_at=selectors.production_at(project, at) if at else None, now=timezone.now()))
+        at=at_raw, live_at=production_at(project, at) if at else None, now=timezone.now()))
 
 
 def _when(raw: str) -> datetime:
@@ -148,7 +149,7 @@ def registry_action(request: HttpRequest, slug: str, number: int, action: str) -
         raise Forbidden("only approvers can approve, reject or roll back versions",
                         "Ask an administrator for the 'approve promotion' permission.")
     project = selectors.project_get(slug)
-    version = services.version_decide(selectors.version_get(project, number), request.user, action,
+    version = services.version_decide(policy_by_number(project, number), request.user, action,
                                       request.POST.get("reason", ""))
     messages.success(request, f"v{version.number}: {action} done, now {version.state}.")
     return redirect("registry", slug=project.slug)

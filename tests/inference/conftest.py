@@ -8,47 +8,12 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import pytest
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from inference.policies import PolicyConfig, build_policy, stdlib_corpus  # noqa: E402
-
-# Strings that split differently under another pre-tokenizer or normaliser: digits, runs of
-# spaces and newlines, tabs, a decomposed accent (NFC folds it), non-ASCII, special tokens.
-TRICKY_TEXTS = [
-    "x = 12345  # héllo\n\tdef  f(): return 'ü'",
-    "e\u0301 <|im_start|>user\nhi<|im_end|> <|endoftext|>",
-    "   \n\n  indented\r\n\ttab 3.14159e-10 0x1F",
-    "import os, sys  # 日本語 🙂",
-]
-
-
-@pytest.fixture(scope="session")
-def corpus() -> list[str]:
-    return stdlib_corpus(max_lines=20_000)
-
-
-@pytest.fixture(scope="session")
-def policies_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("policies")
-
-
-@pytest.fixture(scope="session")
-def dense_dir(policies_root: Path, corpus: list[str]) -> Path:
-    return build_policy(policies_root / "dense", PolicyConfig(kind="dense"), corpus)
-
-
-@pytest.fixture(scope="session")
-def moe_dir(policies_root: Path, corpus: list[str]) -> Path:
-    return build_policy(policies_root / "moe", PolicyConfig(kind="moe"), corpus)
-
-
-@pytest.fixture(scope="session", params=["dense", "moe"])
-def policy_dir(request: pytest.FixtureRequest) -> Path:
-    return request.getfixturevalue(f"{request.param}_dir")
+from tests.conftest import TRICKY_TEXTS  # noqa: E402,F401 - the tests import it from here
 
 
 def hf_logprobs(

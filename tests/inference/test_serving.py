@@ -23,9 +23,9 @@ from feedback.models import FeedbackEvent, Step, Trajectory
 from feedback.services import feedback_ingest
 from inference import serving
 from inference.engine import make_engine
-from inference.policies import perturbed_state_dict, save_policy
 from tests.processes import ROOT, free_port, subprocess_env, wait_http
 from training.models import PolicyVersion
+from training.pretrain import perturbed_state_dict, save_policy
 
 TOKEN = "internal-test-token"
 
@@ -33,7 +33,7 @@ TOKEN = "internal-test-token"
 def _versions(project, dense_dir: Path, tmp_path: Path) -> tuple[PolicyVersion, PolicyVersion]:
     from transformers import AutoModelForCausalLM
 
-    from inference.policies import load_tokenizer
+    from training.pretrain import load_tokenizer
 
     v2_dir = tmp_path / "v2"
     model = AutoModelForCausalLM.from_pretrained(str(dense_dir))
@@ -195,7 +195,7 @@ def test_an_engine_failure_is_503(client, local_server, monkeypatch):
 
 @pytest.mark.django_db(transaction=True)
 def test_an_approval_hot_swaps_the_running_server(creds, dense_dir, tmp_path, alice, settings):
-    from training.promotion import candidate_promote
+    from training.promotion.services import candidate_promote
 
     _, v2 = _versions(creds.project, dense_dir, tmp_path)
     PolicyVersion.objects.filter(pk=v2.pk).update(state="awaiting_approval")

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from inference.engine import SamplingParams, TorchEngine, make_engine
-from inference.policies import load_tokenizer, perturbed_state_dict
 from tests.inference.conftest import TRICKY_TEXTS, hf_logprobs
+from training.pretrain import load_tokenizer, perturbed_state_dict
 
 PROMPTS = [
     "def add(a, b):",

@@ -17,8 +17,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from inference.engine import SamplingParams, TorchEngine, VLLMEngine
-from inference.policies import load_tokenizer, perturbed_state_dict
 from tests.inference.conftest import TRICKY_TEXTS, hf_logprobs
+from training.pretrain import load_tokenizer, perturbed_state_dict
 
 PROMPTS = ["def add(a, b):", "import os", "class Config(object):", "x"]
 

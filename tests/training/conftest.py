@@ -16,7 +16,7 @@ TINY = dict(vocab_size=384, hidden_size=32, num_layers=2, num_heads=2, num_kv_he
 
 @pytest.fixture(scope="session")
 def tiny_policy_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from inference.policies import PolicyConfig, build_policy, stdlib_corpus
+    from training.pretrain import PolicyConfig, build_policy, stdlib_corpus
 
     return build_policy(tmp_path_factory.mktemp("tiny-policy"), PolicyConfig(**TINY), stdlib_corpus(3000))
 
@@ -35,13 +35,13 @@ def ckpt_settings(settings, checkpoint_root):
 @pytest.fixture
 def production(creds, tiny_policy_dir, ckpt_settings):
     """The tiny policy registered as the project's production v1."""
-    from training.services import policy_register
+    from training.versions.services import policy_register
 
     return policy_register(creds.project, tiny_policy_dir, state="production", config={"kind": "dense"})
 
 
 @pytest.fixture
 def tokenizer(tiny_policy_dir):
-    from inference.policies import load_tokenizer
+    from training.pretrain import load_tokenizer
 
     return load_tokenizer(tiny_policy_dir)

@@ -9,7 +9,7 @@ import pytest
 from feedback.services import feedback_ingest
 from tests.factories import trajectory
 from training.models import Reward, RewardSpec
-from training.services import reward_spec_default
+from training.rewards.services import reward_spec_default
 
 pytestmark = pytest.mark.django_db
 

@@ -11,7 +11,7 @@ import torch
 from django.core.management import CommandError, call_command
 from safetensors.torch import load_file, save_file
 
-from training.services import checkpoint_store, policy_register
+from training.versions.services import checkpoint_store, policy_register
 
 pytestmark = pytest.mark.django_db
 

@@ -13,7 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from inference.engine import SamplingParams, TorchEngine
-from inference.policies import PolicyConfig, build_policy, stdlib_corpus
+from training.pretrain import PolicyConfig, build_policy, stdlib_corpus
 from training.rl.config import RLConfig
 from training.rl.trainer import Batch, Sample, compute_logprobs
 

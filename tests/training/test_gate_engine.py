@@ -14,12 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from inference.policies import PolicyConfig, build_policy, load_tokenizer, stdlib_corpus
+from core.errors import NotFound
+from training.gate.services import gate_run
 from training.gate.tasks import gate_run_task
 from training.models import AuditLog, EvalSuite, PolicyVersion
-from training.promotion import gate_policy_update, gate_run
+from training.pretrain import PolicyConfig, build_policy, load_tokenizer, stdlib_corpus
+from training.promotion.services import gate_policy_update
 from training.rewards.checks import Check, CheckResult, register_check
-from webapp.errors import NotFound
 
 
 @register_check("x_rate")

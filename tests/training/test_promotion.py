@@ -8,20 +8,13 @@ import pytest
 from django.db import DatabaseError, transaction
 from django.utils import timezone
 
+from core.errors import BadRequest, Conflict, Forbidden
 from feedback.services import feedback_ingest
 from tests.factories import feedback, trajectory
-from training.deploy import serving_target
-from training.gate.tasks import gate_canaries_check_task
 from training.models import AuditLog, CanaryRun, PolicyVersion, TrainingRun
-from training.promotion import (
-    audit_for_version,
-    canary_decide,
-    candidate_promote,
-    gate_policy_update,
-    production_at,
-    version_lineage,
-)
-from webapp.errors import BadRequest, Conflict, Forbidden
+from training.promotion.services import canary_decide, candidate_promote, gate_policy_update
+from training.promotion.tasks import gate_canaries_check_task
+from training.versions.selectors import audit_for_version, production_at, serving_target, version_lineage
 
 pytestmark = pytest.mark.django_db
 

@@ -19,15 +19,25 @@ from django.utils import timezone
 from feedback.models import Trajectory
 from feedback.services import feedback_ingest
 from tests.factories import feedback, trajectory
-from training import selectors, services
 from training.models import PolicyVersion, Reward, RewardSpec, RubricScore, TrainingRun, TrainingStep
+from training.rewards.selectors import judge_agreement
+from training.rewards.services import (
+    DEFAULT_JUDGE,
+    reward_spec_current,
+    reward_spec_update,
+    rewards_compute_pending,
+)
+from training.runs.rollouts import rollout_and_train
+from training.runs.services import WorkerRef, train_maybe, train_policy, training_run_start
+from training.schedule import training_schedule_install
+from training.versions.services import policy_folder
 
 COMPLETIONS = [" return a + b", " return a - b", " pass", " return sum([a, b])"]
 
 
 def plain_spec(project, **changes):
     """Feedback map only (no judge, no aspects), so totals are exact."""
-    return services.reward_spec_update(project, judge={}, aspects=[], **changes)
+    return reward_spec_update(project, judge={}, aspects=[], **changes)
 
 
 def later(seconds: float):
@@ -54,30 +64,30 @@ def ingest_live(project, tokenizer, n: int, version: int | None = 1, with_logpro
 def test_rewards_wait_for_the_settle_window_then_use_the_signal_map(creds):
     spec = plain_spec(creds.project, settle_seconds=60)
     feedback_ingest(creds.project, [trajectory("t-1"), feedback("fb-1", "t-1", "accept")])
-    assert services.rewards_compute_pending(creds.project, now=later(30)) == 0
-    assert services.rewards_compute_pending(creds.project, now=later(61)) == 1
+    assert rewards_compute_pending(creds.project, now=later(30)) == 0
+    assert rewards_compute_pending(creds.project, now=later(61)) == 1
     reward = Reward.objects.get()
     assert reward.spec == spec
     assert reward.total == pytest.approx(0.75)
     assert reward.components == {"feedback:accept": 0.75}
-    assert services.rewards_compute_pending(creds.project, now=later(3600)) == 0
+    assert rewards_compute_pending(creds.project, now=later(3600)) == 0
 
 
 def test_a_trajectory_without_feedback_settles_as_silent(creds):
     plain_spec(creds.project, settle_seconds=0)
     feedback_ingest(creds.project, [trajectory("t-1")])
-    assert services.rewards_compute_pending(creds.project, now=later(1)) == 1
+    assert rewards_compute_pending(creds.project, now=later(1)) == 1
     assert Reward.objects.get().components == {"feedback:silent": 0.0}
 
 
 def test_late_feedback_recomputes_the_reward_after_it_settles(creds):
     plain_spec(creds.project, settle_seconds=60)
     feedback_ingest(creds.project, [trajectory("t-1"), feedback("fb-1", "t-1", "accept")])
-    services.rewards_compute_pending(creds.project, now=later(61))
+    rewards_compute_pending(creds.project, now=later(61))
     first = Reward.objects.get()
     feedback_ingest(creds.project, [feedback("fb-2", "t-1", "reject")])
-    assert services.rewards_compute_pending(creds.project, now=later(30)) == 0  # not settled yet
-    assert services.rewards_compute_pending(creds.project, now=later(61)) == 1
+    assert rewards_compute_pending(creds.project, now=later(30)) == 0  # not settled yet
+    assert rewards_compute_pending(creds.project, now=later(61)) == 1
     second = Reward.objects.get()
     assert second.components == {"feedback:accept": 0.75, "feedback:reject": -0.25}
     assert second.total == pytest.approx(0.5)
@@ -86,31 +96,31 @@ def test_late_feedback_recomputes_the_reward_after_it_settles(creds):
 
 def test_a_spec_is_edited_in_place_until_a_reward_uses_it_then_versioned(creds):
     spec = plain_spec(creds.project, settle_seconds=0)
-    edited = services.reward_spec_update(creds.project, signal_rewards={"accept": 1.0})
+    edited = reward_spec_update(creds.project, signal_rewards={"accept": 1.0})
     assert (edited.pk, edited.version) == (spec.pk, 1)
     feedback_ingest(creds.project, [trajectory("t-1"), feedback("fb-1", "t-1", "accept")])
-    services.rewards_compute_pending(creds.project, now=later(1))
-    v2 = services.reward_spec_update(creds.project, signal_rewards={"accept": 0.5})
+    rewards_compute_pending(creds.project, now=later(1))
+    v2 = reward_spec_update(creds.project, signal_rewards={"accept": 0.5})
     assert v2.version == 2 and v2.pk != spec.pk
     spec.refresh_from_db()
     assert spec.signal_rewards["accept"] == 1.0  # the used version did not change
-    assert services.reward_spec_current(creds.project) == v2
-    assert services.rewards_compute_pending(creds.project, now=later(1)) == 1  # scored again under v2
+    assert reward_spec_current(creds.project) == v2
+    assert rewards_compute_pending(creds.project, now=later(1)) == 1  # scored again under v2
     assert sorted(Reward.objects.values_list("spec__version", "total")) == [(1, 1.0), (2, 0.5)]
 
 
 def test_an_invalid_spec_edit_is_refused_with_the_reason(creds):
-    from webapp.errors import BadRequest
+    from core.errors import BadRequest
 
     with pytest.raises(BadRequest, match="unknown judge kind"):
-        services.reward_spec_update(creds.project, judge={"kind": "oracle"})
-    assert RewardSpec.objects.get().judge == services.DEFAULT_JUDGE
+        reward_spec_update(creds.project, judge={"kind": "oracle"})
+    assert RewardSpec.objects.get().judge == DEFAULT_JUDGE
 
 
 def test_the_default_spec_scores_rubric_aspects_with_the_rule_judge(creds):
-    spec = services.reward_spec_update(creds.project, settle_seconds=0)
+    spec = reward_spec_update(creds.project, settle_seconds=0)
     feedback_ingest(creds.project, [trajectory("t-1"), feedback("fb-1", "t-1", "accept")])
-    services.rewards_compute_pending(creds.project, now=later(1))
+    rewards_compute_pending(creds.project, now=later(1))
     scores = {s.aspect: s for s in RubricScore.objects.all()}
     assert set(scores) == {"style", "concision"}
     assert all(s.score is not None and s.judge.startswith("rule_rubric:") for s in scores.values())
@@ -122,9 +132,9 @@ def test_the_default_spec_scores_rubric_aspects_with_the_rule_judge(creds):
 def test_a_failed_judge_stores_null_scores_with_the_error_and_no_aspect_reward(creds):
     # A closed port: the judge's endpoint is down (a real failure, nothing patched).
     judge = {"kind": "model", "base_url": "http://127.0.0.1:9/v1", "model": "judge", "retries": 0, "timeout_s": 2}
-    services.reward_spec_update(creds.project, judge=judge, settle_seconds=0)
+    reward_spec_update(creds.project, judge=judge, settle_seconds=0)
     feedback_ingest(creds.project, [trajectory("t-1"), feedback("fb-1", "t-1", "accept")])
-    services.rewards_compute_pending(creds.project, now=later(1))
+    rewards_compute_pending(creds.project, now=later(1))
     scores = list(RubricScore.objects.all())
     assert {s.aspect for s in scores} == {"style", "concision"}
     assert all(s.score is None and "transport error" in s.error for s in scores)
@@ -141,7 +151,7 @@ def test_the_calibration_selector_reports_agreement_per_judge_and_aspect(creds):
         RubricScore.objects.create(trajectory=t, aspect="style", judge="j1", score=labels[i])  # agrees
         RubricScore.objects.create(trajectory=t, aspect="concision", judge="j1", score=1 - labels[i])  # inverts
         RubricScore.objects.create(trajectory=t, aspect="style", judge="j2", score=None, error="down")
-    agreement = selectors.judge_agreement(creds.project)
+    agreement = judge_agreement(creds.project)
     assert set(agreement) == {"j1"}  # failed scores are not agreement data
     style, concision = agreement["j1"]["style"], agreement["j1"]["concision"]
     assert (style.n, style.spearman, style.kappa, style.accuracy) == (4, pytest.approx(1.0), pytest.approx(1.0), 1.0)
@@ -156,10 +166,10 @@ def test_a_run_recomputes_missing_behaviour_logprobs_records_steps_and_registers
 ):
     plain_spec(creds.project, settle_seconds=0)
     ingest_live(creds.project, tokenizer, 8)
-    services.rewards_compute_pending(creds.project, now=later(1))
-    run, created = services.training_run_start(creds.project, steps=3, batch_size=4, rl={"lr": 1e-3}, enqueue=False)
+    rewards_compute_pending(creds.project, now=later(1))
+    run, created = training_run_start(creds.project, steps=3, batch_size=4, rl={"lr": 1e-3}, enqueue=False)
     assert created and run.state == "queued"
-    run = services.train_policy(run.pk)
+    run = train_policy(run.pk)
     assert run.state == "succeeded", run.error
     steps = list(TrainingStep.objects.filter(run=run))
     assert [s.step for s in steps] == [0, 1, 2]
@@ -171,36 +181,36 @@ def test_a_run_recomputes_missing_behaviour_logprobs_records_steps_and_registers
     assert candidate.manifest_hash and candidate.delta_bytes > 0
     from inference.engine import read_state_dict
 
-    new, old = read_state_dict(services.policy_folder(candidate)), read_state_dict(services.policy_folder(production))
+    new, old = read_state_dict(policy_folder(candidate)), read_state_dict(policy_folder(production))
     assert any(not torch.equal(new[k], old[k]) for k in old)
 
 
 def test_a_run_without_trainable_samples_fails_with_the_reason_and_no_candidate(creds, production):
     plain_spec(creds.project, settle_seconds=0)
     feedback_ingest(creds.project, [trajectory("t-1", steps=[{"role": "assistant", "content": "x"}])])
-    services.rewards_compute_pending(creds.project, now=later(1))
-    run, _ = services.training_run_start(creds.project, enqueue=False)
-    run = services.train_policy(run.pk)
+    rewards_compute_pending(creds.project, now=later(1))
+    run, _ = training_run_start(creds.project, enqueue=False)
+    run = train_policy(run.pk)
     assert run.state == "failed" and "no rewarded trajectories with token ids" in run.error
     assert run.candidate is None
     assert not PolicyVersion.objects.filter(state="candidate").exists()
 
 
 def test_a_second_start_sees_the_live_run_and_leaves(creds, production):
-    first, created = services.training_run_start(creds.project, enqueue=False)
+    first, created = training_run_start(creds.project, enqueue=False)
     TrainingRun.objects.filter(pk=first.pk).update(
-        state="running", worker=str(services.WorkerRef.here()), started_at=timezone.now())
-    again, created_again = services.training_run_start(creds.project, enqueue=False)
+        state="running", worker=str(WorkerRef.here()), started_at=timezone.now())
+    again, created_again = training_run_start(creds.project, enqueue=False)
     assert created and not created_again and again == first
 
 
 def test_a_run_whose_worker_process_is_gone_is_failed_by_the_next_start(creds, production):
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     proc.wait()
-    dead = services.WorkerRef("celery", "celery@gone", services.WorkerRef.here().host, proc.pid, "task-1")
+    dead = WorkerRef("celery", "celery@gone", WorkerRef.here().host, proc.pid, "task-1")
     stuck = TrainingRun.objects.create(project=creds.project, base_version=production, state="running",
                                        worker=str(dead), started_at=timezone.now(), config={})
-    run, created = services.training_run_start(creds.project, enqueue=False)
+    run, created = training_run_start(creds.project, enqueue=False)
     stuck.refresh_from_db()
     assert created and run != stuck
     assert stuck.state == "failed" and f"worker process {proc.pid}" in stuck.error
@@ -208,12 +218,12 @@ def test_a_run_whose_worker_process_is_gone_is_failed_by_the_next_start(creds, p
 
 def test_a_silent_run_on_another_host_is_failed_after_the_heartbeat_timeout(creds, production, settings):
     settings.FLYWHEEL_TRAIN_HEARTBEAT_TIMEOUT_S = 60
-    remote = services.WorkerRef("celery", "celery@far", "another-host", 1, "task-1")
+    remote = WorkerRef("celery", "celery@far", "another-host", 1, "task-1")
     stuck = TrainingRun.objects.create(project=creds.project, base_version=production, state="running",
                                        worker=str(remote), started_at=timezone.now(), config={})
-    assert services.training_run_start(creds.project, enqueue=False)[1] is False
+    assert training_run_start(creds.project, enqueue=False)[1] is False
     TrainingRun.objects.filter(pk=stuck.pk).update(started_at=timezone.now() - timedelta(seconds=120))
-    assert services.training_run_start(creds.project, enqueue=False)[1] is True
+    assert training_run_start(creds.project, enqueue=False)[1] is True
     stuck.refresh_from_db()
     assert stuck.state == "failed" and "no heartbeat" in stuck.error
 
@@ -225,7 +235,7 @@ def test_two_concurrent_starts_claim_the_lineage_once(creds, production):
     def start() -> None:
         try:
             barrier.wait()
-            results.append(services.training_run_start(creds.project, enqueue=False)[1])
+            results.append(training_run_start(creds.project, enqueue=False)[1])
         except Exception as exc:  # noqa: BLE001 - surfaced by the assertion below
             errors.append(exc)
         finally:
@@ -243,30 +253,30 @@ def test_two_concurrent_starts_claim_the_lineage_once(creds, production):
 def test_train_maybe_starts_a_run_only_with_enough_new_rewarded_trajectories(creds, production, tokenizer,
                                                                               django_capture_on_commit_callbacks):
     plain_spec(creds.project, settle_seconds=0)
-    assert services.train_maybe(creds.project, min_new=4, every_minutes=60) is None  # nothing new, first run
+    assert train_maybe(creds.project, min_new=4, every_minutes=60) is None  # nothing new, first run
     ingest_live(creds.project, tokenizer, 4)
-    services.rewards_compute_pending(creds.project, now=later(1))
+    rewards_compute_pending(creds.project, now=later(1))
     with django_capture_on_commit_callbacks(execute=False) as callbacks:
-        run = services.train_maybe(creds.project, min_new=4, every_minutes=60)
+        run = train_maybe(creds.project, min_new=4, every_minutes=60)
     assert run is not None and run.state == "queued" and len(callbacks) == 1
     TrainingRun.objects.filter(pk=run.pk).update(state="succeeded")
-    assert services.train_maybe(creds.project, min_new=4, every_minutes=0) is None  # no new data since
+    assert train_maybe(creds.project, min_new=4, every_minutes=0) is None  # no new data since
 
 
 def test_the_schedule_install_is_idempotent(creds):
     from django_celery_beat.models import PeriodicTask
 
-    services.training_schedule_install()
-    services.training_schedule_install(min_new=8)
+    training_schedule_install()
+    training_schedule_install(min_new=8)
     tasks = {t.task: t for t in PeriodicTask.objects.filter(name__endswith=creds.project.slug)}
     assert set(tasks) == {"training.tasks.rewards_compute_pending", "training.tasks.train_maybe"}
     assert '"min_new": 8' in tasks["training.tasks.train_maybe"].kwargs
 
 
 def test_rollout_and_train_samples_groups_scores_and_trains_on_group_advantages(creds, production):
-    services.reward_spec_update(creds.project, settle_seconds=0)  # rule-judged style + concision
+    reward_spec_update(creds.project, settle_seconds=0)  # rule-judged style + concision
     prompts = ["def add(a, b):", {"prompt": "import os", "task": "imports"}]
-    run, created = services.rollout_and_train(creds.project, prompts, G=4, steps=2, max_tokens=8)
+    run, created = rollout_and_train(creds.project, prompts, G=4, steps=2, max_tokens=8)
     assert created and run.state == "succeeded", run.error
     sims = Trajectory.objects.filter(project=creds.project, source="simulated")
     assert sims.count() == 8

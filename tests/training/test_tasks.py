@@ -17,8 +17,9 @@ import pytest
 
 from tests.processes import ROOT, subprocess_env
 from tests.training.test_services import ingest_live, later, plain_spec
-from training import services
 from training.models import PolicyVersion, TrainingRun, TrainingStep
+from training.rewards.services import rewards_compute_pending
+from training.runs.services import WorkerRef, train_policy, training_run_start
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -67,25 +68,25 @@ def test_a_worker_killed_mid_run_fails_the_run_registers_nothing_and_the_next_ru
     proc, queue = worker_on_own_queue
     plain_spec(creds.project, settle_seconds=0)
     ingest_live(creds.project, tokenizer, 8)
-    services.rewards_compute_pending(creds.project, now=later(1))
-    doomed, _ = services.training_run_start(creds.project, steps=100_000, batch_size=2, enqueue=False)
+    rewards_compute_pending(creds.project, now=later(1))
+    doomed, _ = training_run_start(creds.project, steps=100_000, batch_size=2, enqueue=False)
     train_policy_task.apply_async(args=[doomed.pk], queue=queue)
 
     wait_for(lambda: TrainingStep.objects.filter(run=doomed).exists(), what="the first optimiser step")
     doomed.refresh_from_db()
     assert doomed.state == "running"
-    assert services.WorkerRef.parse(doomed.worker).pid == proc.pid  # the process we are about to kill
+    assert WorkerRef.parse(doomed.worker).pid == proc.pid  # the process we are about to kill
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
 
-    nxt, created = services.training_run_start(creds.project, steps=2, batch_size=4, enqueue=False)
+    nxt, created = training_run_start(creds.project, steps=2, batch_size=4, enqueue=False)
     doomed.refresh_from_db()
     assert created
     assert doomed.state == "failed" and "worker lost" in doomed.error and doomed.candidate is None
     assert doomed.finished_at is not None
     assert not PolicyVersion.objects.filter(state="candidate").exists()
 
-    nxt = services.train_policy(nxt.pk)
+    nxt = train_policy(nxt.pk)
     assert nxt.state == "succeeded", nxt.error
     assert list(PolicyVersion.objects.filter(state="candidate")) == [nxt.candidate]
     assert TrainingRun.objects.get(pk=doomed.pk).state == "failed"  # the late finish cannot revive it

@@ -10,19 +10,22 @@ import json
 
 import pytest
 
+from core.errors import BadRequest
 from tests.training.test_services import ingest_live, later, plain_spec
-from training import services, tasks
+from training import tasks
 from training.models import TrainingRun
-from webapp.errors import BadRequest
+from training.rewards.services import rewards_compute_pending
+from training.runs.services import DEFAULT_BATCH_SIZE, DEFAULT_TRAIN_STEPS, train_maybe
+from training.schedule import training_schedule_install
 
 
 def test_train_maybe_passes_steps_batch_size_and_rl_overrides_to_the_run(creds, production, tokenizer,
                                                                           django_capture_on_commit_callbacks):
     plain_spec(creds.project, settle_seconds=0)
     ingest_live(creds.project, tokenizer, 4)
-    services.rewards_compute_pending(creds.project, now=later(1))
+    rewards_compute_pending(creds.project, now=later(1))
     with django_capture_on_commit_callbacks(execute=False):
-        run = services.train_maybe(creds.project, min_new=4, every_minutes=60, steps=7, batch_size=3,
+        run = train_maybe(creds.project, min_new=4, every_minutes=60, steps=7, batch_size=3,
                                    rl={"lr": 1e-3})
     assert run is not None
     assert run.config["steps"] == 7 and run.config["batch_size"] == 3
@@ -32,19 +35,19 @@ def test_train_maybe_passes_steps_batch_size_and_rl_overrides_to_the_run(creds, 
 def test_train_maybe_defaults_are_unchanged(creds, production, tokenizer, django_capture_on_commit_callbacks):
     plain_spec(creds.project, settle_seconds=0)
     ingest_live(creds.project, tokenizer, 4)
-    services.rewards_compute_pending(creds.project, now=later(1))
+    rewards_compute_pending(creds.project, now=later(1))
     with django_capture_on_commit_callbacks(execute=False):
-        run = services.train_maybe(creds.project, min_new=4, every_minutes=60)
-    assert run.config["steps"] == services.DEFAULT_TRAIN_STEPS
-    assert run.config["batch_size"] == services.DEFAULT_BATCH_SIZE
+        run = train_maybe(creds.project, min_new=4, every_minutes=60)
+    assert run.config["steps"] == DEFAULT_TRAIN_STEPS
+    assert run.config["batch_size"] == DEFAULT_BATCH_SIZE
     assert run.config["rl"]["lr"] == 1e-5
 
 
 def test_the_train_task_takes_the_stored_kwargs(creds, production, tokenizer, django_capture_on_commit_callbacks):
     plain_spec(creds.project, settle_seconds=0)
     ingest_live(creds.project, tokenizer, 4)
-    services.rewards_compute_pending(creds.project, now=later(1))
-    services.training_schedule_install([creds.project], min_new=4, every_minutes=60, steps=5, batch_size=2,
+    rewards_compute_pending(creds.project, now=later(1))
+    training_schedule_install([creds.project], min_new=4, every_minutes=60, steps=5, batch_size=2,
                                        rl={"lr": 2e-4})
     from django_celery_beat.models import PeriodicTask
 
@@ -60,7 +63,7 @@ def test_the_train_task_takes_the_stored_kwargs(creds, production, tokenizer, dj
 def test_the_schedule_leaves_run_settings_out_unless_given(creds):
     from django_celery_beat.models import PeriodicTask
 
-    services.training_schedule_install([creds.project], min_new=8, every_minutes=5)
+    training_schedule_install([creds.project], min_new=8, every_minutes=5)
     entry = PeriodicTask.objects.get(name=f"flywheel train {creds.project.slug}")
     assert json.loads(entry.kwargs) == {"min_new": 8, "every_minutes": 5}
 
@@ -68,4 +71,4 @@ def test_the_schedule_leaves_run_settings_out_unless_given(creds):
 @pytest.mark.parametrize("bad", [{"steps": 0}, {"batch_size": -1}, {"rl": {"lr": 0}}, {"rl": {"no_such_knob": 1}}])
 def test_the_schedule_refuses_invalid_run_settings(creds, bad):
     with pytest.raises(BadRequest):
-        services.training_schedule_install([creds.project], **bad)
+        training_schedule_install([creds.project], **bad)

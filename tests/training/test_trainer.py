@@ -9,8 +9,8 @@ import pytest
 import torch
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
+from kernels.routing import capture_routing, moe_routers
 from training.rl.config import RLConfig
-from training.rl.router_replay import capture_routing, moe_routers
 from training.rl.trainer import (
     Batch,
     NoFreshSamples,

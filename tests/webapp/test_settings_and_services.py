@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from webapp import embedded
-from webapp.env import ConfigError, env_bool, env_int
+from core import embedded
+from core.env import ConfigError, env_bool, env_int
 
 
 def test_a_bad_boolean_is_an_error_not_false(monkeypatch):

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from training.gate import detectors, stats
 from training.gate.config import GateThresholds, SuiteSpec
-from training.rewards.checks import Check, make_check
+from training.rewards.checks import Check, check_from_config
 from training.rewards.judges import Judge, make_judge
 from training.rewards.spec import RewardSpecData, compute_reward
 
@@ -73,7 +73,7 @@ class SuiteScorer:
 
     def __init__(self, spec: SuiteSpec) -> None:
         self.checks: list[tuple[Check, float, str]] = [
-            (make_check(c["name"], **_params(c)), float(c.get("weight", 1.0)), c["name"]) for c in spec.checks
+            (check_from_config(c), float(c.get("weight", 1.0)), c["name"]) for c in spec.checks
         ]
         self.judge: Judge | None = make_judge(spec.judge) if spec.judge else None
         self.reward_spec = RewardSpecData.from_json({}, list(spec.checks), list(spec.aspects))
@@ -88,11 +88,6 @@ class SuiteScorer:
         verifiable = sum(results[n].score * w for _, w, n in self.checks) / total_w if total_w else None
         judge = sum(aspects.values()) / len(aspects) if aspects else None
         return {"reward": reward, "verifiable": verifiable, "judge": judge, "aspects": aspects}
-
-
-def _params(check: Mapping[str, Any]) -> dict[str, Any]:
-    inline = {k: v for k, v in check.items() if k not in ("name", "weight", "params")}
-    return {**inline, **check.get("params", {})}
 
 
 # ---------------------------------------------------------------------------------- sampling

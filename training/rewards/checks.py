@@ -70,6 +70,18 @@ def make_check(name: str, **params: Any) -> Check:
     return CHECKS[name](**params)
 
 
+def check_params(config: Mapping[str, Any]) -> dict[str, Any]:
+    """A check's parameters from its config entry ({"name", "weight", ...}): those nested under
+    "params" and those inline next to name/weight (the nested ones win). The one reading of the
+    shape, so that validating a spec and scoring with it cannot disagree."""
+    inline = {k: v for k, v in config.items() if k not in ("name", "weight", "params")}
+    return {**inline, **config.get("params", {})}
+
+
+def check_from_config(config: Mapping[str, Any]) -> Check:
+    return make_check(config["name"], **check_params(config))
+
+
 # ---------------------------------------------------------------------------------- sandbox
 
 @dataclass(frozen=True)

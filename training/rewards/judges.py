@@ -21,7 +21,7 @@ from typing import Any
 
 import httpx
 
-from training.rewards.checks import make_check
+from training.rewards.checks import check_from_config
 
 
 @dataclass(frozen=True)
@@ -113,12 +113,6 @@ def _regex_names(code: str) -> list[tuple[str, bool]]:
     return defs + [(n, bool(CAPWORDS.match(n))) for n in re.findall(r"\bclass\s+(\w+)", code)]
 
 
-def _check_params(spec: Mapping[str, Any]) -> dict[str, Any]:
-    """Params nested under "params" or inline next to name/weight (the RewardSpec.checks shape)."""
-    inline = {k: v for k, v in spec.items() if k not in ("name", "weight", "params")}
-    return {**inline, **spec.get("params", {})}
-
-
 @register_judge("rule_rubric")
 class RuleRubricJudge(Judge):
     """Deterministic aspects: style (line length, naming), concision, correctness (checks)."""
@@ -136,7 +130,7 @@ class RuleRubricJudge(Judge):
         self.aspects = tuple(aspects)
         self.max_line, self.concision_chars = max_line, concision_chars
         self.check_specs = [dict(c) for c in checks]
-        self.checks = [(make_check(c["name"], **_check_params(c)), float(c.get("weight", 1.0))) for c in self.check_specs]
+        self.checks = [(check_from_config(c), float(c.get("weight", 1.0))) for c in self.check_specs]
 
     @property
     def judge_id(self) -> str:

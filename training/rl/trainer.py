@@ -17,15 +17,12 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
+from kernels.batch_invariant import batch_invariant_mode
+from kernels.logprobs import selective_log_softmax
+from kernels.routing import ReplayStats, batch_routing_to_flat, replay_routing
 from training.rl.advantages import RunningBaseline, group_advantages
 from training.rl.config import RLConfig
 from training.rl.loss import LossInputs, LossOutputs, policy_loss
-from training.rl.router_replay import ReplayStats, batch_routing_to_flat, replay_routing
-
-try:  # the shared kernel when it exists; ours is the plain-torch fallback
-    from kernels.logprobs import selective_log_softmax as _selective_log_softmax
-except ImportError:
-    _selective_log_softmax = None
 
 
 @dataclass
@@ -193,9 +190,7 @@ def _gather_logprobs(logits: torch.Tensor, ids: torch.Tensor, chunk_rows: int = 
 
 
 def _selective(logits: torch.Tensor, ids: torch.Tensor, chunk_rows: int) -> torch.Tensor:
-    if _selective_log_softmax is not None:
-        return _selective_log_softmax(logits, ids).float()
-    return _gather_logprobs(logits, ids, chunk_rows)
+    return selective_log_softmax(logits, ids).float()
 
 
 def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, chunk_rows: int = 1024) -> torch.Tensor:
@@ -246,8 +241,6 @@ def compute_logprobs(model: nn.Module, batch: Batch, cfg: RLConfig, replay: bool
     if not cfg.batch_invariant:
         logits, _ = _forward_logits(model, batch, use_replay and batch.routing is not None)
         return token_logprobs(logits, batch.input_ids, cfg.logprob_chunk_size)
-    from kernels.batch_invariant import batch_invariant_mode
-
     with batch_invariant_mode(model):
         logits, _ = _forward_logits(model, batch, use_replay and batch.routing is not None)
         return exact_token_logprobs(logits, batch.input_ids, cfg.logprob_chunk_size)

@@ -13,6 +13,10 @@ from pathlib import Path
 
 from django.core.management.base import BaseCommand, CommandError
 
+from training.checkpoints.store import CheckpointCorrupt
+from training.models import PolicyVersion
+from training.versions.services import checkpoint_store
+
 
 class Command(BaseCommand):
     help = "Inspect, verify or export a stored checkpoint (by manifest hash or PROJECT:vN)."
@@ -23,8 +27,6 @@ class Command(BaseCommand):
         parser.add_argument("out_dir", nargs="?")
 
     def handle(self, *args, **opts):
-        from training.checkpoints.store import CheckpointCorrupt
-        from training.services import checkpoint_store
 
         store, ref = checkpoint_store(), _manifest_hash(opts["ref"])
         try:
@@ -47,7 +49,6 @@ class Command(BaseCommand):
 def _manifest_hash(ref: str) -> str:
     if ":v" not in ref:
         return ref
-    from training.models import PolicyVersion
 
     slug, number = ref.rsplit(":v", 1)
     version = PolicyVersion.objects.filter(project__slug=slug, number=int(number) if number.isdigit() else -1).first()

@@ -10,6 +10,11 @@ import time
 
 from django.core.management.base import BaseCommand, CommandError
 
+from feedback.models import Project
+from training.models import TrainingRun
+from training.runs.selectors import training_step_list
+from training.runs.services import train_policy, training_run_start
+
 
 class Command(BaseCommand):
     help = "Start a training run now (one per project at a time) and wait for it."
@@ -23,8 +28,6 @@ class Command(BaseCommand):
         parser.add_argument("--timeout", type=float, default=3600.0)
 
     def handle(self, *args, **opts):
-        from feedback.models import Project
-        from training.services import train_policy, training_run_start
 
         project = Project.objects.filter(slug=opts["project"]).first()
         if project is None:
@@ -43,8 +46,6 @@ class Command(BaseCommand):
         self.stdout.write(self.style.SUCCESS(f"run {run.pk} succeeded: candidate v{run.candidate.number}"))
 
     def _wait(self, run_id: int, timeout: float):
-        from training.models import TrainingRun
-        from training.selectors import training_step_list
 
         shown, deadline = 0, time.monotonic() + timeout
         while True:

@@ -19,6 +19,7 @@ from django.core.management.base import BaseCommand, CommandParser
 from django.db import connection, transaction
 
 from feedback.models import Project
+from feedback.services import project_create
 from training.models import AuditLog, GateReport, PolicyVersion, RewardSpec, TrainingRun
 from webapp.rollups import rollups_rebuild
 
@@ -133,7 +134,6 @@ def _project(slug: str) -> Project:
     existing = Project.objects.filter(slug=slug).first()
     if existing:
         return existing
-    from feedback.services import project_create
 
     return project_create(f"Load {slug}", slug).project
 

@@ -1,13 +1,13 @@
 """Router replay on a tiny transformers Qwen3-MoE.
 
-    .venv/bin/python -m pytest tests/training/test_router_replay.py -q -p no:django
+    .venv/bin/python -m pytest tests/kernels/test_routing.py -q -p no:django
 """
 
 import pytest
 import torch
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-from training.rl.router_replay import capture_routing, gate_weights, moe_routers, replay_routing
+from kernels.routing import capture_routing, gate_weights, moe_routers, replay_routing
 
 
 def tiny_moe(norm_topk_prob: bool = True, seed: int = 0) -> Qwen3MoeForCausalLM:

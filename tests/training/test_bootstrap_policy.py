@@ -10,8 +10,8 @@ from django.utils import timezone
 from transformers import AutoModelForCausalLM
 
 from training.models import AuditLog, PolicyVersion
-from training.promotion import production_at
-from training.services import policy_folder
+from training.versions.selectors import production_at
+from training.versions.services import policy_folder
 
 pytestmark = pytest.mark.django_db
 

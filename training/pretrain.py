@@ -1,7 +1,7 @@
 """Tiny offline policies: HF-format causal LMs (dense Qwen2, MoE Qwen3-MoE) with a byte-level BPE
 tokenizer trained on Python's standard-library sources, so nothing is downloaded.
 
-    .venv/bin/python -m inference.policies /tmp/policy --kind moe --seconds 30
+    .venv/bin/python -m training.pretrain /tmp/policy --kind moe --seconds 30
 
 The folders are written with `save_pretrained`, so `AutoModelForCausalLM.from_pretrained`,
 `AutoTokenizer.from_pretrained`, the trainer and vLLM all load them. No Django here.

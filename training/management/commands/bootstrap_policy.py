@@ -13,6 +13,12 @@ from pathlib import Path
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
+from feedback.models import Project
+from training.models import PolicyVersion
+from training.pretrain import PolicyConfig, build_policy, pretrain, stdlib_corpus
+from training.promotion.services import base_policy_install
+from training.versions.services import policy_register
+
 
 class Command(BaseCommand):
     help = "Pretrain the base policy on stdlib sources and register it as version 1 (production)."
@@ -25,9 +31,6 @@ class Command(BaseCommand):
         parser.add_argument("--force", action="store_true", help="replace an existing production policy")
 
     def handle(self, *args, **opts):
-        from feedback.models import Project
-        from inference.policies import PolicyConfig, build_policy, pretrain, stdlib_corpus
-        from training.models import PolicyVersion
 
         project = Project.objects.filter(slug=opts["project"]).first()
         if project is None:
@@ -59,8 +62,6 @@ def _progress_bar(seconds: float):
 
 
 def _register(project, folder: Path, opts: dict, stats: dict):
-    from training.promotion import base_policy_install
-    from training.services import policy_register
 
     version = policy_register(project, folder, parent=None, state="candidate",
                               config={"task": opts["task"], "kind": opts["kind"], "pretrain": stats})

@@ -10,7 +10,7 @@ Routing is an int tensor (L, N, k): L MoE layers in module order, N tokens in th
 router sees them (a (B, T) batch flattened row-major), k experts per token. An id of -1 marks a
 token with no recorded routing; that token keeps the router's own choice.
 
-    .venv/bin/python -m pytest tests/training/test_router_replay.py -q -p no:django
+    .venv/bin/python -m pytest tests/kernels/test_routing.py -q -p no:django
 """
 
 from __future__ import annotations

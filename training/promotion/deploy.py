@@ -16,41 +16,17 @@ from __future__ import annotations
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
 from typing import Any
 
+import httpx
 from django.conf import settings
 
-from training.models import CanaryRun, PolicyVersion
-from webapp.notify import project_event
+from core.notify import project_event
+from training.models import PolicyVersion
+from training.versions.selectors import DeployTarget, serving_target
 
 log = logging.getLogger(__name__)
 
-
-@dataclass(frozen=True)
-class DeployTarget:
-    """What a project should serve: production, and optionally a canary on a share of traffic."""
-
-    project_id: int
-    production: int | None  # version number
-    canary: int | None = None
-    canary_share: float = 0.0
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-def serving_target(project_id: int) -> DeployTarget:
-    """Selector: the desired serving state of a project, from the PolicyVersion states."""
-    prod = PolicyVersion.objects.filter(project_id=project_id, state="production").order_by("-updated_at").first()
-    canary = (CanaryRun.objects.filter(version__project_id=project_id, decided_at__isnull=True)
-              .select_related("version").order_by("-started_at").first())
-    return DeployTarget(
-        project_id=project_id,
-        production=prod.number if prod else None,
-        canary=canary.version.number if canary else None,
-        canary_share=canary.share if canary else 0.0,
-    )
 
 
 class DeployTransport(ABC):
@@ -109,8 +85,6 @@ class HttpTransport(DeployTransport):
     loads and verifies the weights and swaps between requests."""
 
     def send(self, target: DeployTarget) -> None:
-        import httpx
-
         url = settings.FLYWHEEL_INFERENCE_URL.rstrip("/") + "/internal/load"
         body: dict[str, Any] = {"canary": target.canary}
         if target.production is not None:

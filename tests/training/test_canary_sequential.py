@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from training.gate.sequential import ArmCounts, CanaryRule, canary_decide, prob_worse
+from training.promotion.sequential import ArmCounts, CanaryRule, canary_decide, prob_worse
 
 RULE = CanaryRule(confidence=0.95, min_events=50, max_events=5000)
 

@@ -1,0 +1,79 @@
+"""The one notifier: pushes a payload to a project's dashboard group over the channel layer.
+
+Failures are logged, never raised: a push happens after a commit and must not turn an
+acknowledged write into an error.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Literal, NotRequired, TypedDict
+
+from asgiref.sync import async_to_sync
+from channels.layers import get_channel_layer
+
+log = logging.getLogger(__name__)
+
+
+class IngestPushed(TypedDict):
+    type: Literal["ingest"]
+    accepted: int
+    duplicate: int
+    rejected: int
+
+
+class RewardsComputed(TypedDict):
+    type: Literal["rewards_computed"]
+    spec: int
+    count: int
+
+
+class TrainingPushed(TypedDict):
+    """training_queued | training_started | training_step | training_succeeded | training_failed."""
+
+    type: Literal["training_queued", "training_started", "training_step", "training_succeeded", "training_failed"]
+    run: int
+    base: NotRequired[int]
+    worker: NotRequired[str]
+    step: NotRequired[int]
+    progress: NotRequired[float]
+    candidate: NotRequired[int]
+    error: NotRequired[str]
+    # training_step also carries its metrics (loss, kl_ref, ... tokens_per_s) as floats
+
+
+class PolicyVersionPushed(TypedDict):
+    type: Literal["policy_version"]
+    action: str
+    version: int
+    before: str
+    after: str
+    actor: str
+
+
+class DeployPushed(TypedDict):
+    type: Literal["deploy", "deploy_failed"]
+    project_id: int
+    production: int | None
+    canary: int | None
+    canary_share: float
+    served: NotRequired[dict[str, Any]]
+    error: NotRequired[str]
+
+
+Payload = IngestPushed | RewardsComputed | TrainingPushed | PolicyVersionPushed | DeployPushed
+
+
+def project_group(project_id: int) -> str:
+    return f"project-{project_id}"
+
+
+def project_event(project_id: int, payload: Payload) -> None:
+    """Pushes `payload` to the project's dashboard group (consumers forward it to the browser)."""
+    layer = get_channel_layer()
+    if layer is None:
+        return
+    try:
+        async_to_sync(layer.group_send)(project_group(project_id), {"type": "project.event", "payload": payload})
+    except Exception:  # noqa: BLE001 - a lost push is shown as stale data, never as a failed write
+        log.warning("could not push %s to project %s", payload.get("type"), project_id, exc_info=True)

@@ -1,0 +1,112 @@
+"""The evaluation gate: a candidate against production on the project's held-out suite, with
+verifiable checks, the judge, paired intervals and reward-hacking detectors → GateReport, and
+the version moves to awaiting_approval (pass) or rejected (fail), audited.
+
+    .venv/bin/python -m pytest tests/training/test_gate_evaluate.py tests/training/test_gate_engine.py -q
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+from django.conf import settings
+from django.db import transaction
+
+from core.errors import Conflict
+from feedback.models import Project
+from training.gate.config import GateThresholds
+from training.gate.runner import CheckRow, evaluate, suite_collect
+from training.models import EvalSuite, GatePolicy, GateReport, PolicyVersion
+from training.promotion.selectors import gate_policy_active, gate_policy_json
+from training.versions.selectors import policy_production
+from training.versions.services import Actor, policy_folder, version_locked, version_transition
+
+EngineFactory = Callable[[PolicyVersion], Any]
+
+
+def _finite(value: Any) -> Any:
+    # Postgres jsonb refuses NaN/Infinity; an unbounded detector value is reported as null.
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value
+
+
+def eval_suite_active(project: Project, name: str = "default") -> EvalSuite:
+    suite = EvalSuite.objects.filter(project=project, name=name).order_by("-version").first()
+    if suite is None:
+        raise Conflict(f"project {project.slug!r} has no eval suite {name!r}",
+                       "Create one in the admin (Training › Eval suites) with prompts, checks and a judge.")
+    return suite
+
+
+def default_engine_factory(version: PolicyVersion) -> Any:
+    # Imported here: the engines import torch (and vLLM), which only the gate's worker needs.
+    from inference.engine import make_engine
+
+    return make_engine(settings.FLYWHEEL_GATE_ENGINE, policy_folder(version), version=version.number)
+
+
+def gate_run(version_id: int, *, actor: Actor = "system:gate", suite: str = "default",
+             engine_factory: EngineFactory | None = None) -> GateReport:
+    """Evaluate a candidate against production; passes → awaiting_approval, fails → rejected."""
+    version, baseline = _gate_claim(version_id, actor)
+    policy = gate_policy_active(version.project)
+    try:
+        rows, suite_info = _gate_rows(version, baseline, policy, suite, engine_factory or default_engine_factory)
+    except Exception as exc:
+        _gate_abort(version.id, actor, exc)
+        raise
+    return _gate_finish(version.id, baseline, policy, rows, suite_info, actor)
+
+
+def _gate_claim(version_id: int, actor: Actor) -> tuple[PolicyVersion, PolicyVersion | None]:
+    with transaction.atomic():
+        version = version_locked(version_id)
+        if version.state != "candidate":
+            raise Conflict(f"policy v{version.number} is {version.state}, not a candidate",
+                           "Only a candidate is gated; a rejected version needs a new training run.")
+        version_transition(version, "gated", actor, "gate_start")
+        baseline = policy_production(version.project_id)
+    return version, baseline
+
+
+def _gate_rows(version: PolicyVersion, baseline: PolicyVersion | None, policy: GatePolicy, suite_name: str,
+               engine_factory: EngineFactory) -> tuple[list[CheckRow], dict[str, Any]]:
+    if baseline is None:
+        row = CheckRow("baseline", None, None, None, True, "no production version yet: the first one is approved by a person")
+        return [row], {}
+    suite = eval_suite_active(version.project, suite_name)
+    thresholds = GateThresholds.from_json(policy.thresholds)
+    engines = [engine_factory(version), engine_factory(baseline)]
+    try:
+        samples = suite_collect(suite.as_spec(), engines[0], engines[1])
+    finally:
+        for engine in engines:
+            getattr(engine, "close", lambda: None)()
+    return evaluate(samples, thresholds), {"name": suite.name, "version": suite.version, "prompts": len(suite.prompts)}
+
+
+def _gate_abort(version_id: int, actor: Actor, exc: Exception) -> None:
+    with transaction.atomic():
+        version = version_locked(version_id)
+        if version.state == "gated":
+            version_transition(version, "candidate", actor, "gate_error", f"{type(exc).__name__}: {exc}"[:2000])
+
+
+def _gate_finish(version_id: int, baseline: PolicyVersion | None, policy: GatePolicy, rows: list[CheckRow],
+                 suite_info: dict[str, Any], actor: Actor) -> GateReport:
+    passed = all(r.passed for r in rows)
+    checks = [{k: _finite(v) for k, v in r.as_dict().items()} for r in rows]
+    with transaction.atomic():
+        version = version_locked(version_id)
+        report = GateReport.objects.create(version=version, baseline=baseline, passed=passed, checks=checks,
+                                           policy={**gate_policy_json(policy), "suite": suite_info})
+        failed = [r.name for r in rows if not r.passed]
+        reason = "all checks passed" if passed else f"failed: {', '.join(failed)}"
+        version_transition(version, "awaiting_approval" if passed else "rejected", actor,
+                    "gate_pass" if passed else "gate_fail", reason, gate_report=report.id)
+    return report

@@ -1,0 +1,249 @@
+"""Writes of promotion: approve, reject, roll back, the canary and its stopping rule, the base
+policy's install and the gate policy's versions.
+
+    .venv/bin/python -m pytest tests/training/test_promotion.py tests/training/test_promotion_api.py -q
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict
+from typing import Any, Literal
+
+from django.contrib.auth.models import AbstractBaseUser
+from django.db import transaction
+from django.db.models import Q
+from django.utils import timezone
+
+from core.errors import BadRequest, Conflict, Forbidden, NotFound
+from feedback.auth import Principal
+from feedback.models import Project
+from training.gate.config import GateThresholds
+from training.models import AuditLog, CanaryRun, GatePolicy, PolicyVersion, TrainingRun
+from training.promotion import sequential
+from training.promotion.deploy import deploy_hook
+from training.promotion.selectors import POLICY_FIELDS, canary_counts, gate_policy_active, gate_policy_json
+from training.promotion.sequential import CanaryRule, CanaryVerdict
+from training.versions.selectors import policy_production
+from training.versions.services import (
+    Actor,
+    actor_name,
+    version_audit,
+    version_locked,
+    version_snapshot,
+    version_transition,
+)
+
+Action = Literal["approve", "reject", "rollback"]
+APPROVE_PERMISSION = "training.approve_promotion"
+
+
+def base_policy_install(version: PolicyVersion, actor: Actor, reason: str) -> PolicyVersion:
+    """Put a base policy (one not produced by a training run, e.g. bootstrap_policy's) straight
+    into production, retiring the current one; audited like every other state change."""
+    with transaction.atomic():
+        version = version_locked(version.id)
+        current = policy_production(version.project_id, lock=True)
+        if current is not None and current.id != version.id:
+            version_transition(current, "retired", actor, "retire", reason)
+        version_transition(version, "production", actor, "install_base", reason)
+        _deploy_after_commit(version)
+    return version
+
+
+def _deploy_after_commit(version: PolicyVersion) -> None:
+    transaction.on_commit(lambda: deploy_hook(version))
+
+
+def gate_policy_update(project: Project, actor: Actor, reason: str = "", **fields: Any) -> GatePolicy:
+    """A new version of the project's gate policy: the active one with `fields` changed."""
+    with transaction.atomic():
+        Project.objects.select_for_update().get(id=project.id)  # serialises version numbers
+        current = gate_policy_active(project)
+        new = GatePolicy(project=project, version=current.version + 1,
+                         **{f: getattr(current, f) for f in POLICY_FIELDS}, note=reason)
+        for name, value in fields.items():
+            if name not in POLICY_FIELDS:
+                raise BadRequest(f"unknown gate policy field {name!r}", f"Use one of {sorted(POLICY_FIELDS)}.")
+            setattr(new, name, value)
+        new.created_by = actor if isinstance(actor, AbstractBaseUser) else None
+        _validate_policy(new)
+        new.save()
+        AuditLog.objects.create(project=project, actor=actor_name(actor), action="gate_policy_update",
+                                target=f"gate_policy:{new.version}", before=gate_policy_json(current),
+                                after=gate_policy_json(new), reason=reason)
+    return new
+
+
+def _validate_policy(policy: GatePolicy) -> None:
+    try:
+        GateThresholds.from_json(policy.thresholds)
+    except (TypeError, ValueError) as exc:
+        raise BadRequest(f"invalid gate thresholds: {exc}", "Fix or drop the named keys.") from exc
+    if not 0 <= policy.canary_share < 1:
+        raise BadRequest(f"canary_share {policy.canary_share} is outside [0, 1)", "Use 0 for no canary, e.g. 0.1 for 10%.")
+
+
+def _may_approve(actor: Actor, project_id: int) -> bool:
+    if isinstance(actor, Principal):
+        return actor.project.id == project_id and "admin" in actor.scopes
+    if isinstance(actor, str):
+        return False
+    return bool(actor.is_authenticated and actor.is_active and actor.has_perm(APPROVE_PERMISSION))
+
+
+def _refuse(version: PolicyVersion, actor: Actor, action: str, message: str, fix: str, reason: str) -> Forbidden:
+    # Recorded in its own transaction: the refusal must stay on record although the request fails.
+    with transaction.atomic():
+        version_audit(version, actor, f"{action}_refused", version_snapshot(version), reason, refused=message)
+    return Forbidden(message, fix)
+
+
+def candidate_promote(version: PolicyVersion | int, actor: Actor, action: Action, reason: str) -> PolicyVersion:
+    """approve | reject | rollback a version, as `actor`, for `reason` (required)."""
+    version_id = version if isinstance(version, int) else version.id
+    current = PolicyVersion.objects.filter(id=version_id).first()
+    if current is None:
+        raise NotFound(f"no policy version {version_id}", "Check the id (GET /api/v1/versions lists them).")
+    if action not in _ACTIONS:
+        raise BadRequest(f"unknown action {action!r}", "Use approve, reject or rollback.")
+    if not _may_approve(actor, current.project_id):
+        raise _refuse(current, actor, action, f"{actor_name(actor)} may not {action} policy versions",
+                      "Ask someone with the permission 'training.approve_promotion' (or use an admin key of this project).",
+                      reason or "")
+    if not (reason or "").strip():
+        raise BadRequest("a reason is required", "Say in a sentence why (it is kept in the audit log).")
+    if action == "approve":
+        _two_person_check(current, actor, reason)
+    with transaction.atomic():
+        locked = version_locked(version_id)
+        _ACTIONS[action](locked, actor, reason.strip())
+    return PolicyVersion.objects.get(id=version_id)
+
+
+def _trainer_of(version: PolicyVersion) -> Any:
+    run = TrainingRun.objects.filter(candidate=version).select_related("started_by").order_by("-created_at").first()
+    return run.started_by if run else None
+
+
+def _two_person_check(version: PolicyVersion, actor: Actor, reason: str) -> None:
+    if not gate_policy_active(version.project).two_person_rule:
+        return
+    trainer = _trainer_of(version)
+    if trainer is not None and isinstance(actor, AbstractBaseUser) and trainer.pk == actor.pk:
+        raise _refuse(version, actor, "approve", f"{actor_name(actor)} started the run that trained v{version.number}",
+                      "The two-person rule is on: another person with the approval permission must approve.", reason)
+
+
+def _approve(version: PolicyVersion, actor: Actor, reason: str) -> None:
+    if version.state != "awaiting_approval":
+        raise Conflict(f"policy v{version.number} is {version.state}, not awaiting approval",
+                       "Only a version that passed the gate can be approved.")
+    policy = gate_policy_active(version.project)
+    production = policy_production(version.project_id, lock=True)
+    if production is not None and policy.canary_share > 0:
+        _canary_start(version, production, policy, actor, reason)
+    else:
+        _make_production(version, production, actor, "approve", reason)
+
+
+def _make_production(version: PolicyVersion, previous: PolicyVersion | None, actor: Actor, action: str,
+                     reason: str) -> None:
+    if previous is not None and previous.id != version.id:
+        version_transition(previous, "retired", actor, "retire", reason, replaced_by=version.number)
+    version_transition(version, "production", actor, action, reason)
+    _deploy_after_commit(version)
+
+
+def _reject(version: PolicyVersion, actor: Actor, reason: str) -> None:
+    if version.state == "canary":
+        _canary_close(version, "rollback", None)
+    elif version.state != "awaiting_approval":
+        raise Conflict(f"policy v{version.number} is {version.state}; only a version awaiting approval or in "
+                       "canary can be rejected", "To take a production version out, roll back to an earlier one.")
+    version_transition(version, "rejected", actor, "reject", reason)
+    _deploy_after_commit(version)
+
+
+def _rollback(version: PolicyVersion, actor: Actor, reason: str) -> None:
+    """On a canary: end it. On production: go back to the previous production version. On a
+    retired version that was in production: make it production again."""
+    if version.state == "canary":
+        _canary_close(version, "rollback", None)
+        version_transition(version, "rejected", actor, "rollback", reason)
+        _deploy_after_commit(version)
+        return
+    current = policy_production(version.project_id, lock=True)
+    if version.state == "production":
+        target = _previous_production(version)
+        if target is None:
+            raise Conflict(f"policy v{version.number} is the first production version", "There is nothing to roll back to.")
+    elif version.state == "retired" and _was_production(version):
+        target = version
+    else:
+        raise Conflict(f"policy v{version.number} ({version.state}) was never in production",
+                       "Roll back to a version that served before (see GET /api/v1/versions?state=retired).")
+    target = PolicyVersion.objects.select_for_update().get(id=target.id)
+    _make_production(target, current, actor, "rollback", reason)
+
+
+_SERVED = Q(after__state="production") | Q(before__state="production")
+
+
+def _was_production(version: PolicyVersion) -> bool:
+    return AuditLog.objects.filter(_SERVED, target=f"policy_version:{version.id}").exists()
+
+
+def _previous_production(version: PolicyVersion) -> PolicyVersion | None:
+    rows = (AuditLog.objects.filter(_SERVED, project_id=version.project_id)
+            .exclude(target=f"policy_version:{version.id}").order_by("-at", "-id").values_list("after", flat=True))
+    for after in rows:
+        candidate = PolicyVersion.objects.filter(id=after["version_id"], state="retired").first()
+        if candidate is not None:
+            return candidate
+    return None
+
+
+_ACTIONS: dict[str, Callable[[PolicyVersion, Actor, str], None]] = {
+    "approve": _approve, "reject": _reject, "rollback": _rollback,
+}
+
+
+def _canary_start(version: PolicyVersion, production: PolicyVersion, policy: GatePolicy, actor: Actor,
+                  reason: str) -> None:
+    rule = CanaryRule(confidence=policy.canary_confidence, min_events=policy.canary_min_events,
+                      max_events=policy.canary_max_events)
+    run = CanaryRun.objects.create(version=version, baseline=production, share=policy.canary_share,
+                                   rule=asdict(rule))
+    version_transition(version, "canary", actor, "canary_start", reason, canary_share=run.share, baseline=production.number)
+    _deploy_after_commit(version)
+
+
+def _canary_close(version: PolicyVersion, outcome: str, verdict: CanaryVerdict | None) -> None:
+    CanaryRun.objects.filter(version=version, decided_at__isnull=True).update(
+        decided_at=timezone.now(), outcome=outcome, verdict=verdict.as_dict() if verdict else None)
+
+
+def canary_decide(version_id: int, actor: Actor = "system:canary") -> CanaryVerdict:
+    """Apply the stopping rule to a running canary: promote it fully, roll it back, or wait."""
+    with transaction.atomic():
+        version = version_locked(version_id)
+        run = (CanaryRun.objects.select_for_update().select_related("version", "baseline")
+               .filter(version=version, decided_at__isnull=True).first())
+        if version.state != "canary" or run is None:
+            raise Conflict(f"policy v{version.number} is {version.state}, not in canary", "Nothing to decide.")
+        verdict = sequential.canary_decide(*canary_counts(run), CanaryRule(**run.rule))
+        if verdict.decision == "promote":
+            _canary_close(version, "promote", verdict)
+            _make_production(version, policy_production(version.project_id, lock=True), actor, "canary_promote", verdict.reason)
+        elif verdict.decision == "rollback":
+            _canary_close(version, "rollback", verdict)
+            version_transition(version, "rejected", actor, "canary_rollback", verdict.reason)
+            _deploy_after_commit(version)
+    return verdict
+
+
+def canaries_decide_all() -> dict[int, str]:
+    """Decide every running canary (the periodic task); {version id: decision}."""
+    ids = CanaryRun.objects.filter(decided_at__isnull=True).values_list("version_id", flat=True)
+    return {vid: canary_decide(vid).decision for vid in list(ids)}

@@ -1,0 +1,162 @@
+"""Writes of rewards: the versioned reward spec and scoring trajectories with it (feedback map +
+verifiable checks + judge rubric → Reward and RubricScore rows).
+
+    .venv/bin/python -m pytest tests/training/test_services.py tests/training/test_reward_spec.py -q
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from datetime import datetime
+from typing import Any
+
+from django.db import transaction
+from django.db.models import Prefetch
+from django.utils import timezone
+
+from core.errors import BadRequest
+from core.notify import project_event
+from feedback.models import FeedbackEvent, Project, Step, Trajectory
+from training.models import Reward, RewardSpec, RubricScore
+from training.rewards import selectors
+from training.rewards.checks import CheckResult, check_from_config
+from training.rewards.judges import AspectScore, Judge, make_judge
+from training.rewards.spec import DEFAULT_SIGNAL_REWARDS, RewardSpecData, compute_reward
+
+DEFAULT_JUDGE: dict[str, Any] = {"kind": "rule", "aspects": ["style", "concision"]}
+
+
+DEFAULT_ASPECTS: list[dict[str, Any]] = [
+    {"name": "style", "weight": 0.1, "description": "short lines, PEP 8 names"},
+    {"name": "concision", "weight": 0.1, "description": "no padding, no repeated lines"},
+]
+
+
+SPEC_FIELDS = ("signal_rewards", "checks", "aspects", "judge", "settle_seconds")
+
+
+def reward_spec_default(project: Project) -> RewardSpec:
+    """The project's first spec (Cursor Tab's map, rule-judged style and concision), made once."""
+    spec, _ = RewardSpec.objects.get_or_create(
+        project=project, version=1,
+        defaults={"signal_rewards": dict(DEFAULT_SIGNAL_REWARDS), "checks": [], "aspects": DEFAULT_ASPECTS,
+                  "judge": DEFAULT_JUDGE, "settle_seconds": 60},
+    )
+    return spec
+
+
+def reward_spec_current(project: Project) -> RewardSpec:
+    spec = RewardSpec.objects.filter(project=project).order_by("-version").first()
+    return spec if spec is not None else reward_spec_default(project)
+
+
+def _spec_validate(fields: dict[str, Any]) -> None:
+    try:
+        RewardSpecData.from_json(fields["signal_rewards"], fields["checks"], fields["aspects"])
+        for check in fields["checks"]:
+            check_from_config(check)
+        if fields["judge"]:
+            _judge_for(fields["judge"], fields["aspects"])
+    except (ValueError, TypeError, KeyError) as exc:
+        raise BadRequest(f"invalid reward spec: {exc}", "Fix the named field; see training/rewards/.") from exc
+    if int(fields["settle_seconds"]) < 0:
+        raise BadRequest("settle_seconds must be >= 0", "Give the settle window in seconds.")
+
+
+def reward_spec_update(project: Project, **changes: Any) -> RewardSpec:
+    """Edit the current spec; once a Reward used it, the edit becomes a new version instead."""
+    unknown = sorted(set(changes) - set(SPEC_FIELDS))
+    if unknown:
+        raise BadRequest(f"unknown reward spec fields {unknown}", f"Use any of {list(SPEC_FIELDS)}.")
+    reward_spec_default(project)
+    with transaction.atomic():
+        current = RewardSpec.objects.select_for_update().filter(project=project).order_by("-version").first()
+        fields = {**{f: getattr(current, f) for f in SPEC_FIELDS}, **changes}
+        _spec_validate(fields)
+        if not Reward.objects.filter(spec=current).exists():
+            RewardSpec.objects.filter(pk=current.pk).update(**fields)
+            current.refresh_from_db()
+            return current
+        return RewardSpec.objects.create(project=project, version=current.version + 1, **fields)
+
+
+def _judge_for(config: dict[str, Any], aspects: Sequence[dict[str, Any]]) -> Judge:
+    params = dict(config)
+    if params.get("kind") == "model" and "aspects" not in params:
+        params["aspects"] = {a["name"]: a.get("description", a["name"]) for a in aspects}
+    return make_judge(params)
+
+
+def _texts(trajectory: Trajectory) -> tuple[str, str]:
+    """(prompt text, completion text): the last prompt message and the assistant steps."""
+    messages = trajectory.prompt or []
+    prompt = str(messages[-1].get("content", "")) if messages else ""
+    completion = "".join(s.content for s in trajectory.steps.all() if s.role == "assistant")
+    return prompt, completion
+
+
+def _check_context(trajectory: Trajectory) -> dict[str, Any]:
+    # Check inputs (code prefix, a test snippet) ride along in the trajectory's extra fields.
+    context = trajectory.extra.get("check_context") if isinstance(trajectory.extra, dict) else None
+    return dict(context) if isinstance(context, dict) else {}
+
+
+def _checks_run(spec: RewardSpec, completion: str, context: dict[str, Any]) -> dict[str, CheckResult]:
+    out = {}
+    for check in spec.checks:
+        out[check["name"]] = check_from_config(check).run(completion, context)
+    return out
+
+
+def _rubric_save(trajectory: Trajectory, judge_id: str, scores: dict[str, AspectScore]) -> None:
+    for aspect, s in scores.items():
+        RubricScore.objects.update_or_create(
+            trajectory=trajectory, aspect=aspect, judge=judge_id,
+            defaults={"score": s.score, "rationale": "" if s.failed else s.rationale,
+                      "error": s.rationale if s.failed else ""},
+        )
+
+
+def _reward_one(trajectory: Trajectory, spec: RewardSpec, data: RewardSpecData, judge: Judge | None) -> Reward:
+    prompt, completion = _texts(trajectory)
+    context = _check_context(trajectory)
+    aspect_scores: dict[str, AspectScore] = {}
+    if judge is not None:
+        result = judge.judge(prompt, completion, context)
+        _rubric_save(trajectory, result.judge_id, result.scores)
+        aspect_scores = result.scores
+    signals = [{"signal": e.signal, "value": e.value} for e in trajectory.feedback_events.all()]
+    total, components = compute_reward(data, signals, _checks_run(spec, completion, context), aspect_scores)
+    reward, _ = Reward.objects.update_or_create(
+        trajectory=trajectory, spec=spec, defaults={"total": total, "components": components}
+    )
+    return reward
+
+
+def rewards_compute(trajectory_ids: Iterable[int], spec: RewardSpec) -> list[Reward]:
+    """Reward (total + components) and RubricScore rows for each trajectory under `spec`.
+
+    A failed judge aspect is stored with score NULL and its error and left out of the total.
+    Recomputing replaces the trajectory's Reward for this spec (computed_at moves on)."""
+    data = RewardSpecData.from_json(spec.signal_rewards, spec.checks, spec.aspects)
+    judge = _judge_for(spec.judge, spec.aspects) if spec.judge else None
+    trajectories = Trajectory.objects.filter(pk__in=list(trajectory_ids)).prefetch_related(
+        Prefetch("steps", queryset=Step.objects.order_by("index")),
+        Prefetch("feedback_events", queryset=FeedbackEvent.objects.order_by("occurred_at", "id")),
+    )
+    rewards = []
+    for trajectory in trajectories:
+        with transaction.atomic():
+            rewards.append(_reward_one(trajectory, spec, data, judge))
+    return rewards
+
+
+def rewards_compute_pending(project: Project, limit: int = 1000, now: datetime | None = None) -> int:
+    """Scores the trajectories whose feedback settled (and those with late feedback); returns count."""
+    spec = reward_spec_current(project)
+    pending = selectors.trajectories_reward_pending(project, spec, now or timezone.now())
+    ids = list(pending.values_list("pk", flat=True)[:limit])
+    if ids:
+        rewards_compute(ids, spec)
+        project_event(project.pk, {"type": "rewards_computed", "spec": spec.version, "count": len(ids)})
+    return len(ids)

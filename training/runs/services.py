@@ -1,0 +1,241 @@
+"""Writes of training runs: claiming a project's lineage, liveness, one TrainingStep row per
+optimiser step, the candidate registered and handed to the gate.
+
+The work itself is `training.runs.job.run`, which returns its result instead of calling back;
+this module owns the run's state around it.
+
+    .venv/bin/python -m pytest tests/training/test_services.py tests/training/test_tasks.py -q
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import socket
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+from django.conf import settings
+from django.db import transaction
+from django.utils import timezone
+
+from core.embedded import pid_alive
+from core.errors import BadRequest, Conflict
+from core.notify import project_event
+from core.tasks import enqueue_after_commit
+from feedback.models import Project
+from training.gate.tasks import gate_run_enqueue
+from training.models import PolicyVersion, TrainingRun, TrainingStep
+from training.rewards.selectors import rewarded_trajectories_since
+from training.rewards.services import reward_spec_current
+from training.rl.config import RLConfig
+from training.runs import job, selectors
+from training.versions.selectors import policy_production
+from training.versions.services import policy_register
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TRAIN_STEPS = 4
+DEFAULT_BATCH_SIZE = 32
+
+
+def _setting(name: str) -> float:
+    return float(getattr(settings, name))
+
+
+@dataclass(frozen=True)
+class WorkerRef:
+    """Who executes a run: `kind|node|host|pid|task_id` in TrainingRun.worker."""
+
+    kind: str  # celery | local
+    node: str
+    host: str
+    pid: int
+    task_id: str = ""
+
+    def __str__(self) -> str:
+        return "|".join([self.kind, self.node, self.host, str(self.pid), self.task_id])[:200]
+
+    @classmethod
+    def parse(cls, text: str) -> WorkerRef | None:
+        parts = text.split("|")
+        if len(parts) != 5 or not parts[3].isdigit():
+            return None
+        return cls(parts[0], parts[1], parts[2], int(parts[3]), parts[4])
+
+    @classmethod
+    def here(cls, kind: str = "local", node: str = "", task_id: str = "") -> WorkerRef:
+        return cls(kind, node or kind, socket.gethostname(), os.getpid(), task_id)
+
+
+def training_run_lost_reason(run: TrainingRun, now: datetime | None = None) -> str | None:
+    """Why an active run is presumed dead (its worker process is gone, or it stopped beating)."""
+    now = now or timezone.now()
+    if run.state == "queued":
+        waited = (now - run.created_at).total_seconds()
+        limit = _setting("FLYWHEEL_TRAIN_QUEUE_TIMEOUT_S")
+        return f"no worker picked the run up within {limit:g} s" if waited > limit else None
+    ref = WorkerRef.parse(run.worker)
+    if ref is not None and ref.host == socket.gethostname() and not pid_alive(ref.pid):
+        return f"worker process {ref.pid} on {ref.host} ({ref.node}) is gone"
+    silent = (now - selectors.training_run_heartbeat(run)).total_seconds()
+    limit = _setting("FLYWHEEL_TRAIN_HEARTBEAT_TIMEOUT_S")
+    return f"no heartbeat for {silent:.0f} s (limit {limit:g} s)" if silent > limit else None
+
+
+def training_run_fail(run_id: int, error: str) -> bool:
+    """Active -> failed (a conditional UPDATE: a finished run is never overwritten)."""
+    updated = TrainingRun.objects.filter(pk=run_id, state__in=selectors.ACTIVE_RUN_STATES).update(
+        state="failed", error=error[:10_000], finished_at=timezone.now()
+    )
+    if updated:
+        run = TrainingRun.objects.get(pk=run_id)
+        project_event(run.project_id, {"type": "training_failed", "run": run_id, "error": error[:500]})
+    return bool(updated)
+
+
+def training_run_start(
+    project: Project, *, steps: int = DEFAULT_TRAIN_STEPS, rl: dict[str, Any] | None = None,
+    batch_size: int = DEFAULT_BATCH_SIZE, trajectory_ids: Sequence[int] | None = None,
+    started_by: Any = None, enqueue: bool = True,
+) -> tuple[TrainingRun, bool]:
+    """Claims the project's lineage: returns (new run, True), or (the active run, False) when one
+    is alive. An active run whose worker died is marked failed first, then the new run starts.
+
+    The project row lock serialises concurrent starts: the second sees the first's run and leaves."""
+    cfg = RLConfig.from_dict(rl or {})
+    with transaction.atomic():
+        Project.objects.select_for_update().get(pk=project.pk)
+        active = selectors.training_run_active(project)
+        if active is not None:
+            reason = training_run_lost_reason(active)
+            if reason is None:
+                return active, False
+            training_run_fail(active.pk, f"worker lost: {reason}")
+        base = policy_production(project)
+        if base is None:
+            raise Conflict(f"project {project.slug!r} has no production policy to train from",
+                           "Run `manage.py bootstrap_policy --project SLUG` first.")
+        run = TrainingRun.objects.create(
+            project=project, base_version=base, state="queued", started_by=started_by,
+            config=_run_config(project, cfg, steps, batch_size, trajectory_ids),
+        )
+        if enqueue:
+            enqueue_after_commit("training.tasks.train_policy", run.pk)
+    project_event(project.pk, {"type": "training_queued", "run": run.pk, "base": base.number})
+    return run, True
+
+
+def _run_config(
+    project: Project, cfg: RLConfig, steps: int, batch_size: int, trajectory_ids: Sequence[int] | None
+) -> dict[str, Any]:
+    if steps < 1 or batch_size < 1:
+        raise BadRequest("steps and batch_size must be >= 1", "Give positive numbers.")
+    previous = selectors.training_run_last(project)
+    return {
+        "rl": cfg.to_dict(), "steps": steps, "batch_size": batch_size, "seed": 0,
+        "spec": reward_spec_current(project).pk,
+        "data_since": previous.config.get("data_until") if previous else None,
+        "data_until": timezone.now().isoformat(),
+        "trajectory_ids": list(trajectory_ids) if trajectory_ids is not None else None,
+    }
+
+
+def _run_claim(run_id: int, worker: WorkerRef) -> TrainingRun | None:
+    """queued -> running for exactly one worker; a redelivered or duplicate task gets None."""
+    claimed = TrainingRun.objects.filter(pk=run_id, state="queued").update(
+        state="running", worker=str(worker), started_at=timezone.now()
+    )
+    return TrainingRun.objects.select_related("project", "base_version").get(pk=run_id) if claimed else None
+
+
+def train_policy(run_id: int, worker: WorkerRef | None = None) -> TrainingRun:
+    """Executes a queued run: samples from the rewarded trajectories, N rl_steps, one TrainingStep
+    row per step, the candidate registered. Any exception fails the run and registers nothing."""
+    run = _run_claim(run_id, worker or WorkerRef.here())
+    if run is None:
+        log.info("training run %s is not queued any more; leaving it", run_id)
+        return TrainingRun.objects.get(pk=run_id)
+    project_event(run.project_id, {"type": "training_started", "run": run.pk, "worker": run.worker})
+    folder = staging_dir(run)
+    try:
+        extra = job.run(run, folder, on_step=lambda step, metrics: training_step_record(run, step, metrics, job.steps_of(run)))
+        training_run_finish(run, folder, extra)
+    except Exception as exc:  # noqa: BLE001 - every failure must end the run, with its reason
+        log.exception("training run %s failed", run_id)
+        training_run_fail(run.pk, f"{type(exc).__name__}: {exc}")
+    finally:
+        staging_drop(folder)
+    return TrainingRun.objects.get(pk=run_id)
+
+
+def training_step_record(run: TrainingRun, step: int, metrics: dict[str, Any], steps_total: int) -> None:
+    TrainingStep.objects.create(
+        run=run, step=step, **{k: float(metrics[k]) for k in (
+            "loss", "kl_ref", "entropy", "clip_fraction", "mismatch_kl", "grad_norm", "reward_mean", "tokens_per_s")},
+        dropped_stale=int(metrics["dropped_stale"]),
+    )
+    progress = (step + 1) / steps_total
+    TrainingRun.objects.filter(pk=run.pk).update(progress=progress)
+    project_event(run.project_id, {"type": "training_step", "run": run.pk, "step": step, "progress": progress,
+                                   **{k: metrics[k] for k in ("loss", "kl_ref", "entropy", "clip_fraction", "mismatch_kl",
+                                                                "grad_norm", "reward_mean", "tokens_per_s")}})
+
+
+class RunLost(RuntimeError):
+    """The run was marked failed (presumed dead) while this worker still ran it."""
+
+
+def training_run_finish(run: TrainingRun, folder: Path, extra_config: dict[str, Any]) -> PolicyVersion:
+    """Registers the candidate and marks the run succeeded, together or not at all."""
+    with transaction.atomic():
+        owned = TrainingRun.objects.filter(pk=run.pk, state="running").select_for_update().first()
+        if owned is None:
+            raise RunLost(f"run {run.pk} is no longer running here; its candidate is discarded")
+        candidate = policy_register(
+            run.project, folder, parent=run.base_version, state="candidate",
+            config={"run": run.pk, "rl": run.config["rl"], "base": run.base_version.number},
+        )
+        TrainingRun.objects.filter(pk=run.pk).update(
+            state="succeeded", candidate=candidate, progress=1.0, finished_at=timezone.now(),
+            config={**owned.config, **extra_config},
+        )
+        # Every candidate goes to the evaluation gate (queue `gate`) once this commits.
+        gate_run_enqueue(candidate.pk)
+    project_event(run.project_id, {"type": "training_succeeded", "run": run.pk, "candidate": candidate.number})
+    return candidate
+
+
+def train_maybe(
+    project: Project, min_new: int = 64, every_minutes: float = 60.0, *, steps: int = DEFAULT_TRAIN_STEPS,
+    batch_size: int = DEFAULT_BATCH_SIZE, rl: dict[str, Any] | None = None,
+) -> TrainingRun | None:
+    """Starts a run when >= min_new rewarded trajectories arrived since the last run, or when
+    every_minutes passed since it and at least one did. Returns the new run or None.
+
+    `steps`, `batch_size` and `rl` (RLConfig overrides, e.g. {"lr": 1e-3}) go to the run."""
+    if policy_production(project) is None:
+        return None
+    last = selectors.training_run_last(project, ("succeeded", "failed", "queued", "running"))
+    since = datetime.fromisoformat(last.config["data_until"]) if last and last.config.get("data_until") else None
+    new = rewarded_trajectories_since(project, reward_spec_current(project), since).count()
+    due = last is None or timezone.now() - last.created_at >= timedelta(minutes=every_minutes)
+    if new >= min_new or (due and new > 0):
+        run, created = training_run_start(project, steps=steps, batch_size=batch_size, rl=rl)
+        return run if created else None
+    return None
+
+
+def staging_dir(run: TrainingRun) -> Path:
+    root = Path(settings.VAR_DIR) / "staging"
+    root.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(dir=root, prefix=f"run-{run.pk}-"))
+
+
+def staging_drop(folder: Path) -> None:
+    shutil.rmtree(folder, ignore_errors=True)

@@ -1,0 +1,35 @@
+"""Celery tasks of training runs (queues `train` and `rollouts`; names are a wire contract, see
+training/tasks.py). They take ids, load, call one service."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from celery import shared_task
+
+from feedback.models import Project
+from training.runs import rollouts, services
+
+
+@shared_task(name="training.tasks.train_policy", bind=True)
+def train_policy_task(self: Any, run_id: int) -> str:
+    worker = services.WorkerRef.here("celery", node=self.request.hostname or "", task_id=self.request.id or "")
+    return services.train_policy(run_id, worker).state
+
+
+@shared_task(name="training.tasks.train_maybe")
+def train_maybe(project_id: int, min_new: int = 64, every_minutes: float = 60.0,
+                steps: int = services.DEFAULT_TRAIN_STEPS, batch_size: int = services.DEFAULT_BATCH_SIZE,
+                rl: dict[str, Any] | None = None) -> int | None:
+    run = services.train_maybe(Project.objects.get(pk=project_id), min_new, every_minutes, steps=steps,
+                               batch_size=batch_size, rl=rl)
+    return run.pk if run is not None else None
+
+
+@shared_task(name="training.tasks.rollout_and_train")
+def rollout_and_train_task(project_id: int, prompts: list[Any], G: int = 16, steps: int = 1,
+                           max_tokens: int = 24, seed: int = 0) -> int:
+    """Rollouts here (queue rollouts); the training itself is queued for the train workers."""
+    run, _ = rollouts.rollout_and_train(Project.objects.get(pk=project_id), prompts, G, steps=steps,
+                                        max_tokens=max_tokens, seed=seed, inline=False)
+    return run.pk

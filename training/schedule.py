@@ -1,0 +1,62 @@
+"""The beat schedule of the training loop (django-celery-beat rows, editable in the admin)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from django_celery_beat.models import IntervalSchedule
+
+from core.errors import BadRequest
+from feedback.models import Project
+from training.rl.config import RLConfig
+
+
+def training_schedule_install(
+    projects: Iterable[Project] | None = None, rewards_every_s: int = 30, train_check_every_s: int = 60,
+    min_new: int = 64, every_minutes: float = 60.0, *, steps: int | None = None, batch_size: int | None = None,
+    rl: dict[str, Any] | None = None,
+) -> list[Any]:
+    """Creates or updates the beat entries (django-celery-beat, editable in the admin) per project:
+    rewards every `rewards_every_s`, the train check every `train_check_every_s`. Idempotent.
+
+    `steps`, `batch_size` and `rl` (RLConfig overrides) are stored in the train entry's kwargs for
+    every run it starts; left out (None), the runs use the defaults."""
+    import json
+
+    train_kwargs: dict[str, Any] = {"min_new": min_new, "every_minutes": every_minutes}
+    for name, value in (("steps", steps), ("batch_size", batch_size)):
+        if value is not None:
+            if int(value) < 1:
+                raise BadRequest(f"{name} must be >= 1", "Give a positive number.")
+            train_kwargs[name] = int(value)
+    if rl is not None:
+        try:
+            RLConfig.from_dict(dict(rl))
+        except (TypeError, ValueError) as exc:
+            raise BadRequest(f"invalid RL overrides: {exc}", "Use RLConfig field names and valid values.") from exc
+        train_kwargs["rl"] = dict(rl)
+
+    from django_celery_beat.models import IntervalSchedule, PeriodicTask
+
+    def every(seconds: int) -> IntervalSchedule:
+        return IntervalSchedule.objects.get_or_create(every=seconds, period=IntervalSchedule.SECONDS)[0]
+
+    out = []
+    for project in projects if projects is not None else Project.objects.all():
+        entries = [
+            (f"flywheel rewards {project.slug}", "training.tasks.rewards_compute_pending", every(rewards_every_s), {}),
+            (f"flywheel train {project.slug}", "training.tasks.train_maybe", every(train_check_every_s),
+             train_kwargs),
+        ]
+        for name, task, interval, kwargs in entries:
+            entry, _ = PeriodicTask.objects.update_or_create(
+                name=name, defaults={"task": task, "interval": interval, "args": json.dumps([project.pk]),
+                                     "kwargs": json.dumps(kwargs), "enabled": True},
+            )
+            out.append(entry)
+    canaries, _ = PeriodicTask.objects.update_or_create(
+        name="flywheel canaries", defaults={"task": "training.tasks.gate_canaries_check", "interval": every(60),
+                                            "args": "[]", "kwargs": "{}", "enabled": True},
+    )
+    return [*out, canaries]

@@ -1,0 +1,106 @@
+"""Writes of policy versions: registering weights in the checkpoint store, materialising them,
+and the one audited state transition every other service goes through.
+
+    .venv/bin/python -m pytest tests/training/test_checkpoint_store.py tests/training/test_promotion.py -q
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from django.conf import settings
+from django.contrib.auth.models import AbstractBaseUser, AnonymousUser
+from django.db import transaction
+
+from core.errors import BadRequest, NotFound
+from core.notify import project_event
+from feedback.auth import Principal
+from feedback.models import Project
+from training.models import AuditLog, PolicyVersion
+
+Actor = AbstractBaseUser | AnonymousUser | Principal | str  # str: a system actor, e.g. "system:canary"
+
+
+def actor_name(actor: Actor) -> str:
+    if isinstance(actor, str):
+        return actor
+    if isinstance(actor, Principal):
+        return f"api_key:{actor.project.slug}"
+    return actor.get_username() or "anonymous"
+
+
+
+def version_snapshot(version: PolicyVersion) -> dict[str, Any]:
+    return {"version_id": version.id, "number": version.number, "state": version.state}
+
+
+def version_audit(version: PolicyVersion, actor: Actor, action: str, before: dict | None, reason: str = "",
+           **after_extra: Any) -> AuditLog:
+    return AuditLog.objects.create(
+        project_id=version.project_id, actor=actor_name(actor), action=action, target=f"policy_version:{version.id}",
+        before=before, after={**version_snapshot(version), **after_extra}, reason=reason,
+    )
+
+
+def version_transition(version: PolicyVersion, state: str, actor: Actor, action: str, reason: str = "", **extra: Any) -> None:
+    before = version_snapshot(version)
+    version.state = state
+    version.save(update_fields=["state", "updated_at"])
+    version_audit(version, actor, action, before, reason, **extra)
+    payload = {"type": "policy_version", "action": action, "version": version.number,
+               "before": before["state"], "after": state, "actor": actor_name(actor)}
+    transaction.on_commit(lambda: project_event(version.project_id, payload))
+
+
+def version_locked(version_id: int) -> PolicyVersion:
+    version = PolicyVersion.objects.select_for_update().filter(id=version_id).first()
+    if version is None:
+        raise NotFound(f"no policy version {version_id}", "Check the id (GET /api/v1/versions lists them).")
+    return version
+
+
+
+def checkpoint_store() -> Any:
+    # Imported here: the store imports torch, which the web process never needs.
+    from training.checkpoints.store import CheckpointStore, make_storage
+
+    return CheckpointStore(make_storage(settings.FLYWHEEL_CHECKPOINT_DIR))
+
+
+def policy_folder(version: PolicyVersion) -> Path:
+    """An HF folder with `version`'s weights (materialised from the store, verified, if needed)."""
+    if version.manifest_hash:
+        out = Path(settings.VAR_DIR) / "materialised" / version.manifest_hash
+        if not (out / "config.json").exists():
+            try:
+                checkpoint_store().materialise(version.manifest_hash, out)
+            except FileExistsError:  # another process materialised it meanwhile
+                pass
+        return out
+    if version.checkpoint_path and Path(version.checkpoint_path).is_dir():
+        return Path(version.checkpoint_path)
+    raise NotFound(f"policy v{version.number} has no checkpoint on this machine",
+                   "Register it with a checkpoint (bootstrap_policy or a training run).")
+
+
+def policy_register(
+    project: Project, folder: str | Path, parent: PolicyVersion | None = None, state: str = "candidate",
+    config: dict[str, Any] | None = None,
+) -> PolicyVersion:
+    """Stores the HF folder in the checkpoint store (a delta against `parent` where it has one)
+    and creates the next PolicyVersion of the project."""
+    if state not in dict(PolicyVersion.STATES):
+        raise BadRequest(f"unknown policy state {state!r}", f"Use one of {[s for s, _ in PolicyVersion.STATES]}.")
+    store = checkpoint_store()
+    parent_hash = parent.manifest_hash if parent is not None and parent.manifest_hash else None
+    manifest_hash = store.put(str(folder), parent_hash=parent_hash, meta={"project": project.slug})
+    manifest = store.manifest(manifest_hash)
+    with transaction.atomic():
+        Project.objects.select_for_update().filter(pk=project.pk).first()  # serialises numbering
+        last = PolicyVersion.objects.filter(project=project).order_by("-number").first()
+        return PolicyVersion.objects.create(
+            project=project, number=(last.number if last else 0) + 1, parent=parent, state=state,
+            manifest_hash=manifest_hash, delta_bytes=manifest["blob_bytes"],
+            delta_ratio=manifest["blob_bytes"] / max(manifest["raw_bytes"], 1), config=config or {},
+        )
