@@ -43,7 +43,7 @@ def read_config() -> dict:
 def set_limits(limits: dict) -> None:
     mb = 1024 * 1024
     for name, soft, hard in [
-        ("RLIMIT_CPU", limits["cpu_s"], limits["cpu_s"] + 1),
+        ("RLIMIT_CPU", limits["cpu_s"], limits["cpu_s"]),  # SIGKILL: PID 1 of a namespace ignores SIGXCPU
         ("RLIMIT_AS", limits["memory_mb"] * mb, limits["memory_mb"] * mb),
         ("RLIMIT_FSIZE", limits["fsize_mb"] * mb, limits["fsize_mb"] * mb),
         ("RLIMIT_NPROC", limits["nproc"], limits["nproc"]),

@@ -100,7 +100,7 @@ def make_check(name: str, **params: Any) -> Check:
 
 # ---------------------------------------------------------------------------------- sandbox
 
-CPU_KILLED = (128 + 24, 128 + 9)  # bwrap's exit code for SIGXCPU (soft limit) and SIGKILL (hard limit)
+CPU_KILLED = (128 + 24, 128 + 9)  # bwrap's exit code for SIGXCPU and SIGKILL (RLIMIT_CPU's hard limit)
 
 
 def run_sandboxed(source: str, tests: str, mode: str, limits: SandboxLimits) -> CheckResult:

@@ -2,7 +2,8 @@
 
 What the code inside gets (`_bwrap_args`):
 - new user, PID, network, IPC, UTS, cgroup and mount namespaces; no further user namespaces,
-  no capabilities, uid/gid 65534, a new session, killed with its parent;
+  no capabilities, uid/gid 65534, a new session, killed with its parent; the harness is the
+  namespace's PID 1, so when it ends, everything it might have left behind ends with it;
 - a read-only root holding only the base interpreter, its stdlib (site-/dist-packages masked
   by an empty read-only tmpfs), the shared libraries they link (found with `ldd`), a minimal
   /dev and `_harness.py`: no project tree, no venv, no /etc, no /proc, no /sys;
@@ -219,7 +220,7 @@ def seccomp_program(machine: str | None = None) -> bytes | None:
 def _bwrap_args(limits: SandboxLimits, seccomp_fd: int | None) -> list[str]:
     _, mounts = _interpreter()
     return [
-        "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--new-session",
+        "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--new-session", "--as-pid-1",
         "--cap-drop", "ALL", "--uid", NOBODY, "--gid", NOBODY, "--hostname", "sandbox",
         "--clearenv", "--setenv", "HOME", WORKDIR, "--setenv", "TMPDIR", WORKDIR,
         "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "LANG", "C.UTF-8",
@@ -248,10 +249,10 @@ class Sandboxed:
             return None
 
     def kill(self) -> None:
-        """Kills the sandbox's PID 1, which takes every process inside down, and lets bwrap reap it.
-
-        (Killing bwrap itself would orphan its child to the host's init: a zombie wherever PID 1
-        does not reap, as a worker in a container often is.)"""
+        """Kills the sandbox's PID 1 (the harness), which takes every process inside down, and lets
+        bwrap reap it. Killing bwrap instead would orphan its child to the host's PID 1: a zombie
+        wherever that does not reap, as in many containers (also why `--as-pid-1`: bwrap's own
+        init outlives its monitor on a normal exit)."""
         if self.proc.poll() is None:
             init = self._init_pid()
             try:
