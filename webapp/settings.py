@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from urllib.parse import parse_qs, unquote, urlparse
 
-from core.env import ConfigError, env_bool, env_int, env_list, env_str
+from core.env import ConfigError, env_bool, env_float, env_int, env_list, env_str
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 VAR_DIR = Path(env_str("FLYWHEEL_VAR_DIR", str(BASE_DIR / "var")))
@@ -207,6 +207,9 @@ FLYWHEEL_GATE_ENGINE = env_str("FLYWHEEL_GATE_ENGINE", "torch")
 FLYWHEEL_TRAIN_HEARTBEAT_TIMEOUT_S = env_int("FLYWHEEL_TRAIN_HEARTBEAT_TIMEOUT_S", 900)
 FLYWHEEL_TRAIN_QUEUE_TIMEOUT_S = env_int("FLYWHEEL_TRAIN_QUEUE_TIMEOUT_S", 3600)
 FLYWHEEL_INTERNAL_TOKEN = env_str("FLYWHEEL_INTERNAL_TOKEN", "")
+# Train/inference agreement: on data sampled by the very weights being trained, the behaviour and
+# recomputed log-probs agree (~0 nats in fp32). A run above this is flagged and not gated.
+FLYWHEEL_MISMATCH_KL_MAX = env_float("FLYWHEEL_MISMATCH_KL_MAX", 0.01)
 
 LOGGING = {
     "version": 1,
