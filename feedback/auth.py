@@ -5,7 +5,11 @@ Both end in a `Principal` naming the project; DRF permission classes check scope
 
 from __future__ import annotations
 
+import base64
+import binascii
+import re
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 from django.db.models import Q
 from django.utils import timezone
@@ -18,6 +22,12 @@ from feedback.models import ApiKey, Project, WebhookSecret
 
 WEBHOOK_HEADERS = ("webhook-id", "webhook-timestamp", "webhook-signature")
 PROJECT_HEADER = "flywheel-project"
+# Checked before standardwebhooks sees them: it raises ValueError (a 500) on a malformed
+# signature list, and WebhookDelivery.webhook_id holds 255 characters.
+_WEBHOOK_ID = re.compile(r"[\x21-\x7e](?:[\x20-\x7e]{0,253}[\x21-\x7e])?")
+_TIMESTAMP = re.compile(r"[0-9]{1,12}")
+_SIGNATURE = re.compile(r"v[0-9]+[a-z]*,[A-Za-z0-9+/]+={0,2}")
+_SLUG = re.compile(r"[-a-zA-Z0-9_]{1,64}")  # Project.slug
 
 
 @dataclass(frozen=True)
@@ -86,26 +96,22 @@ HasReadScope = _scope_permission("read")
 HasAdminScope = _scope_permission("admin")
 
 
-def webhook_principal(project_slug: str | None, body: bytes, headers: dict[str, str]) -> Principal:
-    """Verifies a Standard Webhooks signature (±5 min) against the project's active secrets."""
+def webhook_principal(project_slug: str | None, body: str, headers: dict[str, str]) -> Principal:
+    """Verifies a Standard Webhooks signature (±5 min) against the project's active secrets.
+
+    `body` is the request body decoded as UTF-8: what the sender signed."""
     missing = [h for h in WEBHOOK_HEADERS if not headers.get(h)]
     if missing:
         raise Unauthorized(
             f"missing signature headers {missing}",
             "Sign with Standard Webhooks: send webhook-id, webhook-timestamp and webhook-signature.",
         )
-    if not project_slug:
-        raise Unauthorized(
-            "signed request does not name its project",
-            f"Send the header '{PROJECT_HEADER}: <project slug>' (or ?project=<slug>) with signed requests.",
-        )
-    project = Project.objects.filter(slug=project_slug).first()
-    if project is None:
-        raise Unauthorized(f"unknown project {project_slug[:80]!r}", "Check the project slug.")
+    signed = {h: headers[h] for h in WEBHOOK_HEADERS}
+    _check_webhook_headers(signed)
+    project = _signing_project(project_slug)
     secrets = _active_secrets(project)
     if not secrets:
         raise Unauthorized("the project has no active webhook secret", "Create one with `manage.py rotate_secret`.")
-    signed = {h: headers[h] for h in WEBHOOK_HEADERS}
     last_error = "no matching signature"
     for secret in secrets:
         try:
@@ -115,7 +121,54 @@ def webhook_principal(project_slug: str | None, body: bytes, headers: dict[str, 
             last_error = str(exc)
             if "timestamp" in last_error.lower():
                 break
+        except (ValueError, TypeError):  # a header shape _check_webhook_headers let through
+            _malformed("webhook-signature", signed["webhook-signature"])
     raise Unauthorized(_signature_message(last_error), _signature_fix(last_error))
+
+
+def _check_webhook_headers(signed: dict[str, str]) -> None:
+    if not _WEBHOOK_ID.fullmatch(signed["webhook-id"]):
+        raise Unauthorized(f"webhook-id {_shown(signed['webhook-id'])} is malformed",
+                           "Send a unique id per delivery of 1 to 255 printable ASCII characters, such as msg_<uuid>.")
+    if not _TIMESTAMP.fullmatch(signed["webhook-timestamp"]):
+        raise Unauthorized(f"webhook-timestamp {_shown(signed['webhook-timestamp'])} is not a Unix time",
+                           "Send the signing time as whole seconds since 1970-01-01 UTC, e.g. 1764489600.")
+    versions = signed["webhook-signature"].split(" ")
+    if not all(_SIGNATURE.fullmatch(v) and (not v.startswith("v1,") or _is_base64(v[3:])) for v in versions):
+        _malformed("webhook-signature", signed["webhook-signature"])
+
+
+def _malformed(header: str, value: str) -> NoReturn:
+    raise Unauthorized(
+        f"{header} {_shown(value)} is malformed",
+        "Send 'v1,<base64 of HMAC-SHA256 over \"{webhook-id}.{webhook-timestamp}.{body}\">' (several "
+        "signatures separated by single spaces), as Standard Webhooks libraries do.",
+    )
+
+
+def _is_base64(text: str) -> bool:
+    try:
+        base64.b64decode(text, validate=True)
+    except binascii.Error:
+        return False
+    return True
+
+
+def _signing_project(slug: str | None) -> Project:
+    if not slug:
+        raise Unauthorized(
+            "signed request does not name its project",
+            f"Send the header '{PROJECT_HEADER}: <project slug>' (or ?project=<slug>) with signed requests.",
+        )
+    project = Project.objects.filter(slug=slug).first() if _SLUG.fullmatch(slug) else None
+    if project is None:
+        raise Unauthorized(f"unknown project {_shown(slug)}",
+                           "Check the project slug (letters, digits, '-' and '_'; as shown in the dashboard).")
+    return project
+
+
+def _shown(value: str) -> str:
+    return repr(value) if len(value) <= 60 else repr(value[:57]) + "..."
 
 
 def _active_secrets(project: Project) -> list[str]:

@@ -6,6 +6,7 @@ webhook, the serving process and the simulators alike.
 
 from __future__ import annotations
 
+import logging
 import secrets
 from base64 import b64encode
 from collections.abc import Callable, Iterable
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from django.db import connection, transaction
+from django.db import DataError, IntegrityError, connection, transaction
 from django.utils import timezone
 
 from core.errors import BadRequest, NotFound
@@ -21,6 +22,8 @@ from feedback.events import EventError, FeedbackRecord, TrajectoryRecord, event_
 from feedback.models import ApiKey, Project, WebhookSecret
 
 SECRET_ROTATION_GRACE = timedelta(hours=24)
+
+log = logging.getLogger(__name__)
 
 
 # --- projects and credentials -------------------------------------------------------------------
@@ -126,12 +129,16 @@ def feedback_ingest(
         if webhook_id is not None and not _delivery_record(project, webhook_id, len(raw_events)):
             return [_as_duplicate(r, "webhook-id was already delivered") for r in results]
         _lock_trajectory_ids(project, trajectories, feedback)
-        foreign = _foreign_trajectory_refs(project, trajectories, feedback)
-        new_ids = _insert_trajectories(project, trajectories, now)
-        _insert_steps([t for t in trajectories.values() if t.external_id in new_ids], new_ids)
-        new_feedback = _insert_feedback(project, [f for e, f in feedback.items() if e not in foreign], now)
+        refused = _foreign_trajectory_refs(project, trajectories, feedback)
+        rows = [f for e, f in feedback.items() if ("feedback", e) not in refused]
+        try:
+            with transaction.atomic():  # a savepoint: a row the database refuses costs only its event
+                new_ids, new_feedback = _insert_all(project, list(trajectories.values()), rows, now)
+        except (DataError, IntegrityError, UnicodeError):
+            log.exception("the database refused a batch that passed parse_event; retrying event by event")
+            new_ids, new_feedback = _insert_each(project, list(trajectories.values()), rows, now, refused)
         _link_feedback(project, list(new_ids))
-        counts = _settle(results, new_ids, new_feedback, foreign)
+        counts = _settle(results, new_ids, new_feedback, refused)
         if on_commit is not None:
             transaction.on_commit(lambda: on_commit(counts))
     return results
@@ -150,6 +157,11 @@ def _parse_batch(project: Project, raw_events: list[Any], now: datetime):
             record = parse_event(raw, now, salt)
         except EventError as exc:
             result.reason = str(exc)
+            continue
+        except Exception as exc:  # a parser bug: it costs this event, never the batch
+            log.exception("parse_event raised %s on event %d", type(exc).__name__, index)
+            result.reason = (f"this event could not be validated ({type(exc).__name__}) and was not stored; "
+                             "check it against the ingest contract and send it again")
             continue
         seen = trajectories if isinstance(record, TrajectoryRecord) else feedback
         key = record.external_id if isinstance(record, TrajectoryRecord) else record.event_id
@@ -199,6 +211,34 @@ def _lock_trajectory_ids(project: Project, trajectories: dict, feedback: dict) -
             "FROM unnest(%s::text[]) AS x ORDER BY k) AS s",
             [project.id, sorted(ids)],
         )
+
+
+def _insert_all(project: Project, trajectories: list[TrajectoryRecord], feedback: list[FeedbackRecord],
+                now: datetime) -> tuple[dict[str, int], set[str]]:
+    new_ids = _insert_trajectories(project, {t.external_id: t for t in trajectories}, now)
+    _insert_steps([t for t in trajectories if t.external_id in new_ids], new_ids)
+    return new_ids, _insert_feedback(project, feedback, now)
+
+
+def _insert_each(project: Project, trajectories: list[TrajectoryRecord], feedback: list[FeedbackRecord],
+                 now: datetime, refused: dict[tuple[str, str], str]) -> tuple[dict[str, int], set[str]]:
+    """The slow path: one savepoint per event, so the row the database refuses is that event's
+    rejection (it is a gap in parse_event to close)."""
+    new_ids: dict[str, int] = {}
+    new_feedback: set[str] = set()
+    events = [("trajectory", t.external_id, [t], []) for t in trajectories]
+    events += [("feedback", f.event_id, [], [f]) for f in feedback]
+    for kind, ident, traj, fb in events:
+        try:
+            with transaction.atomic():
+                ids, stored = _insert_all(project, traj, fb, now)
+        except (DataError, IntegrityError, UnicodeError) as exc:
+            reason = str(exc).splitlines()[0][:200].encode("utf-8", "backslashreplace").decode()
+            refused[(kind, ident)] = f"the database refused this event ({reason}); it was not stored"
+            continue
+        new_ids.update(ids)
+        new_feedback |= stored
+    return new_ids, new_feedback
 
 
 def _insert_trajectories(project: Project, trajectories: dict[str, TrajectoryRecord], now: datetime) -> dict[str, int]:
@@ -297,8 +337,9 @@ def feedback_link_orphans(project: Project) -> int:
 
 def _foreign_trajectory_refs(
     project: Project, trajectories: dict[str, TrajectoryRecord], feedback: dict[str, FeedbackRecord]
-) -> dict[str, str]:
-    """event id -> reason, for feedback naming a trajectory that exists only in another project.
+) -> dict[tuple[str, str], str]:
+    """("feedback", event id) -> reason, for feedback naming a trajectory that exists only in
+    another project.
 
     Such feedback is refused (not stored): it was sent with the wrong project's credentials."""
     refs = {f.trajectory_external_id for f in feedback.values()} - set(trajectories)
@@ -313,18 +354,18 @@ def _foreign_trajectory_refs(
         )
         foreign = {row[0] for row in cur.fetchall()}
     reason = "trajectory_id {!r} belongs to another project: send this feedback with that project's credentials"
-    return {e: reason.format(f.trajectory_external_id) for e, f in feedback.items()
+    return {("feedback", e): reason.format(f.trajectory_external_id) for e, f in feedback.items()
             if f.trajectory_external_id in foreign}
 
 
 def _settle(results: list[EventResult], new_ids: dict[str, int], new_feedback: set[str],
-            foreign: dict[str, str]) -> dict[str, int]:
+            refused: dict[tuple[str, str], str]) -> dict[str, int]:
     counts = {"accepted": 0, "duplicate": 0, "rejected": 0, "trajectories": 0, "feedback": 0}
     for result in results:
         if result.status == "pending":
             is_trajectory = result.type == "trajectory"
-            if not is_trajectory and result.id in foreign:
-                result.status, result.reason = "rejected", foreign[result.id]
+            if (result.type, result.id) in refused:
+                result.status, result.reason = "rejected", refused[(result.type, result.id)]
             elif result.id in (new_ids if is_trajectory else new_feedback):
                 result.status = "accepted"
                 counts["trajectories" if is_trajectory else "feedback"] += 1

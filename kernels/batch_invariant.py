@@ -16,10 +16,12 @@ batch-1 call, so the calls are planned per (op, shape, dtype, layout, thread cou
 (`_Probe`): whole tiles go in the largest power-of-two multiple of ROW_TILE (up to
 _MAX_CALL_TILES) and the last partial tile alone, each only if a one-time check found that
 call size bitwise equal to tile calls; otherwise the rows are zero-padded up to the smallest
-size that is (ROW_TILE itself at worst). The check uses inputs whose exact products cancel, so
-its outputs are pure rounding error and any other reduction order changes nearly every bit
-(plain random data hides it behind the bf16 output rounding). Tests check invariance bitwise
-for batch sizes 1..64 and every position, and the probe against a deliberately reordered op.
+size that is (ROW_TILE itself at worst). The check uses inputs whose exact products cancel and
+whose magnitudes span many binades, so its outputs are pure rounding error and any other
+reduction order changes most of their bits (plain random data hides it behind the bf16 output
+rounding). Tests check invariance bitwise for batch sizes 1..64 and every position, and the
+probe against deliberately reordered ops, also under each ISA setting the CPU can run (MKL,
+oneDNN and ATen pick kernels per ISA; tests/kernels/test_probe_isa.py).
 The Triton versions (`kernels.triton_ops`) get the same property by construction: one program
 per row tile with a fixed BLOCK_K loop and no split-K.
 
@@ -183,21 +185,41 @@ def _tiled(
     return out
 
 
+_PROBE_SPAN = 6  # matmul probe operands are normal draws times 2^e, e uniform in [-6, 6]
+
+
+def _spread(rows: int, cols: int, g: torch.Generator) -> torch.Tensor:
+    """(rows, cols) normal draws, each scaled by a random power of two (see _mm_probe_ops)."""
+    e = torch.randint(-_PROBE_SPAN, _PROBE_SPAN + 1, (rows, cols), generator=g).float()
+    return torch.randn(rows, cols, generator=g) * torch.exp2(e)
+
+
 def _mm_probe_ops(k: int, n: int, a_dtype: torch.dtype, b_dtype: torch.dtype, device: torch.device,
                   transposed: bool) -> tuple[RowOp, Inputs]:  # fmt: skip
     """Operands whose products cancel: a row is (u, -u), a column (v, v), both shuffled along K by
-    one permutation. The exact result is 0, so the computed one is the sum's rounding error and
-    another association or blocking of the K reduction changes nearly every output's bits
-    (with plain random data a bf16 output shows it in a few entries out of 10^4)."""
+    one permutation. The exact result is 0, so the computed one is the sum's rounding error alone.
+
+    u and v are normal draws times 2^e, e uniform in [-6, 6], so one output's products span more
+    than 2^24 and its partial sums cross many binades: a large product still waiting for its
+    partner absorbs the low bits of the small ones added meanwhile, and which bits survive
+    depends on when each pair opens and closes in the library's order. Another order (a K split,
+    block size, lane count, tree, a tail loop summed apart; for fp32 operands FMA or not) leaves
+    another residue in most outputs, far above the output's own rounding. Plain normal draws
+    were too narrow for bf16, whose 16-bit products often sum exactly: at K=64 ~80% of bf16
+    outputs came out exactly 0, a K split or blocking changed ~20% of them and a 3-element tail
+    summed apart ~1% (at K=256 a 1-row call with it passed the probe); spread, >=95% and 8-20%.
+    An fp32 split of K at the library's own block boundary is no other order: MKL's sgemm on an
+    AMD EPYC (Zen 3) blocks K by 128, each block summed from zero, so two K=128 calls added are
+    bitwise one K=256 call."""
     g = _generator(k * 7919 + n)
     h, perm = k // 2, torch.randperm(k, generator=g)
-    v = torch.randn(h, n, generator=g)
+    v = _spread(h, n, g)
     b = torch.cat([v, v, torch.zeros(k - 2 * h, n)])[perm]  # (K, N)
     b = b.t().contiguous().t() if transposed else b
     b = b.to(device=device, dtype=b_dtype)
 
     def inputs(s: int, rep: int) -> torch.Tensor:
-        u = torch.randn(s, h, generator=_generator(s * 31 + rep))
+        u = _spread(s, h, _generator(s * 31 + rep))
         return torch.cat([u, -u, torch.zeros(s, k - 2 * h)], 1)[:, perm].to(device=device, dtype=a_dtype)  # (S, K)
 
     return (lambda t: torch.mm(t, b)), inputs

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 import kernels.batch_invariant as bi
 from kernels.batch_invariant import batch_invariant_mode, linear, log_softmax, matmul, rms_norm
 from kernels.logprobs import selective_log_softmax
+from tests.kernels import reorder
 from tests.kernels.conftest import VOCAB
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -118,24 +119,12 @@ def test_the_mode_restores_torch_and_the_model_on_exit(model_fp32: torch.nn.Modu
     assert not any("forward" in vars(m) for m in model_fp32.modules())
 
 
-def test_the_probe_rejects_a_call_size_whose_reduction_order_differs() -> None:
-    """A stand-in library that splits K in two whenever a call is not exactly one tile: the
-    cancelling probe inputs must expose it at every other size (rows alone would not, in bf16)."""
-    k, n, tile = 256, 64, 16
-    exact, inputs = bi._mm_probe_ops(k, n, torch.bfloat16, torch.bfloat16, torch.device("cpu"), True)
-    b = exact(torch.eye(k, dtype=torch.bfloat16))  # (K, N): one exact product per output
-
-    def library(t: torch.Tensor) -> torch.Tensor:
-        if t.shape[0] == tile:
-            return torch.mm(t.float(), b.float()).to(t.dtype)
-        return (torch.mm(t[:, : k // 2].float(), b[: k // 2].float())
-                + torch.mm(t[:, k // 2 :].float(), b[k // 2 :].float())).to(t.dtype)  # fmt: skip
-
-    probe = bi._Probe(tile, lambda: (library, inputs), ())
-    assert probe(tile)
-    assert not any(probe(s) for s in (1, 5, tile - 1, 2 * tile, 8 * tile))
-    # so every call is one tile, the last one padded
-    assert probe.plan(3 * tile + 5) == [(0, tile, tile), (tile, tile, tile), (2 * tile, tile, tile), (3 * tile, 5, tile)]
+@pytest.mark.parametrize("order", [*reorder.ORDERS, *reorder.ROUNDED_BETWEEN])
+def test_the_probe_rejects_a_call_size_whose_reduction_order_differs(order: str) -> None:
+    """A stand-in library that sums K in another order whenever a call is not exactly one tile:
+    the probe rejects every other size, so every call is one tile (the assertions are in
+    reorder.check_probe_rejects; test_probe_isa.py runs them under each ISA setting too)."""
+    reorder.check_probe_rejects(order)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -43,7 +43,9 @@ HOSTILE = {
     "ctypes": ("import ctypes\n", "forbidden operation: import ctypes"),
     "early exit": ("import sys\nsys.exit(0)\n", "exited early"),
     "hard exit": ("import os\nos._exit(0)\n", "without a result"),
-    "forged result": ("print('all tests passed')\nopen('result.json', 'w').write('{\"ok\": true}')\n", "without a result"),
+    # Nothing reads a file the code writes: the run goes on, and the tests fail on their own terms.
+    "forged result": ("print('all tests passed')\nopen('result.json', 'w').write('{\"ok\": true}')\n",
+                      "name 'add' is not defined"),
     "output flood": ("while True:\n    print('x' * 10000)\n", "limit exceeded"),
     "big file": ("open('big', 'wb').write(bytes(2 << 20))\n", "file size limit exceeded"),
     "swallowed violation": ("import os\ntry:\n    os.fork()\nexcept Exception:\n    pass\n"

@@ -1,33 +1,61 @@
 """Verifiable checks on a completion: pluggable (`Check` + registry), untrusted code sandboxed.
 
-A check on model output runs hostile text, so "python_compiles" and "python_tests" both run in
-a subprocess (`python -I`, fresh temp dir as cwd, scrubbed env) under RLIMIT_CPU / AS / FSIZE /
-NPROC / NOFILE, a wall timeout that kills the whole process group, and an audit hook (which
-Python cannot remove once added) refusing fork/exec/subprocess/ctypes/sockets and writes
-outside the temp dir. A hostile completion scores 0 with a reason; the caller is untouched.
-Not a security boundary against a determined attacker (that needs OS isolation; set `run_as`
-to an unprivileged user where the interpreter is readable by it): a guard for training rewards.
+Who runs what. Prefix, completion and test snippet all come from outside (model output, ingest),
+so none of them runs in this process, and every run is a fresh bubblewrap sandbox (sandbox.py:
+no network, no /proc, no project files, no environment, read-only root, rlimits, wall clock).
+Without a working bwrap a check raises `SandboxUnavailable` instead of scoring: nothing ever
+runs unsandboxed, and a broken deployment is not read as a bad completion.
 
-    .venv/bin/python -m pytest tests/training/test_checks.py -q -p no:django
+Who decides the verdict. A pass must be earned by the tests running to their end, so the code
+under test never shares a process, a file, a pipe or a secret with whatever reports it:
+
+- the *candidate* sandbox runs prefix + completion (under an audit hook, for readable reasons
+  and defence in depth), then serves requests over a pipe pair: call this, get that attribute,
+  item, operator... answering with plain data (JSON: numbers, strings, lists, dicts, tuples,
+  sets, bytes) or an opaque handle;
+- the *tests* sandbox runs the test snippet against proxies of the candidate's names. Asserts
+  are evaluated there, on data decoded strictly (no pickle, no code); a proxy refuses `==`,
+  ordering and truth value, so an object's own `__eq__`/`__bool__` cannot pass an assert;
+- the *parent* (this module) reads the verdict only from a third pipe that only the tests
+  sandbox holds, and maps exit statuses to reasons (CPU limit, early exit).
+
+So the candidate cannot write the verdict (no fd to it, no shared file; separate PID namespaces,
+so it cannot see, signal or trace the tests process either), cannot end the run "successfully"
+(`os._exit(0)` or a crash is "ended without a result"), and printing or frame walking finds no
+nonce because there is none. What it can do is answer the tests' calls: returning the right
+values is passing. Limits of the split: values are copied (a test that mutates a list in place
+through the candidate sees its own copy), callbacks cannot be passed to the candidate, and a
+test that compares the candidate's objects (not data) fails with a reason saying so. All of
+these fail closed. As in plain Python, a test sees the candidate's top-level names, so one that
+shadows a builtin the test leans on (`sorted`) is the candidate's; and a test that evals what
+the candidate returns runs the candidate's code with the tests' powers. A test snippet is
+trusted to state the verdict (it is the spec), not to run outside the sandbox.
+"python_compiles" runs only the compiler, in one sandbox, and reports on the same kind of pipe.
+
+    .venv/bin/python -m pytest tests/training/test_checks.py tests/training/test_sandbox.py -q -p no:django
 """
 
 from __future__ import annotations
 
 import json
 import os
-import secrets
-import shutil
-import signal
-import subprocess
-import sys
-import tempfile
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-HARNESS = Path(__file__).with_name("_harness.py")
+from training.rewards.sandbox import (
+    Sandboxed,
+    SandboxLimits,
+    SandboxUnavailable,
+    ensure_available,
+    read_until_eof,
+    spawn,
+)
+
+__all__ = ["CHECKS", "Check", "CheckConfigError", "CheckResult", "SandboxLimits", "SandboxUnavailable",
+           "make_check", "register_check", "run_sandboxed"]
 
 
 @dataclass(frozen=True)
@@ -84,105 +112,99 @@ def check_from_config(config: Mapping[str, Any]) -> Check:
 
 # ---------------------------------------------------------------------------------- sandbox
 
-@dataclass(frozen=True)
-class SandboxLimits:
-    wall_s: float = 10.0
-    cpu_s: int = 5
-    memory_mb: int = 512
-    fsize_mb: int = 1
-    nproc: int = 64
-    max_source_chars: int = 100_000
+CPU_KILLED = (128 + 24, 128 + 9)  # bwrap's exit code for SIGXCPU and SIGKILL (RLIMIT_CPU's hard limit)
 
 
-def _env(workdir: str) -> dict[str, str]:
-    # Proxies point at a closed port so HTTP clients fail fast even where a socket slipped through.
-    dead = "http://127.0.0.1:9"
-    return {"PATH": "/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8",
-            "http_proxy": dead, "https_proxy": dead, "HTTP_PROXY": dead, "HTTPS_PROXY": dead,
-            "all_proxy": dead, "no_proxy": "", "PYTHONHASHSEED": "0"}
-
-
-def run_sandboxed(source: str, tests: str, mode: str, limits: SandboxLimits, run_as: str | None = None) -> CheckResult:
-    """Compile (`mode="compile"`) or run source + tests in a fresh sandbox; pass iff the harness says so."""
+def run_sandboxed(source: str, tests: str, mode: str, limits: SandboxLimits) -> CheckResult:
+    """Compile (`mode="compile"`) or run source + tests in fresh sandboxes; pass iff the tests sandbox says so."""
     if len(source) + len(tests) > limits.max_source_chars:
         return CheckResult(0.0, f"source too long ({len(source) + len(tests)} > {limits.max_source_chars} chars)")
-    workdir = tempfile.mkdtemp(prefix="flywheel-check-")
+    ensure_available()
+    deadline = time.monotonic() + limits.wall_s
+    if mode == "compile":
+        return _compile(source, limits, deadline)
+    return _run_tests(source, tests, limits, deadline)
+
+
+def _compile(source: str, limits: SandboxLimits, deadline: float) -> CheckResult:
+    result_r, result_w = os.pipe()
     try:
-        return _run_in(workdir, source, tests, mode, limits, run_as)
+        box = spawn("compile", {"source": source}, limits, fds=(result_w,))
     finally:
-        shutil.rmtree(workdir, ignore_errors=True)
-
-
-def _run_in(workdir: str, source: str, tests: str, mode: str, limits: SandboxLimits, run_as: str | None) -> CheckResult:
-    nonce = secrets.token_hex(16)
-    cfg = {"source": source, "tests": tests, "mode": mode, "nonce": nonce, "result": "result.json",
-           **{k: getattr(limits, k) for k in ("cpu_s", "memory_mb", "fsize_mb", "nproc")}}
-    cfg_path = os.path.join(workdir, "config.json")
-    with open(os.open(cfg_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as fh:
-        json.dump(cfg, fh)
-    if run_as:
-        shutil.chown(workdir, run_as)
-        shutil.chown(cfg_path, run_as)
-    with tempfile.TemporaryFile() as out:
-        code, timed_out = _spawn([sys.executable, "-I", str(HARNESS), cfg_path], workdir, out, limits, run_as)
-        size = out.seek(0, os.SEEK_END)
-        out.seek(0)
-        tail = out.read(4096).decode(errors="replace")
-    if size >= limits.fsize_mb * 1024 * 1024:
-        tail = f"output limit exceeded ({limits.fsize_mb} MB)"
-    return _verdict(workdir, nonce, code, timed_out, tail, limits)
-
-
-def _spawn(argv: list[str], workdir: str, out: Any, limits: SandboxLimits, run_as: str | None) -> tuple[int, bool]:
-    user = {"user": run_as, "group": run_as, "extra_groups": []} if run_as else {}
-    proc = subprocess.Popen(argv, cwd=workdir, env=_env(workdir), stdin=subprocess.DEVNULL, stdout=out,
-                            stderr=subprocess.STDOUT, start_new_session=True, **user)
-    timed_out = False
+        os.close(result_w)
     try:
-        proc.wait(timeout=limits.wall_s)
-    except subprocess.TimeoutExpired:
-        timed_out = True
+        raw = read_until_eof(result_r, deadline)
+        return _verdict(raw, box, box, limits, deadline)
     finally:
-        _kill_group(proc.pid)  # also reaps anything the code managed to leave behind
-        proc.wait()
-    return proc.returncode, timed_out
+        os.close(result_r)
+        box.close()
 
 
-def _kill_group(pgid: int) -> None:
+def _run_tests(source: str, tests: str, limits: SandboxLimits, deadline: float) -> CheckResult:
+    requests_r, requests_w = os.pipe()  # tests -> candidate
+    replies_r, replies_w = os.pipe()  # candidate -> tests
+    result_r, result_w = os.pipe()  # tests -> here; the candidate never holds it
+    boxes: list[Sandboxed] = []
     try:
-        os.killpg(pgid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
+        boxes.append(spawn("candidate", {"source": source}, limits, fds=(requests_r, replies_w)))
+        boxes.append(spawn("tests", {"tests": tests}, limits, fds=(replies_r, requests_w, result_w)))
+    except BaseException:
+        for box in boxes:
+            box.close()
+        os.close(result_r)
+        raise
+    finally:
+        for fd in (requests_r, requests_w, replies_r, replies_w, result_w):
+            os.close(fd)  # else EOF never comes when a sandbox dies
+    candidate, tester = boxes
+    try:
+        return _verdict(read_until_eof(result_r, deadline), tester, candidate, limits, deadline)
+    finally:
+        os.close(result_r)
+        tester.close()
+        candidate.close()
 
 
-def _verdict(workdir: str, nonce: str, code: int, timed_out: bool, tail: str, limits: SandboxLimits) -> CheckResult:
-    if timed_out:
+def _verdict(raw: bytes | None, judge: Sandboxed, candidate: Sandboxed, limits: SandboxLimits,
+             deadline: float) -> CheckResult:
+    """The judge's (tests or compile sandbox) verdict; exit statuses explain a missing one."""
+    if raw is None:
         return CheckResult(0.0, f"wall-clock limit exceeded ({limits.wall_s:g} s)")
-    if code in (-signal.SIGXCPU, -signal.SIGKILL):
+    result = _parse(raw)
+    if result is None:
+        return _ended(judge, "the test run", limits, deadline)
+    if result["ok"]:
+        return CheckResult(1.0, str(result["reason"]))
+    if result.get("gone"):
+        return _ended(candidate, "the code under test", limits, deadline)
+    return CheckResult(0.0, str(result["reason"]))
+
+
+def _ended(box: Sandboxed, who: str, limits: SandboxLimits, deadline: float) -> CheckResult:
+    code = box.wait(deadline)
+    if code is None:
+        return CheckResult(0.0, f"wall-clock limit exceeded ({limits.wall_s:g} s)")
+    if code in CPU_KILLED:
         return CheckResult(0.0, f"CPU time limit exceeded ({limits.cpu_s} s)")
-    result = _read_result(os.path.join(workdir, "result.json"))
-    if result is None or result.get("nonce") != nonce:
-        last = tail.strip().splitlines()[-1:] or ["no output"]
-        return CheckResult(0.0, f"sandbox ended without a result (exit code {code}): {last[0][:300]}")
-    return CheckResult(1.0 if result["ok"] else 0.0, str(result["reason"]))
+    if box.output_size() >= limits.fsize_mb << 20:
+        return CheckResult(0.0, f"output limit exceeded ({limits.fsize_mb} MB)")
+    last = box.output_text().strip().splitlines()[-1:] or ["no output"]
+    return CheckResult(0.0, f"{who} ended without a result (exit code {code}): {last[0][:300]}")
 
 
-def _read_result(path: str) -> dict[str, Any] | None:
+def _parse(raw: bytes) -> dict[str, Any] | None:
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)  # never follow a link the code planted
-        with open(fd) as fh:
-            data = json.loads(fh.read(10_000))
-    except (OSError, ValueError):
+        data = json.loads(raw)
+    except ValueError:
         return None
-    return data if isinstance(data, dict) else None
+    return data if isinstance(data, dict) and isinstance(data.get("ok"), bool) and "reason" in data else None
 
 
 # ---------------------------------------------------------------------------------- checks
 
 class _SandboxCheck(Check):
-    def __init__(self, run_as: str | None = None, **limits: Any) -> None:
+    def __init__(self, **limits: Any) -> None:
         self.limits = SandboxLimits(**limits)
-        self.run_as = run_as
 
     @staticmethod
     def source(completion: str, context: Mapping[str, Any]) -> str:
@@ -195,15 +217,15 @@ class PythonCompiles(_SandboxCheck):
 
     def run(self, completion: str, context: Mapping[str, Any] | None = None) -> CheckResult:
         ctx = context or {}
-        return run_sandboxed(self.source(completion, ctx), "", "compile", self.limits, self.run_as)
+        return run_sandboxed(self.source(completion, ctx), "", "compile", self.limits)
 
 
 @register_check("python_tests")
 class PythonTests(_SandboxCheck):
     """1 if prefix + completion, then the test snippet (`context["tests"]` or `tests=`), run clean."""
 
-    def __init__(self, tests: str | None = None, run_as: str | None = None, **limits: Any) -> None:
-        super().__init__(run_as=run_as, **limits)
+    def __init__(self, tests: str | None = None, **limits: Any) -> None:
+        super().__init__(**limits)
         self.tests = tests
 
     def run(self, completion: str, context: Mapping[str, Any] | None = None) -> CheckResult:
@@ -211,4 +233,4 @@ class PythonTests(_SandboxCheck):
         tests = ctx.get("tests", self.tests)
         if not tests:
             raise CheckConfigError("python_tests needs a test snippet: pass tests= or context['tests']")
-        return run_sandboxed(self.source(completion, ctx), str(tests), "exec", self.limits, self.run_as)
+        return run_sandboxed(self.source(completion, ctx), str(tests), "exec", self.limits)
