@@ -76,6 +76,11 @@ def _prepare(env: dict[str, str]) -> dict:
     return state
 
 
+def auto_approval() -> bool:
+    """`make demo AUTO_APPROVE=1`: what passes the gate is approved by a service account."""
+    return os.environ.get("AUTO_APPROVE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
 def _demo_state() -> dict:
     from django.contrib.auth import get_user_model
     from django.contrib.auth.models import Permission
@@ -96,6 +101,12 @@ def _demo_state() -> dict:
         state["admin_password"] = secrets.token_urlsafe(12)
         admin = users.objects.create_superuser("admin", "admin@localhost", state["admin_password"])
         admin.user_permissions.add(Permission.objects.get(codename="approve_promotion"))
+    if auto_approval() and "approver_key" not in state:
+        # A service account approves what passes the gate, through the same audited service as a
+        # person; the audit log names it (api_key:demo:auto-approver).
+        from feedback.services import api_key_create
+
+        state["approver_key"] = api_key_create(Project.objects.get(slug="demo"), ["admin", "read"], "auto-approver")
     _demo_loop_config(Project.objects.get(slug="demo"))
     DEMO_FILE.parent.mkdir(parents=True, exist_ok=True)
     DEMO_FILE.write_text(json.dumps(state, indent=2))
@@ -166,8 +177,11 @@ def _loop_processes(port: int, state: dict, simulate: bool) -> list[tuple[str, l
     procs = [("inference", [py, manage, "serve_policy", "--project", state["project"],
                             "--port", serving.rsplit(":", 1)[1]])]
     if simulate:
-        procs.append(("users", [py, manage, "simulate_users", "--project", state["project"],
-                                "--web", f"http://127.0.0.1:{port}", "--serving", serving]))
+        users = [py, manage, "simulate_users", "--project", state["project"],
+                 "--web", f"http://127.0.0.1:{port}", "--serving", serving]
+        if auto_approval():
+            users.append("--approve")
+        procs.append(("users", users))
     return procs
 
 
@@ -179,6 +193,8 @@ def main() -> int:
     env = _environment()
     state = _prepare(env)
     env["FLYWHEEL_DEMO_SECRET"] = state["webhook_secret"]
+    if state.get("approver_key"):
+        env["FLYWHEEL_APPROVER_KEY"] = state["approver_key"]
     port = _port(args.port)
     logs = ROOT / "var" / "log"
     logs.mkdir(parents=True, exist_ok=True)
