@@ -116,11 +116,13 @@ def _demo_state() -> dict:
 
 # The demo's learning settings. A tiny policy needs a far larger step than the library default
 # (lr 1e-5, 4 steps) to change measurably within one run; PPO's clip against the pre-update policy
-# bounds each run's move (KL to production stays well under the gate's budget). A rejected
-# candidate's update is lost (the next run starts from production again, on new data only), so
-# each run waits for enough trajectories (~2 minutes of the simulated users) to learn something
-# that carries over to the held-out prompts.
-DEMO_TRAINING = {"min_new": 600, "every_minutes": 5, "steps": 32, "batch_size": 128, "rl": {"lr": 1e-3}}
+# bounds each run's move (KL to production stays well under the gate's budget). Runs continue the
+# training lineage (a candidate the gate found "not better yet" is built on, not thrown away), so
+# they are short and frequent: every ~300 new rewarded trajectories (about a minute of the
+# simulated users). Data served by production while the lineage is ahead is off-policy and
+# corrected by truncated IS; up to 8 versions ahead it is used (max_staleness).
+DEMO_TRAINING = {"min_new": 300, "every_minutes": 2, "steps": 16, "batch_size": 64,
+                 "rl": {"lr": 1e-3, "max_staleness": 8}}
 # Held-out suite: enough prompts and samples that a real change in compile rate shows in the
 # gate's paired interval (12 prompts x 4 samples could not tell one apart from noise).
 DEMO_SUITE_PROMPTS = 48

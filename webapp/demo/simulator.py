@@ -161,11 +161,27 @@ def _complete(http: httpx.Client, model: str, prompt: str, max_tokens: int) -> d
 def _feedback_events(choice: dict[str, Any], prompt: str, rng: random.Random, taste: str,
                      noise: float) -> list[dict[str, Any]]:
     user = f"sim-{rng.randint(1, 50)}"
-    return [
+    events = [
         {"type": "feedback", "id": f"sim-{uuid.uuid4().hex}", "trajectory_id": choice["trajectory_id"],
          "signal": r.signal, "value": r.value, "user": user}
         for r in react(prompt, choice["text"], rng, taste, noise)
     ]
+    if events and rng.random() < LABEL_SHARE:
+        events[0]["aspect_labels"] = aspect_labels(prompt, choice["text"])
+    return events
+
+
+LABEL_SHARE = 0.1  # one suggestion in ten also gets the user's aspect labels (the rubric page)
+
+
+def aspect_labels(prompt: str, completion: str) -> dict[str, float]:
+    """What a user would say of the suggestion's style and concision, in [0, 1]: the human side of
+    the rubric page's judge-vs-human agreement."""
+    text = completion.strip()
+    lines = [line for line in (prompt + completion).splitlines() if line.strip()]
+    style = 1.0 if compiles(prompt + completion) and all(len(line) <= 79 for line in lines) else 0.3
+    concision = 1.0 if len(text) <= 24 else 0.6 if len(text) <= 48 else 0.2
+    return {"style": style, "concision": concision}
 
 
 def corpus_lines(folder: str | Path, min_chars: int = 8) -> list[str]:
