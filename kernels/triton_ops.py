@@ -6,6 +6,15 @@ cross-row reduction, and block sizes that are constants rather than tuned on the
 So a row's bits depend only on its own values. Plain-torch references live in
 `kernels.batch_invariant` and `kernels.logprobs`.
 
+Under the interpreter (TRITON_INTERPRET=1) `tl.dot` is numpy's matmul, i.e. OpenBLAS sgemm, whose
+micro-kernel sums a row in an order that depends on the row's position inside the block (on
+OpenBLAS's Haswell kernel, which Zen CPUs get too, one row placed at each of the 32 positions of a
+tile comes out with 3 different bit patterns; OPENBLAS_NUM_THREADS=1 does not change that). So the matmul kernel takes
+`INTERPRETED` (a constexpr): when it is set, each BLOCK_K step is an elementwise product summed over
+K (`tl.sum(a[:, :, None] * b[None, :, :], 1)`, numpy adds whole rows lane by lane, the same order
+for every row). A compiled kernel gets INTERPRETED=False and keeps `tl.dot`; the branch is pruned
+at compile time.
+
 Without triton installed, importing this module works and `HAS_TRITON` is False; calling a
 kernel raises RuntimeError. On a CPU-only machine the kernels run under the interpreter:
 
@@ -41,7 +50,8 @@ if HAS_TRITON:
 
     @triton.jit
     def _matmul_kernel(a, b, c, M, N, K, sam, sak, sbk, sbn, scm, scn,
-                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):  # fmt: skip
+                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                       INTERPRETED: tl.constexpr):  # fmt: skip
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         rm = pid_m * BM + tl.arange(0, BM)
@@ -54,7 +64,12 @@ if HAS_TRITON:
                          mask=(rm[:, None] < M) & (ka[None, :] < K), other=0.0)  # fmt: skip
             tb = tl.load(b + ka[:, None] * sbk + rn[None, :] * sbn,
                          mask=(ka[:, None] < K) & (rn[None, :] < N), other=0.0)  # fmt: skip
-            acc += tl.dot(ta.to(tl.float32), tb.to(tl.float32), input_precision="ieee")
+            ta = ta.to(tl.float32)
+            tb = tb.to(tl.float32)
+            if INTERPRETED:  # numpy's matmul (OpenBLAS) is not row-independent: see the docstring
+                acc += tl.sum(ta[:, :, None] * tb[None, :, :], axis=1)
+            else:
+                acc += tl.dot(ta, tb, input_precision="ieee")
         tl.store(c + rm[:, None] * scm + rn[None, :] * scn, acc.to(c.dtype.element_ty),
                  mask=(rm[:, None] < M) & (rn[None, :] < N))  # fmt: skip
 
@@ -110,6 +125,13 @@ if HAS_TRITON:
             tl.store(y + row * sy + cols, (g * normed).to(y.dtype.element_ty), mask=cols < H)
 
 
+def _interpreted() -> bool:
+    """True when the kernels run in Triton's interpreter (TRITON_INTERPRET=1 at triton's import)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(_matmul_kernel, InterpretedFunction)
+
+
 def _rows(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1]).contiguous()  # (M, C)
 
@@ -123,7 +145,8 @@ def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     c = torch.empty((m, n), dtype=a.dtype, device=a.device)  # (M, N)
     grid: Any = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N))
     _matmul_kernel[grid](rows, b, c, m, n, k, rows.stride(0), rows.stride(1), b.stride(0), b.stride(1),
-                         c.stride(0), c.stride(1), BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K)  # fmt: skip
+                         c.stride(0), c.stride(1), BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K,
+                         INTERPRETED=_interpreted())  # fmt: skip
     return c.reshape(*a.shape[:-1], n)
 
 

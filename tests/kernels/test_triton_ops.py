@@ -32,6 +32,20 @@ def test_matmul_matches_torch_and_is_batch_invariant(m: int, k: int, n: int) -> 
         assert torch.equal(T.matmul(a[rows], b), c[rows])
 
 
+def test_matmul_row_bits_do_not_depend_on_the_rows_position_in_its_tile() -> None:
+    # Slicing off s leading rows moves every row to each position of a BLOCK_M tile in turn.
+    # (Under the interpreter, tl.dot is numpy's matmul: OpenBLAS's Haswell sgemm gives a row moved
+    # from position 18 to 0 different bits, so this fails if the kernel uses tl.dot there.)
+    m, k, n = T.BLOCK_M + 5, 48, 40
+    scale = 2.0 ** torch.randint(-6, 7, (m, k), generator=_g(3))  # spread exponents: rounding shows
+    a = (torch.randn(m, k, generator=_g(4)) * scale).to(DEVICE)
+    b = torch.randn(k, n, generator=_g(5)).to(DEVICE)
+    full = T.matmul(a, b)
+    torch.testing.assert_close(full, a @ b, rtol=1e-4, atol=1e-3)
+    for s in range(T.BLOCK_M + 1):
+        assert torch.equal(T.matmul(a[s:], b), full[s:]), f"rows {s}: changed bits"
+
+
 @pytest.mark.parametrize("v", [5, 300])
 def test_log_softmax_and_selective_match_torch(v: int) -> None:
     x = (torch.randn(6, v, generator=_g(v)) * 5).to(DEVICE)

@@ -118,7 +118,10 @@ def _shared_libraries(files: Sequence[str]) -> list[str]:
     ldd = shutil.which("ldd")
     if ldd is None:
         raise SandboxUnavailable("ldd is not installed: the sandbox cannot tell which libraries Python needs")
-    lines = subprocess.run([ldd, *files], capture_output=True, text=True, timeout=60).stdout.splitlines()
+    # A clean environment: a worker's LD_LIBRARY_PATH (which torch or vLLM may set in-process)
+    # would otherwise resolve libraries into the venv and mount it (and /work) inside.
+    lines = subprocess.run([ldd, *files], capture_output=True, text=True, timeout=60,
+                           env={"PATH": os.defpath}).stdout.splitlines()
     found = []
     for line in (ln.strip() for ln in lines):
         target = (line.split("=>", 1)[1] if "=>" in line else line).strip().split(" (", 1)[0]
