@@ -42,6 +42,7 @@ def _database_from_url(url: str) -> dict:
 def _redis_base() -> str:
     url = env_str("REDIS_URL", "")
     if not url:
+        # Imported only when no server is configured: the embedded services are the fallback.
         from core import embedded
 
         return embedded.redis_url()
@@ -62,6 +63,7 @@ def _database_url() -> str:
     url = env_str("DATABASE_URL", "")
     if url:
         return url
+    # Imported only when no server is configured (see above).
     from core import embedded
 
     return embedded.postgres_url()

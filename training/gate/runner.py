@@ -106,6 +106,7 @@ class SuiteScorer:
 def suite_collect(spec: SuiteSpec, candidate: Policy, production: Policy, scorer: SuiteScorer | None = None) -> SuiteSamples:
     """Sample both policies on the suite and score every completion; candidate samples also carry
     production's log-probs of the same tokens (for the KL estimate)."""
+    # Imported here: the runner's scoring and statistics stay importable without torch.
     from inference.engine import SamplingParams
 
     scorer = scorer or SuiteScorer(spec)

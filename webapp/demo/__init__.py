@@ -36,6 +36,8 @@ def _port(preferred: int) -> int:
 
 
 def _environment() -> dict[str, str]:
+    # Imported here, like every project import below: `python -m webapp.demo` runs before Django
+    # is set up (`_prepare` does it), and models cannot be imported until then.
     from core import embedded
 
     env = dict(os.environ)
@@ -85,6 +87,7 @@ def _demo_state() -> dict:
     from django.contrib.auth import get_user_model
     from django.contrib.auth.models import Permission
 
+    # after django.setup() (see _environment)
     from feedback.models import Project
     from feedback.services import project_create
 
@@ -93,6 +96,7 @@ def _demo_state() -> dict:
         creds = project_create("Demo coding assistant", "demo")
         state.update(project=creds.project.slug, api_key=creds.api_key, webhook_secret=creds.webhook_secret)
     if "webhook_secret" not in state:  # var/demo.json was lost: issue a fresh secret
+        # after django.setup() (see _environment)
         from feedback.services import webhook_secret_rotate
 
         state.update(project="demo", webhook_secret=webhook_secret_rotate(Project.objects.get(slug="demo")).secret)
@@ -104,6 +108,7 @@ def _demo_state() -> dict:
     if auto_approval() and "approver_key" not in state:
         # A service account approves what passes the gate, through the same audited service as a
         # person; the audit log names it (api_key:demo:auto-approver).
+        # after django.setup() (see _environment)
         from feedback.services import api_key_create
 
         state["approver_key"] = api_key_create(Project.objects.get(slug="demo"), ["admin", "read"], "auto-approver")
@@ -132,6 +137,7 @@ DEMO_SUITE_SAMPLES = 8
 def _demo_suite_prompts() -> list[dict]:
     """Statement starts from held-out stdlib lines (the tail of the corpus the users never see),
     indentation dropped like the simulated users' prompts."""
+    # after django.setup() (see _environment)
     from training.pretrain import sample_lines, stdlib_corpus
 
     lines = [line.strip() for line in stdlib_corpus()[-20_000:]]
@@ -142,6 +148,7 @@ def _demo_suite_prompts() -> list[dict]:
 
 def _demo_loop_config(project) -> None:
     """The demo's held-out suite, reward spec and beat schedule (idempotent)."""
+    # after django.setup() (see _environment)
     from training.models import EvalSuite
     from training.rewards.services import reward_spec_current, reward_spec_update
     from training.schedule import training_schedule_install
