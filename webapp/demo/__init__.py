@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the repository (this is webapp/demo/__init__.py)
 DEMO_FILE = ROOT / "var" / "demo.json"
 
 
