@@ -123,11 +123,11 @@ def _demo_state() -> dict:
 # (lr 1e-5, 4 steps) to change measurably within one run; PPO's clip against the pre-update policy
 # bounds each run's move (KL to production stays well under the gate's budget). Runs continue the
 # training lineage (a candidate the gate found "not better yet" is built on, not thrown away), so
-# they are short and frequent: every ~300 new rewarded trajectories (about a minute of the
+# they are short and frequent: every ~200 new rewarded trajectories (under a minute of the
 # simulated users). Data served by production while the lineage is ahead is off-policy and
 # corrected by truncated IS; up to 8 versions ahead it is used (max_staleness).
-DEMO_TRAINING = {"min_new": 300, "every_minutes": 2, "steps": 16, "batch_size": 64,
-                 "rl": {"lr": 1e-3, "max_staleness": 8}}
+DEMO_TRAINING = {"min_new": 200, "every_minutes": 1, "steps": 8, "batch_size": 64,
+                 "rl": {"lr": 5e-4, "max_staleness": 8}}
 # Held-out suite: enough prompts and samples that a real change in compile rate shows in the
 # gate's paired interval (12 prompts x 4 samples could not tell one apart from noise).
 DEMO_SUITE_PROMPTS = 48
@@ -187,7 +187,7 @@ def _loop_processes(port: int, state: dict, simulate: bool) -> list[tuple[str, l
                             "--port", serving.rsplit(":", 1)[1]])]
     if simulate:
         users = [py, manage, "simulate_users", "--project", state["project"],
-                 "--web", f"http://127.0.0.1:{port}", "--serving", serving]
+                 "--web", f"http://127.0.0.1:{port}", "--serving", serving, "--users", "6", "--pause", "0.25"]
         if auto_approval():
             users.append("--approve")
         procs.append(("users", users))
