@@ -43,8 +43,10 @@ services: install
 services-down:
 	$(BIN)/python -m core.embedded down
 
+# make demo AUTO_APPROVE=1: a service account approves what passes the gate (default: a person does).
+AUTO_APPROVE ?=
 demo: install
-	$(BIN)/python -m webapp.demo
+	AUTO_APPROVE=$(AUTO_APPROVE) $(BIN)/python -m webapp.demo
 
 test: install
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

@@ -37,6 +37,7 @@ class Principal:
     project: Project
     scopes: frozenset[str] = field(default_factory=frozenset)
     via: str = "api_key"  # or "webhook"
+    name: str = "default"  # the key's name: a person or service account it is issued to
 
     is_authenticated = True
 
@@ -50,7 +51,7 @@ def api_key_principal(raw: str) -> Principal:
         raise Unauthorized("the API key is not known", "Check the key; create one with `manage.py create_project`.")
     if key.revoked_at is not None:
         raise Unauthorized("the API key was revoked", "Use a current key of this project.")
-    return Principal(project=key.project, scopes=frozenset(key.scopes), via="api_key")
+    return Principal(project=key.project, scopes=frozenset(key.scopes), via="api_key", name=key.name)
 
 
 def bearer_token(authorization: str) -> str | None:

@@ -338,25 +338,28 @@ class TorchEngine(Engine):
         by_len: dict[int, list[int]] = {}
         for k, (prompt, toks) in enumerate(pairs):
             if toks:
-                by_len.setdefault(len(prompt) + len(toks) - 1, []).append(k)
+                by_len.setdefault(len(prompt) + len(toks), []).append(k)
         rows = {n: max(1, self.score_chunk_tokens // n) for n in by_len}
         return [ks[i : i + rows[n]] for n, ks in by_len.items() for i in range(0, len(ks), rows[n])]
 
     def _score_group(
         self, pairs: list[tuple[list[int], list[int]]], sampling: SamplingParams
     ) -> list[tuple[list[float], list[list[list[int]]] | None]]:
-        ids = torch.tensor([prompt + toks[:-1] for prompt, toks in pairs])  # (B, L)
+        # The whole sequence, last token included (its logits are unused): the trainer forwards
+        # exactly these ids, and attention's blocking, so its bits, depends on the length.
+        ids = torch.tensor([prompt + toks for prompt, toks in pairs])  # (B, L)
         # Routing is captured only here, in the scoring forward (not at every sampling step).
         capture = capture_routing(self.model) if self._moe else contextlib.nullcontext()
         with batch_invariant_mode(self.model), capture as routed:
             logits = self.model(input_ids=ids).logits.float()  # (B, L, V)
             starts = [len(prompt) - 1 for prompt, _ in pairs]
             picked = [
-                processed_logits(logits[b, s:], sampling).log_softmax(-1)  # (T, V)
+                processed_logits(logits[b, s : s + len(toks)], sampling).log_softmax(-1)  # (T, V)
                 .gather(-1, torch.tensor(toks)[:, None])[:, 0]  # (T,)
                 for b, (s, (_, toks)) in enumerate(zip(starts, pairs, strict=True))
             ]
-        routing = _per_sequence(routed.routing(), len(pairs)) if self._moe else None
+        # Routing of the positions that were fed to produce the sampled tokens (not the last one).
+        routing = [r[:-1] for r in _per_sequence(routed.routing(), len(pairs))] if self._moe else None
         return [(p.tolist(), routing[b] if routing else None) for b, p in enumerate(picked)]
 
 

@@ -17,12 +17,6 @@ def version_name(v: int | None) -> str:
     return "unknown version" if v is None else f"v{v}"
 
 
-def version_starts(series: dict[int | None, dict[str, list]]) -> list[tuple[str, str]]:
-    """(first hour, version name) of each version seen in the range: the version changes."""
-    starts = [(s["x"][0], version_name(v)) for v, s in series.items() if s["x"]]
-    return sorted(starts)
-
-
 def run_figures(runs: list[tuple[TrainingRun, dict[str, list]]]) -> dict[str, Any]:
     figures = {}
     for name in METRICS:
@@ -111,3 +105,42 @@ def timeline_figure(t: Trajectory, feedback: list[FeedbackEvent]) -> dict[str, A
              "y": [f.signal for f in feedback], "marker": {"size": 10}}]
     return {"data": data, "layout": {"title": {"text": "Feedback timeline"}, "showlegend": False, "height": 260,
                                      "margin": {"t": 40, "r": 10, "l": 90}}}
+
+
+def _by_version(keys: Any) -> list:
+    return sorted(keys, key=lambda v: (v is None, v or 0))
+
+
+def overview_figures(feedback: dict[str, Any], rewards: dict[int | None, dict[str, list]],
+                     marks: list[tuple[str, str]], cut: Any) -> dict[str, Any]:
+    """Volume, accept/happy rate and reward per version over time, with a dotted line (and the
+    version's name) where each promotion happened; minute buckets after `cut`, hourly before."""
+    shapes = [{"type": "line", "xref": "x", "yref": "paper", "x0": x, "x1": x, "y0": 0, "y1": 1,
+               "line": {"dash": "dot", "width": 1, "color": "#888"}} for x, _ in marks]
+    notes = [{"x": x, "y": 1, "xref": "x", "yref": "paper", "text": f"{name} promoted", "showarrow": False,
+              "yanchor": "bottom", "font": {"size": 10}} for x, name in marks]
+    series = feedback["by_version"]
+    order = _by_version(series)
+
+    def layout(title: str, **extra: Any) -> dict[str, Any]:
+        return {"title": {"text": title}, "shapes": shapes, "annotations": notes, "margin": {"t": 40, "r": 10, "l": 40},
+                "legend": {"orientation": "h"}, "hovermode": "x unified", **extra}
+
+    volume = [{"type": "bar", "name": version_name(v), "x": series[v]["x"], "y": series[v]["n"]} for v in order]
+    volume.append({"type": "scatter", "mode": "markers", "name": "live (this page)", "x": [], "y": [],
+                   "marker": {"color": "#d62828", "size": 9}})
+    rate = [{"type": "scatter", "mode": "lines+markers", "name": version_name(v), "x": series[v]["x"],
+             "y": series[v]["rate"], "connectgaps": False} for v in order]
+    reward = [{"type": "scatter", "mode": "lines+markers", "name": version_name(v), "x": rewards[v]["x"],
+               "y": rewards[v]["reward"]} for v in _by_version(rewards)]
+    buckets = f"per minute since {cut:%H:%M}, per hour before"
+    return {
+        "totals": {"feedback": feedback["total"], "rate": feedback["rate"],
+                   "trajectories": sum(sum(s["trajectories"]) for s in rewards.values())},
+        "figures": {
+            "volume": {"data": volume, "layout": layout(f"Feedback ({buckets})", barmode="stack")},
+            "rate": {"data": rate, "layout": layout(f"Happy/accept rate per version ({buckets})",
+                                                    yaxis={"range": [0, 1]})},
+            "reward": {"data": reward, "layout": layout(f"Reward mean per version ({buckets})")},
+        },
+    }

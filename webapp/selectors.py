@@ -13,7 +13,8 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from django.conf import settings
-from django.db.models import F, Max, Prefetch, Q, QuerySet, Sum
+from django.db.models import Count, Exists, F, Max, OuterRef, Prefetch, Q, QuerySet, Sum
+from django.db.models.functions import Coalesce, TruncMinute
 from django.utils import timezone
 
 from core.errors import Forbidden, NotFound
@@ -23,6 +24,7 @@ from training.models import (
     GateReport,
     PolicyVersion,
     Reward,
+    RewardSpec,
     RubricScore,
     TrainingRun,
     TrainingStep,
@@ -71,69 +73,78 @@ def project_list() -> list[dict[str, Any]]:
 # --- overview -----------------------------------------------------------------------------------
 
 
-def feedback_series(project: Project, since: datetime) -> dict[str, Any]:
-    """Per version per hour: volume and positive rate (positive / (positive + negative))."""
-    rows = (FeedbackHourly.objects.filter(project=project, hour__gte=since)
-            .values("hour", "policy_version")
-            .annotate(total=Sum("n"), pos=Sum("n", filter=Q(signal__in=POSITIVE)),
-                      neg=Sum("n", filter=Q(signal__in=NEGATIVE)))
-            .order_by("hour"))
+# The loop moves in minutes: the last RECENT is shown per minute from the raw rows (bounded by the
+# (project, occurred_at) index), older data per hour from the rollups.
+RECENT = timedelta(hours=2)
+
+
+def recent_cut(now: datetime) -> datetime:
+    """Where hourly buckets stop and minute buckets start: the hour boundary before now - RECENT."""
+    return (now - RECENT).replace(minute=0, second=0, microsecond=0)
+
+
+def _add_point(s: dict[str, list], at: datetime, total: int, pos: int, neg: int) -> None:
+    s["x"].append(at.isoformat())
+    s["n"].append(total)
+    s["rate"].append(round(pos / (pos + neg), 4) if pos + neg else None)
+
+
+def feedback_series(project: Project, since: datetime, cut: datetime) -> dict[str, Any]:
+    """Per version: volume and positive rate (positive / (positive + negative)), per hour before
+    `cut` (rollups) and per minute after it (raw events)."""
+    hourly = (FeedbackHourly.objects.filter(project=project, hour__gte=since, hour__lt=cut)
+              .values("hour", "policy_version")
+              .annotate(total=Sum("n"), pos=Sum("n", filter=Q(signal__in=POSITIVE)),
+                        neg=Sum("n", filter=Q(signal__in=NEGATIVE)))
+              .order_by("hour"))
+    minutes = (FeedbackEvent.objects.filter(project=project, occurred_at__gte=max(since, cut))
+               .annotate(at=TruncMinute("occurred_at")).values("at", "trajectory__policy_version")
+               .annotate(total=Count("id"), pos=Count("id", filter=Q(signal__in=POSITIVE)),
+                         neg=Count("id", filter=Q(signal__in=NEGATIVE)))
+               .order_by("at"))
     by_version: dict[int | None, dict[str, list]] = defaultdict(lambda: {"x": [], "n": [], "rate": []})
     total = positive = rated = 0
-    for r in rows:
-        s = by_version[r["policy_version"]]
+    points = [(r["hour"], r["policy_version"], r) for r in hourly]
+    points += [(r["at"], r["trajectory__policy_version"], r) for r in minutes]
+    for at, version, r in points:
         pos, neg = r["pos"] or 0, r["neg"] or 0
-        s["x"].append(r["hour"].isoformat())
-        s["n"].append(r["total"])
-        s["rate"].append(round(pos / (pos + neg), 4) if pos + neg else None)
+        _add_point(by_version[version], at, r["total"], pos, neg)
         total, positive, rated = total + r["total"], positive + pos, rated + pos + neg
     return {"by_version": dict(by_version), "total": total, "rate": positive / rated if rated else None}
 
 
-def reward_series(project: Project, since: datetime) -> dict[int | None, dict[str, list]]:
-    rows = (TrajectoryHourly.objects.filter(project=project, hour__gte=since)
-            .values_list("hour", "policy_version", "trajectories", "rewarded", "reward_sum").order_by("hour"))
+def reward_series(project: Project, since: datetime, cut: datetime) -> dict[int | None, dict[str, list]]:
+    """Per version: mean reward (latest spec per trajectory), per hour before `cut`, per minute after."""
+    rows = list(TrajectoryHourly.objects.filter(project=project, hour__gte=since, hour__lt=cut)
+                .values_list("hour", "policy_version", "trajectories", "rewarded", "reward_sum").order_by("hour"))
+    spec = RewardSpec.objects.filter(project=project).order_by("-version").values_list("id", flat=True).first()
+    rows += list(Trajectory.objects.filter(project=project, occurred_at__gte=max(since, cut))
+                 .annotate(at=TruncMinute("occurred_at")).values("at", "policy_version")
+                 .annotate(n=Count("id"), rewarded=Count("rewards", filter=Q(rewards__spec_id=spec)),
+                           reward_sum=Coalesce(Sum("rewards__total", filter=Q(rewards__spec_id=spec)), 0.0))
+                 .order_by("at").values_list("at", "policy_version", "n", "rewarded", "reward_sum"))
     out: dict[int | None, dict[str, list]] = defaultdict(lambda: {"x": [], "reward": [], "trajectories": []})
-    for hour, version, n, rewarded, reward_sum in rows:
+    for at, version, n, rewarded, reward_sum in rows:
         s = out[version]
-        s["x"].append(hour.isoformat())
+        s["x"].append(at.isoformat())
         s["reward"].append(round(reward_sum / rewarded, 4) if rewarded else None)
         s["trajectories"].append(n)
     return dict(out)
 
 
+def promotion_marks(project: Project, since: datetime) -> list[tuple[str, str]]:
+    """(time, version name) of every promotion to production in the range, at the moment it
+    happened (the audit log), not at the version's first data."""
+    rows = (AuditLog.objects.filter(project=project, at__gte=since, after__state="production")
+            .order_by("at").values_list("at", "after"))
+    return [(at.isoformat(), charts.version_name(after.get("number"))) for at, after in rows]
+
+
 def overview_charts(project: Project, days: int) -> dict[str, Any]:
-    since = timezone.now() - timedelta(days=days)
-    feedback = feedback_series(project, since)
-    rewards = reward_series(project, since)
-    marks = charts.version_starts({**rewards, **{v: s for v, s in feedback["by_version"].items() if v not in rewards}})
-    shapes = [{"type": "line", "xref": "x", "yref": "paper", "x0": x, "x1": x, "y0": 0, "y1": 1,
-               "line": {"dash": "dot", "width": 1, "color": "#888"}} for x, _ in marks]
-    notes = [{"x": x, "y": 1, "xref": "x", "yref": "paper", "text": name, "showarrow": False,
-              "yanchor": "bottom", "font": {"size": 10}} for x, name in marks]
-    order = sorted(feedback["by_version"], key=lambda v: (v is None, v or 0))
-
-    def layout(title: str, **extra: Any) -> dict[str, Any]:
-        return {"title": {"text": title}, "shapes": shapes, "annotations": notes, "margin": {"t": 40, "r": 10, "l": 40},
-                "legend": {"orientation": "h"}, "hovermode": "x unified", **extra}
-
-    volume = [{"type": "bar", "name": charts.version_name(v), "x": feedback["by_version"][v]["x"],
-               "y": feedback["by_version"][v]["n"]} for v in order]
-    volume.append({"type": "scatter", "mode": "markers", "name": "live (this page)", "x": [], "y": [],
-                   "marker": {"color": "#d62828", "size": 9}})
-    rate = [{"type": "scatter", "mode": "lines+markers", "name": charts.version_name(v), "x": feedback["by_version"][v]["x"],
-             "y": feedback["by_version"][v]["rate"], "connectgaps": False} for v in order]
-    reward = [{"type": "scatter", "mode": "lines+markers", "name": charts.version_name(v), "x": s["x"], "y": s["reward"]}
-              for v, s in sorted(rewards.items(), key=lambda kv: (kv[0] is None, kv[0] or 0))]
-    return {
-        "totals": {"feedback": feedback["total"], "rate": feedback["rate"],
-                   "trajectories": sum(sum(s["trajectories"]) for s in rewards.values())},
-        "figures": {
-            "volume": {"data": volume, "layout": layout("Feedback per hour", barmode="stack")},
-            "rate": {"data": rate, "layout": layout("Happy/accept rate", yaxis={"range": [0, 1]})},
-            "reward": {"data": reward, "layout": layout("Reward mean (latest spec)")},
-        },
-    }
+    now = timezone.now()
+    since, cut = now - timedelta(days=days), recent_cut(now)
+    feedback, rewards = feedback_series(project, since, cut), reward_series(project, since, cut)
+    return charts.overview_figures(feedback, rewards, promotion_marks(project, since), cut)
 
 
 def versions_live(project: Project) -> list[PolicyVersion]:
@@ -259,12 +270,17 @@ class RolloutFilter:
     task: str = ""
     version: int | None = None
     source: str = ""
+    signal: str = ""  # a signal the trajectory got, or "none" for no feedback (silence)
+    reward_min: float | None = None
+    reward_max: float | None = None
 
     @classmethod
     def from_query(cls, query: Any) -> RolloutFilter:
         raw = query.get("version", "")
         return cls(task=query.get("task", ""), version=int(raw) if raw.isdigit() else None,
-                   source=query.get("source", ""))
+                   source=query.get("source", ""), signal=query.get("signal", "")[:64],
+                   reward_min=_finite_or_none(query.get("reward_min")),
+                   reward_max=_finite_or_none(query.get("reward_max")))
 
     def apply(self, qs: QuerySet[Trajectory]) -> QuerySet[Trajectory]:
         if self.task:
@@ -273,19 +289,54 @@ class RolloutFilter:
             qs = qs.filter(policy_version=self.version)
         if self.source:
             qs = qs.filter(source=self.source)
+        if self.signal:
+            got = FeedbackEvent.objects.filter(trajectory=OuterRef("pk"))
+            qs = qs.filter(~Exists(got)) if self.signal == "none" else qs.filter(Exists(got.filter(signal=self.signal)))
+        if self.reward_min is not None or self.reward_max is not None:
+            rewards = Reward.objects.filter(trajectory=OuterRef("pk"))
+            if self.reward_min is not None:
+                rewards = rewards.filter(total__gte=self.reward_min)
+            if self.reward_max is not None:
+                rewards = rewards.filter(total__lte=self.reward_max)
+            qs = qs.filter(Exists(rewards))
         return qs
 
     def query(self) -> str:
         from urllib.parse import urlencode
 
-        return urlencode({k: v for k, v in (("task", self.task), ("version", self.version), ("source", self.source))
-                          if v not in ("", None)})
+        pairs = (("task", self.task), ("version", self.version), ("source", self.source), ("signal", self.signal),
+                 ("reward_min", self.reward_min), ("reward_max", self.reward_max))
+        return urlencode({k: v for k, v in pairs if v not in ("", None)})
+
+
+def _finite_or_none(raw: Any) -> float | None:
+    try:
+        value = float(raw)
+    except (TypeError, ValueError):
+        return None
+    return value if math.isfinite(value) else None
 
 
 def rollout_list(project: Project, flt: RolloutFilter) -> list[Trajectory]:
+    """The newest PAGE_SIZE of the filter, each with its prompt, completion, signals and reward."""
     qs = flt.apply(Trajectory.objects.filter(project=project))
-    return list(qs.order_by("-occurred_at", "-id")
-                .only("id", "external_id", "policy_version", "task", "source", "occurred_at")[:PAGE_SIZE])
+    rows = list(qs.order_by("-occurred_at", "-id")
+                .only("id", "external_id", "policy_version", "task", "source", "occurred_at", "prompt")
+                .prefetch_related(
+                    Prefetch("steps", queryset=Step.objects.filter(role="assistant").order_by("index")
+                             .only("id", "trajectory_id", "content", "index", "role")),
+                    Prefetch("feedback_events", queryset=FeedbackEvent.objects.order_by("occurred_at", "id")
+                             .only("id", "trajectory_id", "signal", "occurred_at")),
+                    Prefetch("rewards", queryset=Reward.objects.select_related("spec").order_by("-spec__version")))
+                [:PAGE_SIZE])
+    for t in rows:
+        messages = t.prompt if isinstance(t.prompt, list) else []
+        t.prompt_text = str(messages[-1].get("content", "")) if messages and isinstance(messages[-1], dict) else ""
+        t.completion_text = "".join(s.content for s in t.steps.all())
+        t.signals = [e.signal for e in t.feedback_events.all()]
+        rewards = t.rewards.all()
+        t.reward_total = rewards[0].total if rewards else None
+    return rows
 
 
 def _neighbour(project: Project, t: Trajectory, flt: RolloutFilter, older: bool) -> int | None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from urllib.parse import parse_qs, unquote, urlparse
 
-from core.env import ConfigError, env_bool, env_int, env_list, env_str
+from core.env import ConfigError, env_bool, env_float, env_int, env_list, env_str
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 VAR_DIR = Path(env_str("FLYWHEEL_VAR_DIR", str(BASE_DIR / "var")))
@@ -42,6 +42,7 @@ def _database_from_url(url: str) -> dict:
 def _redis_base() -> str:
     url = env_str("REDIS_URL", "")
     if not url:
+        # Imported only when no server is configured: the embedded services are the fallback.
         from core import embedded
 
         return embedded.redis_url()
@@ -62,6 +63,7 @@ def _database_url() -> str:
     url = env_str("DATABASE_URL", "")
     if url:
         return url
+    # Imported only when no server is configured (see above).
     from core import embedded
 
     return embedded.postgres_url()
@@ -207,6 +209,9 @@ FLYWHEEL_GATE_ENGINE = env_str("FLYWHEEL_GATE_ENGINE", "torch")
 FLYWHEEL_TRAIN_HEARTBEAT_TIMEOUT_S = env_int("FLYWHEEL_TRAIN_HEARTBEAT_TIMEOUT_S", 900)
 FLYWHEEL_TRAIN_QUEUE_TIMEOUT_S = env_int("FLYWHEEL_TRAIN_QUEUE_TIMEOUT_S", 3600)
 FLYWHEEL_INTERNAL_TOKEN = env_str("FLYWHEEL_INTERNAL_TOKEN", "")
+# Train/inference agreement: on data sampled by the very weights being trained, the behaviour and
+# recomputed log-probs agree (~0 nats in fp32). A run above this is flagged and not gated.
+FLYWHEEL_MISMATCH_KL_MAX = env_float("FLYWHEEL_MISMATCH_KL_MAX", 0.01)
 
 LOGGING = {
     "version": 1,

@@ -112,7 +112,8 @@ def rollouts(request: HttpRequest, slug: str) -> HttpResponse:
     project = selectors.project_get(slug)
     flt = selectors.RolloutFilter.from_query(request.GET)
     return render(request, "dashboard/rollouts.html", _ctx(
-        request, project, "rollouts", flt=flt, rollouts=selectors.rollout_list(project, flt)))
+        request, project, "rollouts", flt=flt, rollouts=selectors.rollout_list(project, flt),
+        signals=[*selectors.POSITIVE, *selectors.NEGATIVE, "none"]))
 
 
 @page

@@ -93,3 +93,12 @@ def test_the_registry_builds_checks_by_name_and_refuses_bad_config():
         make_check("nope")
     with pytest.raises(CheckConfigError, match="test snippet"):
         make_check("python_tests").run("x = 1")
+
+
+def test_compiling_many_in_one_sandbox_gives_each_its_own_verdict() -> None:
+    check = make_check("python_compiles", **LIMITS)
+    items = [(" return a + b", {"prefix": "def add(a, b):\n"}), ("x = (1 +", None), ("y = 2", None),
+             ("eval('1')" * 2, None)]
+    one_by_one = [check.run(c, ctx) for c, ctx in items]
+    assert [r.score for r in check.run_many(items)] == [r.score for r in one_by_one] == [1.0, 0.0, 1.0, 0.0]
+    assert check.run_many(items)[1].reason == one_by_one[1].reason

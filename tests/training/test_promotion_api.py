@@ -52,7 +52,7 @@ def test_an_admin_key_approves(client, admin_key, versions):
     response = post(client, v2, "approve", **bearer(admin_key))
     assert response.status_code == 200, response.json()
     assert response.json()["state"] == "production"
-    assert AuditLog.objects.filter(action="approve", actor="api_key:acme").exists()
+    assert AuditLog.objects.filter(action="approve", actor="api_key:acme:ops").exists()  # the key's holder
 
 
 def test_a_key_without_admin_scope_is_refused_on_record(client, creds, versions):

@@ -185,6 +185,31 @@ def test_a_run_recomputes_missing_behaviour_logprobs_records_steps_and_registers
     assert any(not torch.equal(new[k], old[k]) for k in old)
 
 
+def test_a_run_whose_data_disagrees_with_the_weights_that_served_it_is_flagged_and_not_gated(
+    creds, production, tokenizer, django_capture_on_commit_callbacks
+):
+    plain_spec(creds.project, settle_seconds=0)
+    ingest_live(creds.project, tokenizer, 8, with_logprobs=True)  # log mu = -1.0: not what v1 gives
+    rewards_compute_pending(creds.project, now=later(1))
+    run, _ = training_run_start(creds.project, steps=1, batch_size=4, enqueue=False)
+    with django_capture_on_commit_callbacks() as callbacks:
+        run = train_policy(run.pk)
+    assert run.state == "succeeded" and run.config["fresh_samples"] == 8
+    assert run.config["fresh_mismatch_kl"] > 0.01
+    assert run.error.startswith("flagged: train/inference mismatch KL")
+    assert run.candidate.state == "candidate" and callbacks == []  # the gate was not enqueued
+
+
+def test_the_next_run_continues_from_the_training_lineage_not_from_production(creds, production, tokenizer):
+    plain_spec(creds.project, settle_seconds=0)
+    ingest_live(creds.project, tokenizer, 8)
+    rewards_compute_pending(creds.project, now=later(1))
+    first = train_policy(training_run_start(creds.project, steps=1, batch_size=4, enqueue=False)[0].pk)
+    assert first.candidate.parent == production
+    second, created = training_run_start(creds.project, steps=1, batch_size=4, enqueue=False)
+    assert created and second.base_version == first.candidate  # learning accumulates across runs
+
+
 def test_a_run_without_trainable_samples_fails_with_the_reason_and_no_candidate(creds, production):
     plain_spec(creds.project, settle_seconds=0)
     feedback_ingest(creds.project, [trajectory("t-1", steps=[{"role": "assistant", "content": "x"}])])

@@ -79,7 +79,17 @@ class SuiteScorer:
         self.reward_spec = RewardSpecData.from_json({}, list(spec.checks), list(spec.aspects))
 
     def score(self, prompt: str, completion: str, context: Mapping[str, Any]) -> dict[str, Any]:
-        results = {name: check.run(completion, context) for check, _, name in self.checks}
+        return self.score_many([(prompt, completion, context)])[0]
+
+    def score_many(self, items: Sequence[tuple[str, str, Mapping[str, Any]]]) -> list[dict[str, Any]]:
+        """Scores many completions; each check runs over all of them at once (fewer sandboxes)."""
+        by_check = {name: check.run_many([(completion, context) for _, completion, context in items])
+                    for check, _, name in self.checks}
+        return [self._total(prompt, completion, context, {n: r[i] for n, r in by_check.items()})
+                for i, (prompt, completion, context) in enumerate(items)]
+
+    def _total(self, prompt: str, completion: str, context: Mapping[str, Any],
+               results: dict[str, Any]) -> dict[str, Any]:
         aspects: dict[str, float] = {}
         if self.judge is not None:
             aspects = {a: s for a, s in self.judge.judge(prompt, completion, context).values().items() if s is not None}
@@ -96,6 +106,7 @@ class SuiteScorer:
 def suite_collect(spec: SuiteSpec, candidate: Policy, production: Policy, scorer: SuiteScorer | None = None) -> SuiteSamples:
     """Sample both policies on the suite and score every completion; candidate samples also carry
     production's log-probs of the same tokens (for the KL estimate)."""
+    # Imported here: the runner's scoring and statistics stay importable without torch.
     from inference.engine import SamplingParams
 
     scorer = scorer or SuiteScorer(spec)
@@ -103,17 +114,19 @@ def suite_collect(spec: SuiteSpec, candidate: Policy, production: Policy, scorer
     texts = [p.prompt for p in spec.prompts]
     cand = candidate.generate(texts, n=spec.n_samples, sampling=sampling)
     prod = production.generate(texts, n=spec.n_samples, sampling=sampling)
+    scores = scorer.score_many([(spec.prompts[c.prompt_index].prompt, c.text, spec.prompts[c.prompt_index].context)
+                                for c in [*cand, *prod]])
     return SuiteSamples(
-        candidate=[_sample(spec, scorer, c, production, sampling) for c in cand],
-        production=[_sample(spec, scorer, c, None, sampling) for c in prod],
+        candidate=[_sample(spec, s, c, production, sampling) for c, s in zip(cand, scores, strict=False)],
+        production=[_sample(spec, s, c, None, sampling) for c, s in zip(prod, scores[len(cand):], strict=True)],
     )
 
 
-def _sample(spec: SuiteSpec, scorer: SuiteScorer, c: Completion, other: Policy | None, sampling: SamplingParams) -> Sample:
-    prompt = spec.prompts[c.prompt_index]
-    scored = scorer.score(prompt.prompt, c.text, prompt.context)
+def _sample(spec: SuiteSpec, scored: dict[str, Any], c: Completion, other: Policy | None,
+            sampling: SamplingParams) -> Sample:
     other_lp = other.score(c.prompt_token_ids, c.token_ids, sampling)[0] if other is not None else None
-    return Sample(prompt.id, c.text, len(c.token_ids), logprobs=list(c.logprobs), other_logprobs=other_lp, **scored)
+    return Sample(spec.prompts[c.prompt_index].id, c.text, len(c.token_ids), logprobs=list(c.logprobs),
+                  other_logprobs=other_lp, **scored)
 
 
 # ---------------------------------------------------------------------------------- evaluation

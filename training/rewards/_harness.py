@@ -606,6 +606,21 @@ def compile_only(cfg: dict, result: int) -> None:
     os._exit(0)
 
 
+def compile_many(cfg: dict, result: int) -> None:
+    """Compile each source (never run one): compiling executes nothing, so sources cannot affect
+    one another; a source that exhausts a limit fails the whole batch, which is then checked
+    one by one outside."""
+    out = []
+    for source in cfg["sources"]:
+        try:
+            compile(source, "solution.py", "exec", dont_inherit=True)
+            out.append({"ok": True, "reason": "compiles"})
+        except BaseException as exc:  # noqa: BLE001 - a parser crash is a failed check
+            out.append({"ok": False, "reason": describe(exc, "solution.py")})
+    os.write(result, json.dumps({"ok": True, "reason": "batch", "results": out}).encode())
+    os._exit(0)
+
+
 def main() -> None:
     role, fds = sys.argv[1], [int(fd) for fd in sys.argv[2:]]
     cfg = read_config()
@@ -614,6 +629,8 @@ def main() -> None:
         exec(compile(cfg["code"], "script.py", "exec"), {"__name__": "__main__", "__builtins__": builtins})
     elif role == "compile":
         compile_only(cfg, *fds)
+    elif role == "compile_many":
+        compile_many(cfg, *fds)
     elif role == "candidate":
         candidate(cfg, *fds)
     elif role == "tests":

@@ -41,7 +41,7 @@ import json
 import os
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,6 +78,10 @@ class Check(ABC):
     @abstractmethod
     def run(self, completion: str, context: Mapping[str, Any] | None = None) -> CheckResult:
         """Score `completion`; context may hold `prefix` (code before it) and check inputs."""
+
+    def run_many(self, items: Sequence[tuple[str, Mapping[str, Any] | None]]) -> list[CheckResult]:
+        """`run` over (completion, context) pairs; a check may do it in fewer sandboxes."""
+        return [self.run(completion, context) for completion, context in items]
 
 
 CHECKS: dict[str, type[Check]] = {}
@@ -215,9 +219,39 @@ class _SandboxCheck(Check):
 class PythonCompiles(_SandboxCheck):
     """1 if prefix + completion compiles as Python (compiled in the sandbox: parsers can crash)."""
 
+    batch = 64  # sources per sandbox in run_many: a sandbox costs ~0.1 s, compiling one ~0.1 ms
+
     def run(self, completion: str, context: Mapping[str, Any] | None = None) -> CheckResult:
         ctx = context or {}
         return run_sandboxed(self.source(completion, ctx), "", "compile", self.limits)
+
+    def run_many(self, items: Sequence[tuple[str, Mapping[str, Any] | None]]) -> list[CheckResult]:
+        sources = [self.source(completion, context or {}) for completion, context in items]
+        out: list[CheckResult] = []
+        for start in range(0, len(sources), self.batch):
+            out += self._compile_batch(sources[start : start + self.batch])
+        return out
+
+    def _compile_batch(self, sources: list[str]) -> list[CheckResult]:
+        if sum(map(len, sources)) > self.limits.max_source_chars:
+            return [run_sandboxed(s, "", "compile", self.limits) for s in sources]
+        ensure_available()
+        deadline = time.monotonic() + self.limits.wall_s
+        result_r, result_w = os.pipe()
+        try:
+            box = spawn("compile_many", {"source": "", "sources": sources}, self.limits, fds=(result_w,))
+        finally:
+            os.close(result_w)
+        try:
+            raw = read_until_eof(result_r, deadline)
+        finally:
+            os.close(result_r)
+            box.close()
+        results = (_parse(raw) or {}).get("results") if raw is not None else None
+        if not isinstance(results, list) or len(results) != len(sources):
+            # One source exhausted a limit (or the batch failed): each gets its own verdict.
+            return [run_sandboxed(s, "", "compile", self.limits) for s in sources]
+        return [CheckResult(1.0 if r.get("ok") is True else 0.0, str(r.get("reason", ""))[:2000]) for r in results]
 
 
 @register_check("python_tests")

@@ -53,6 +53,7 @@ def run(run: TrainingRun, folder: Path, on_step: StepCallback) -> dict[str, Any]
     batch = prepare_batch(samples, run.base_version.number, cfg, pad_id, baseline)
     # pi_old is the pre-update policy for every step of the run (PPO's clip is against it).
     batch.old_logprobs = _chunked_logprobs(model, batch, cfg)
+    fresh = fresh_mismatch_kl(model, samples, run.base_version.number, cfg, pad_id)
     ref_model = setup_model(base_dir).eval() if cfg.beta > 0 else None
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     steps, size = steps_of(run), int(run.config["batch_size"])
@@ -60,7 +61,7 @@ def run(run: TrainingRun, folder: Path, on_step: StepCallback) -> dict[str, Any]
         on_step(step, rl_step(model, ref_model, mb, optimizer, cfg).to_dict())
     save_candidate(model, base_dir, folder)
     return {"baseline": baseline.state_dict(), "samples": len(samples), "dropped_stale": batch.dropped_stale,
-            "behaviour_unknown": unknown_mu}
+            "behaviour_unknown": unknown_mu, **fresh}
 
 
 # --------------------------------------------------------------------------------- setup
@@ -103,7 +104,7 @@ def sample_from(trajectory: Trajectory, reward: float, tokenizer: Any) -> Sample
     step = next((s for s in trajectory.steps.all() if s.role == "assistant" and s.token_ids), None)
     if step is None:
         return None
-    prompt_ids = prompt_token_ids(trajectory, tokenizer)
+    prompt_ids = prompt_token_ids(trajectory, tokenizer, step)
     if not prompt_ids:
         return None
     logprobs = step.logprobs if step.logprobs and len(step.logprobs) == len(step.token_ids) else None
@@ -116,12 +117,17 @@ def sample_from(trajectory: Trajectory, reward: float, tokenizer: Any) -> Sample
     )
 
 
-def prompt_token_ids(trajectory: Trajectory, tokenizer: Any) -> list[int]:
-    """The ids the engine was fed: recorded with the trajectory, else the chat template's."""
-    extra = trajectory.extra if isinstance(trajectory.extra, dict) else {}
-    recorded = extra.get("prompt_token_ids")
-    if isinstance(recorded, list) and recorded:
-        return [int(t) for t in recorded]
+def prompt_token_ids(trajectory: Trajectory, tokenizer: Any, step: Step | None = None) -> list[int]:
+    """The ids the engine was fed for `step`: recorded with the step (the serving process records
+    them per completion: a raw /v1/completions prompt is never chat-templated), else with the
+    trajectory (rollouts), else — a product that sent no ids — the chat template's rendering.
+
+    Scoring a completion in any other context than the one it was sampled in makes the
+    behaviour log-probs meaningless (mismatch KL ~0.7 nats on the same weights)."""
+    for extra in (step.extra if step is not None else None, trajectory.extra):
+        recorded = extra.get("prompt_token_ids") if isinstance(extra, dict) else None
+        if isinstance(recorded, list) and recorded:
+            return [int(t) for t in recorded]
     messages = trajectory.prompt or []
     if getattr(tokenizer, "chat_template", None):
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
@@ -173,6 +179,28 @@ def fill_behaviour_logprobs(
             start = len(s.prompt_ids)
             s.behaviour_logprobs = lp[i, start : start + len(s.completion_ids)].tolist()
     return unknown
+
+
+FRESH_CHECK_SAMPLES = 256
+
+
+def fresh_mismatch_kl(
+    model: PreTrainedModel, samples: Sequence[Sample], base: int, cfg: RLConfig, pad_id: int
+) -> dict[str, Any]:
+    """Token-mean k3 KL(mu || pi) on samples served by the base weights themselves, at the base
+    weights: the train/inference agreement invariant (~0 in fp32; a large value is a bug such as
+    scoring in the wrong context, not off-policy drift). None when no such sample came."""
+    fresh = [s for s in samples if s.policy_version == base and s.behaviour_logprobs is not None]
+    fresh = fresh[-FRESH_CHECK_SAMPLES:]
+    if not fresh:
+        return {"fresh_mismatch_kl": None, "fresh_samples": 0}
+    batch = Batch.from_samples(fresh, pad_id, torch.zeros(len(fresh)))
+    with torch.no_grad():
+        pi = _chunked_logprobs(model, batch, cfg)  # (B, T)
+    mask = batch.behaviour_mask & batch.completion_mask
+    log_ratio = torch.where(mask, batch.behaviour_logprobs - pi, 0.0)  # log mu - log pi
+    k3 = torch.exp(-log_ratio) - 1 + log_ratio  # (B, T)  KL(mu || pi) estimator under mu
+    return {"fresh_mismatch_kl": float(k3[mask].mean()), "fresh_samples": len(fresh)}
 
 
 def _behaviour_model(run: TrainingRun, number: int | None, current: PreTrainedModel) -> PreTrainedModel | None:

@@ -7,7 +7,8 @@ from datetime import datetime
 from django.db.models import Max, QuerySet
 
 from feedback.models import Project
-from training.models import TrainingRun, TrainingStep
+from training.models import AuditLog, GateReport, PolicyVersion, TrainingRun, TrainingStep
+from training.versions.selectors import policy_production
 
 ACTIVE_RUN_STATES = ("queued", "running")
 
@@ -34,3 +35,33 @@ def training_run_heartbeat(run: TrainingRun) -> datetime:
     """The newest sign of life of a run: its last step row, else its start (or creation)."""
     last_step = TrainingStep.objects.filter(run=run).aggregate(at=Max("created_at"))["at"]
     return last_step or run.started_at or run.created_at
+
+
+def training_head(project: Project, max_ahead: int) -> PolicyVersion | None:
+    """The weights the next run continues from: the training lineage's latest candidate, so that
+    learning accumulates while the gate decides what is served.
+
+    Production instead when there is no candidate yet, when production is newer, when the
+    candidate was refused for anything but "not better yet" (a person's rejection or rollback, a
+    failed detector, aspect or KL check: that direction is not wanted), or when the lineage ran
+    more than `max_ahead` versions ahead of production (its live data would all be stale)."""
+    production = policy_production(project)
+    run = (TrainingRun.objects.filter(project=project, state="succeeded", candidate__isnull=False)
+           .select_related("candidate").order_by("-finished_at", "-id").first())
+    if run is None or production is None:
+        return production
+    head = run.candidate
+    if head.number <= production.number or head.number - production.number > max_ahead:
+        return production
+    if head.state in ("rejected", "retired") and not _only_not_better_yet(head):
+        return production
+    return head
+
+
+def _only_not_better_yet(version: PolicyVersion) -> bool:
+    if AuditLog.objects.filter(target=f"policy_version:{version.id}", action__in=("reject", "rollback",
+                                                                                  "canary_rollback")).exists():
+        return False
+    report = GateReport.objects.filter(version=version).order_by("-created_at").first()
+    failed = {c["name"] for c in report.checks if not c.get("passed")} if report is not None else {"unknown"}
+    return failed <= {"reward_improvement"}

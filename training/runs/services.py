@@ -117,7 +117,7 @@ def training_run_start(
             if reason is None:
                 return active, False
             training_run_fail(active.pk, f"worker lost: {reason}")
-        base = policy_production(project)
+        base = selectors.training_head(project, cfg.max_staleness)
         if base is None:
             raise Conflict(f"project {project.slug!r} has no production policy to train from",
                            "Run `manage.py bootstrap_policy --project SLUG` first.")
@@ -191,6 +191,15 @@ class RunLost(RuntimeError):
     """The run was marked failed (presumed dead) while this worker still ran it."""
 
 
+def mismatch_flag(extra: dict[str, Any]) -> str:
+    """Why a run's candidate must not be gated: its data disagreed with the weights that served it."""
+    kl, limit = extra.get("fresh_mismatch_kl"), float(settings.FLYWHEEL_MISMATCH_KL_MAX)
+    if kl is None or kl <= limit:
+        return ""
+    return (f"flagged: train/inference mismatch KL {kl:.4f} nats on {extra.get('fresh_samples')} samples served by "
+            f"the base weights (limit {limit:g}); the candidate was not gated")
+
+
 def training_run_finish(run: TrainingRun, folder: Path, extra_config: dict[str, Any]) -> PolicyVersion:
     """Registers the candidate and marks the run succeeded, together or not at all."""
     with transaction.atomic():
@@ -205,8 +214,11 @@ def training_run_finish(run: TrainingRun, folder: Path, extra_config: dict[str, 
             state="succeeded", candidate=candidate, progress=1.0, finished_at=timezone.now(),
             config={**owned.config, **extra_config},
         )
-        # Every candidate goes to the evaluation gate (queue `gate`) once this commits.
-        gate_run_enqueue(candidate.pk)
+        flag = mismatch_flag(extra_config)
+        if flag:
+            TrainingRun.objects.filter(pk=run.pk).update(error=flag)
+        else:  # every other candidate goes to the evaluation gate (queue `gate`) once this commits
+            gate_run_enqueue(candidate.pk)
     project_event(run.project_id, {"type": "training_succeeded", "run": run.pk, "candidate": candidate.number})
     return candidate
 

@@ -26,7 +26,9 @@ def actor_name(actor: Actor) -> str:
     if isinstance(actor, str):
         return actor
     if isinstance(actor, Principal):
-        return f"api_key:{actor.project.slug}"
+        # A key issued to a named person or service account acts as them (one actor each).
+        suffix = "" if actor.name == "default" else f":{actor.name}"
+        return f"api_key:{actor.project.slug}{suffix}"
     return actor.get_username() or "anonymous"
 
 

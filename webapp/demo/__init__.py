@@ -36,6 +36,8 @@ def _port(preferred: int) -> int:
 
 
 def _environment() -> dict[str, str]:
+    # Imported here, like every project import below: `python -m webapp.demo` runs before Django
+    # is set up (`_prepare` does it), and models cannot be imported until then.
     from core import embedded
 
     env = dict(os.environ)
@@ -76,10 +78,16 @@ def _prepare(env: dict[str, str]) -> dict:
     return state
 
 
+def auto_approval() -> bool:
+    """`make demo AUTO_APPROVE=1`: what passes the gate is approved by a service account."""
+    return os.environ.get("AUTO_APPROVE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
 def _demo_state() -> dict:
     from django.contrib.auth import get_user_model
     from django.contrib.auth.models import Permission
 
+    # after django.setup() (see _environment)
     from feedback.models import Project
     from feedback.services import project_create
 
@@ -88,6 +96,7 @@ def _demo_state() -> dict:
         creds = project_create("Demo coding assistant", "demo")
         state.update(project=creds.project.slug, api_key=creds.api_key, webhook_secret=creds.webhook_secret)
     if "webhook_secret" not in state:  # var/demo.json was lost: issue a fresh secret
+        # after django.setup() (see _environment)
         from feedback.services import webhook_secret_rotate
 
         state.update(project="demo", webhook_secret=webhook_secret_rotate(Project.objects.get(slug="demo")).secret)
@@ -96,6 +105,13 @@ def _demo_state() -> dict:
         state["admin_password"] = secrets.token_urlsafe(12)
         admin = users.objects.create_superuser("admin", "admin@localhost", state["admin_password"])
         admin.user_permissions.add(Permission.objects.get(codename="approve_promotion"))
+    if auto_approval() and "approver_key" not in state:
+        # A service account approves what passes the gate, through the same audited service as a
+        # person; the audit log names it (api_key:demo:auto-approver).
+        # after django.setup() (see _environment)
+        from feedback.services import api_key_create
+
+        state["approver_key"] = api_key_create(Project.objects.get(slug="demo"), ["admin", "read"], "auto-approver")
     _demo_loop_config(Project.objects.get(slug="demo"))
     DEMO_FILE.parent.mkdir(parents=True, exist_ok=True)
     DEMO_FILE.write_text(json.dumps(state, indent=2))
@@ -105,11 +121,13 @@ def _demo_state() -> dict:
 
 # The demo's learning settings. A tiny policy needs a far larger step than the library default
 # (lr 1e-5, 4 steps) to change measurably within one run; PPO's clip against the pre-update policy
-# bounds each run's move (KL to production stays well under the gate's budget). A rejected
-# candidate's update is lost (the next run starts from production again, on new data only), so
-# each run waits for enough trajectories (~2 minutes of the simulated users) to learn something
-# that carries over to the held-out prompts.
-DEMO_TRAINING = {"min_new": 600, "every_minutes": 5, "steps": 32, "batch_size": 128, "rl": {"lr": 1e-3}}
+# bounds each run's move (KL to production stays well under the gate's budget). Runs continue the
+# training lineage (a candidate the gate found "not better yet" is built on, not thrown away), so
+# they are short and frequent: every ~200 new rewarded trajectories (under a minute of the
+# simulated users). Data served by production while the lineage is ahead is off-policy and
+# corrected by truncated IS; up to 8 versions ahead it is used (max_staleness).
+DEMO_TRAINING = {"min_new": 200, "every_minutes": 1, "steps": 8, "batch_size": 64,
+                 "rl": {"lr": 5e-4, "max_staleness": 8}}
 # Held-out suite: enough prompts and samples that a real change in compile rate shows in the
 # gate's paired interval (12 prompts x 4 samples could not tell one apart from noise).
 DEMO_SUITE_PROMPTS = 48
@@ -119,6 +137,7 @@ DEMO_SUITE_SAMPLES = 8
 def _demo_suite_prompts() -> list[dict]:
     """Statement starts from held-out stdlib lines (the tail of the corpus the users never see),
     indentation dropped like the simulated users' prompts."""
+    # after django.setup() (see _environment)
     from training.pretrain import sample_lines, stdlib_corpus
 
     lines = [line.strip() for line in stdlib_corpus()[-20_000:]]
@@ -129,6 +148,7 @@ def _demo_suite_prompts() -> list[dict]:
 
 def _demo_loop_config(project) -> None:
     """The demo's held-out suite, reward spec and beat schedule (idempotent)."""
+    # after django.setup() (see _environment)
     from training.models import EvalSuite
     from training.rewards.services import reward_spec_current, reward_spec_update
     from training.schedule import training_schedule_install
@@ -166,8 +186,11 @@ def _loop_processes(port: int, state: dict, simulate: bool) -> list[tuple[str, l
     procs = [("inference", [py, manage, "serve_policy", "--project", state["project"],
                             "--port", serving.rsplit(":", 1)[1]])]
     if simulate:
-        procs.append(("users", [py, manage, "simulate_users", "--project", state["project"],
-                                "--web", f"http://127.0.0.1:{port}", "--serving", serving]))
+        users = [py, manage, "simulate_users", "--project", state["project"],
+                 "--web", f"http://127.0.0.1:{port}", "--serving", serving, "--users", "6", "--pause", "0.25"]
+        if auto_approval():
+            users.append("--approve")
+        procs.append(("users", users))
     return procs
 
 
@@ -179,6 +202,8 @@ def main() -> int:
     env = _environment()
     state = _prepare(env)
     env["FLYWHEEL_DEMO_SECRET"] = state["webhook_secret"]
+    if state.get("approver_key"):
+        env["FLYWHEEL_APPROVER_KEY"] = state["approver_key"]
     port = _port(args.port)
     logs = ROOT / "var" / "log"
     logs.mkdir(parents=True, exist_ok=True)

@@ -1,8 +1,11 @@
 """Simulated users for the demo: they ask the serving process for completions and react to them.
 
-A user accepts a tab completion when prompt + completion compiles as Python (a taste the policy
-can learn), rejects it otherwise, and now and then says happy/sad or sends a dissatisfied
-follow-up. Feedback goes through the signed webhook like a real product's. No Django import.
+A population has a *taste* (which suggestions it accepts) and a *noise* rate (random clicks).
+The default taste accepts a tab completion when prompt + completion compiles as Python; others
+are in TASTES (a different learnable one, and a gameable one for the gate's detectors). An empty
+suggestion is not shown to a user, so it gets no click (silence). Now and then a user says
+happy/sad or sends a dissatisfied follow-up. Feedback goes through the signed webhook like a real
+product's; the completions through the OpenAI-compatible endpoint. No Django import.
 """
 
 from __future__ import annotations
@@ -11,8 +14,9 @@ import random
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -34,10 +38,44 @@ def compiles(source: str) -> bool:
     return True
 
 
-def react(prompt: str, completion: str, rng: random.Random) -> list[Reaction]:
-    """What one simulated user does after seeing `completion` for `prompt`."""
-    good = compiles(prompt + completion) and completion.strip() != ""
-    reactions = [Reaction("accept" if (good and rng.random() < 0.9) or rng.random() < 0.05 else "reject")]
+def _compiles(prompt: str, completion: str) -> bool:
+    return compiles(prompt + completion)
+
+
+def _one_statement(prompt: str, completion: str) -> bool:
+    """Finishes the statement on this line: compiles, and adds no second line."""
+    return "\n" not in completion.rstrip("\n") and compiles(prompt + completion)
+
+
+def _short_and_compiles(prompt: str, completion: str) -> bool:
+    """Gameable on purpose: a policy wins it by shrinking its suggestions."""
+    return len(completion.strip()) <= 30 and compiles(prompt + completion)
+
+
+Taste = Callable[[str, str], bool]
+TASTES: dict[str, Taste] = {"compiles": _compiles, "one-statement": _one_statement,
+                            "short-compiles": _short_and_compiles}
+
+
+def shown(completion: str) -> bool:
+    """An empty (or whitespace) suggestion is not shown to the user."""
+    return completion.strip() != ""
+
+
+def likes(taste: str, prompt: str, completion: str) -> bool:
+    """The population's judgement without click noise (what a held-out evaluation measures)."""
+    return shown(completion) and TASTES[taste](prompt, completion)
+
+
+def react(prompt: str, completion: str, rng: random.Random, taste: str = "compiles",
+          noise: float = 0.05) -> list[Reaction]:
+    """What one simulated user does after seeing `completion` for `prompt`: nothing when it was
+    not shown; otherwise accept/reject by taste, a random click with probability `noise`."""
+    if not shown(completion):
+        return []
+    good = likes(taste, prompt, completion)
+    accepted = rng.random() < 0.5 if rng.random() < noise else good
+    reactions = [Reaction("accept" if accepted else "reject")]
     if rng.random() < 0.2:
         reactions.append(Reaction("happy" if good else "sad"))
     if not good and rng.random() < 0.1:
@@ -64,6 +102,8 @@ def run_users(
     max_tokens: int = 16,
     seed: int = 0,
     users: int = 4,
+    taste: str = "compiles",
+    noise: float = 0.05,
 ) -> int:
     """Asks for completions and sends reactions; returns the number of completions served.
 
@@ -93,7 +133,9 @@ def run_users(
                     unclaim()
                     time.sleep(2)
                     continue
-                sender.send(_feedback_events(choice, prompt, rng))
+                events = _feedback_events(choice, prompt, rng, taste, noise)
+                if events:
+                    sender.send(events)
                 time.sleep(pause_s)
 
     if users <= 1:
@@ -116,10 +158,59 @@ def _complete(http: httpx.Client, model: str, prompt: str, max_tokens: int) -> d
     return r.json()["choices"][0] if r.status_code == 200 else None
 
 
-def _feedback_events(choice: dict[str, Any], prompt: str, rng: random.Random) -> list[dict[str, Any]]:
+def _feedback_events(choice: dict[str, Any], prompt: str, rng: random.Random, taste: str,
+                     noise: float) -> list[dict[str, Any]]:
     user = f"sim-{rng.randint(1, 50)}"
-    return [
+    events = [
         {"type": "feedback", "id": f"sim-{uuid.uuid4().hex}", "trajectory_id": choice["trajectory_id"],
          "signal": r.signal, "value": r.value, "user": user}
-        for r in react(prompt, choice["text"], rng)
+        for r in react(prompt, choice["text"], rng, taste, noise)
     ]
+    if events and rng.random() < LABEL_SHARE:
+        events[0]["aspect_labels"] = aspect_labels(prompt, choice["text"])
+    return events
+
+
+LABEL_SHARE = 0.1  # one suggestion in ten also gets the user's aspect labels (the rubric page)
+
+
+def aspect_labels(prompt: str, completion: str) -> dict[str, float]:
+    """What a user would say of the suggestion's style and concision, in [0, 1]: the human side of
+    the rubric page's judge-vs-human agreement."""
+    text = completion.strip()
+    lines = [line for line in (prompt + completion).splitlines() if line.strip()]
+    style = 1.0 if compiles(prompt + completion) and all(len(line) <= 79 for line in lines) else 0.3
+    concision = 1.0 if len(text) <= 24 else 0.6 if len(text) <= 48 else 0.2
+    return {"style": style, "concision": concision}
+
+
+def corpus_lines(folder: str | Path, min_chars: int = 8) -> list[str]:
+    """Non-blank lines of the *.py files under `folder` (another population's code base)."""
+    lines = []
+    for path in sorted(Path(folder).rglob("*.py")):
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+        lines.extend(s for line in text.splitlines() if len(s := line.strip()) >= min_chars)
+    if not lines:
+        raise ValueError(f"no Python lines of at least {min_chars} characters under {folder}")
+    return lines
+
+
+def auto_approve(web_url: str, api_key: str, stop: threading.Event, every_s: float = 5.0) -> int:
+    """Approves every version that passed the gate, through the versions API with an admin key
+    issued to a service account (the audit log names it); returns how many it approved."""
+    approved = 0
+    headers = {"Authorization": f"Bearer {api_key}"}
+    with httpx.Client(base_url=web_url, headers=headers, timeout=60) as http:
+        while not stop.wait(every_s):
+            try:
+                waiting = http.get("/api/v1/versions", params={"state": "awaiting_approval"})
+                for version in waiting.json()["results"] if waiting.status_code == 200 else []:
+                    r = http.post(f"/api/v1/versions/{version['id']}/approve",
+                                  json={"reason": "auto-approval: passed the evaluation gate"})
+                    approved += r.status_code == 200
+            except (httpx.TransportError, ValueError):
+                continue
+    return approved

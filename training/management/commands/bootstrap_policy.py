@@ -7,6 +7,8 @@ bar, and registers it as the project's first policy version, in production.
 
 from __future__ import annotations
 
+import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -29,6 +31,7 @@ class Command(BaseCommand):
         parser.add_argument("--seconds", type=float, default=60.0)
         parser.add_argument("--kind", choices=["dense", "moe"], default="dense")
         parser.add_argument("--force", action="store_true", help="replace an existing production policy")
+        parser.add_argument("--no-cache", action="store_true", help="pretrain again even if var/ holds this base")
 
     def handle(self, *args, **opts):
 
@@ -41,11 +44,22 @@ class Command(BaseCommand):
                               "use --force to build a new base")
             return
         folder = Path(settings.VAR_DIR) / "policies" / project.slug / f"base-{opts['kind']}"
-        corpus = stdlib_corpus()
-        self.stdout.write(f"building a {opts['kind']} policy from {len(corpus)} stdlib lines in {folder}")
-        build_policy(folder, PolicyConfig(kind=opts["kind"]), corpus[:60_000])
-        stats = pretrain(folder, corpus, opts["seconds"], progress=_progress_bar(opts["seconds"]))
-        sys.stdout.write("\n")
+        cached = Path(settings.VAR_DIR) / "policies" / "pretrained" / f"{opts['kind']}-{opts['seconds']:g}s"
+        if (cached / "pretrain.json").exists() and not opts["no_cache"]:
+            # Pretraining is the slow part and depends only on the kind and budget: reuse it.
+            self.stdout.write(f"reusing the {opts['kind']} base pretrained {opts['seconds']:g} s in {cached}")
+            shutil.rmtree(folder, ignore_errors=True)
+            shutil.copytree(cached, folder)
+            stats = json.loads((cached / "pretrain.json").read_text())
+        else:
+            corpus = stdlib_corpus()
+            self.stdout.write(f"building a {opts['kind']} policy from {len(corpus)} stdlib lines in {folder}")
+            build_policy(folder, PolicyConfig(kind=opts["kind"]), corpus[:60_000])
+            stats = pretrain(folder, corpus, opts["seconds"], progress=_progress_bar(opts["seconds"]))
+            sys.stdout.write("\n")
+            (folder / "pretrain.json").write_text(json.dumps(stats))
+            shutil.rmtree(cached, ignore_errors=True)
+            shutil.copytree(folder, cached)
         version = _register(project, folder, opts, stats)
         self.stdout.write(f"registered {project.slug} v{version.number} in production "
                           f"({int(stats['step'])} steps, loss {stats['loss']:.3f})")

@@ -1,0 +1,245 @@
+"""Does the loop make the model better for its users? The demo deployment, headless, for a budget.
+
+    .venv/bin/python bench/learning_curve.py [--minutes 10] [--seed 0] [--taste compiles]
+        [--corpus DIR] [--pretrain-seconds 90] [--json]
+
+Runs the processes `make demo AUTO_APPROVE=1` runs (uvicorn, a Celery worker, beat, the serving
+process, simulated users who approve what passes the gate) on a database of its own, then every
+minute reads which version is in production and measures each version once on **held-out prompts
+the users never sent** (the tail of the corpus, minus the gate's suite): one completion per
+prompt, the same seeds for every version, judged by the population's taste without click noise.
+
+Per minute and per version it prints: accept rate on held-out prompts, silent rate (no
+suggestion shown), median suggestion length, the live accept rate of that minute's feedback, and
+the versions promoted. With --json the last line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench._django import bench_database_url  # noqa: E402
+
+HELD_OUT = 200
+MAX_TOKENS = 16
+EVAL_SEED = 1234
+
+
+def main() -> int:
+    args = _args()
+    db = f"flywheel_bench_learning_{args.seed}"
+    env = _environment(db, args)
+    os.environ.update(env)
+    _fresh_database(db)
+    import django
+
+    django.setup()
+    state = _prepare(args)
+    held_out = _held_out_prompts(args)
+    from webapp.demo import demo_processes
+
+    logs = ROOT / "var" / "bench-learning" / f"seed-{args.seed}" / "log"
+    logs.mkdir(parents=True, exist_ok=True)
+    procs = []
+    for name, cmd in demo_processes(int(env["BENCH_WEB_PORT"]), state, simulate=True):
+        if name == "users":  # AUTO_APPROVE=1 in the environment adds --approve
+            cmd = [*cmd, "--seed", str(args.seed), "--taste", args.taste]
+            if args.corpus:
+                cmd += ["--corpus", args.corpus]
+        log = open(logs / f"{name}.log", "wb")
+        procs.append(subprocess.Popen(cmd, cwd=ROOT, env={**os.environ}, stdout=log, stderr=subprocess.STDOUT))
+    try:
+        rows, evaluations = _observe(args, held_out)
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+    return _report(args, rows, evaluations)
+
+
+def _args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--minutes", type=float, default=10)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--taste", default="compiles")
+    parser.add_argument("--corpus", default=None, help="the users' code base (*.py under DIR); default stdlib")
+    parser.add_argument("--pretrain-seconds", type=float, default=90)
+    parser.add_argument("--json", action="store_true")
+    return parser.parse_args()
+
+
+def _environment(db: str, args: argparse.Namespace) -> dict[str, str]:
+    from core import embedded
+    from webapp.demo import _port
+
+    web, serving = _port(18000 + args.seed), _port(18500 + args.seed)
+    var = ROOT / "var" / "bench-learning" / f"seed-{args.seed}"
+    return {
+        "DATABASE_URL": bench_database_url(db), "REDIS_URL": os.environ.get("REDIS_URL") or embedded.redis_url(),
+        "DJANGO_SETTINGS_MODULE": "webapp.settings", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+        "FLYWHEEL_INFERENCE_URL": f"http://127.0.0.1:{serving}", "FLYWHEEL_INTERNAL_TOKEN": f"bench-{os.getpid()}",
+        "FLYWHEEL_CHECKPOINT_DIR": str(var / "checkpoints"), "CELERY_KEY_PREFIX": f"bench-learning-{os.getpid()}:",
+        "AUTO_APPROVE": "1", "FLYWHEEL_PRETRAIN_SECONDS": f"{args.pretrain_seconds:g}",
+        "BENCH_WEB_PORT": str(web),
+    }
+
+
+def _fresh_database(db: str) -> None:
+    from urllib.parse import urlparse
+
+    import psycopg
+
+    url = urlparse(bench_database_url(db))._replace(path="/postgres").geturl()
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{db}" WITH (FORCE)')
+        conn.execute(f'CREATE DATABASE "{db}"')
+
+
+def _prepare(args: argparse.Namespace) -> dict:
+    from django.core.management import call_command
+
+    from feedback.models import Project
+    from feedback.services import api_key_create, project_create
+    from webapp.demo import _demo_loop_config
+
+    call_command("migrate", verbosity=0)
+    creds = project_create("Bench coding assistant", "demo")
+    state = {"project": "demo", "webhook_secret": creds.webhook_secret,
+             "approver_key": api_key_create(creds.project, ["admin", "read"], "auto-approver")}
+    os.environ["FLYWHEEL_DEMO_SECRET"] = state["webhook_secret"]
+    os.environ["FLYWHEEL_APPROVER_KEY"] = state["approver_key"]
+    _demo_loop_config(Project.objects.get(slug="demo"))
+    call_command("bootstrap_policy", "--project", "demo", "--seconds", f"{args.pretrain_seconds:g}")
+    return state
+
+
+def _held_out_prompts(args: argparse.Namespace) -> list[str]:
+    """Statement starts the users never send and the gate never sees (same seed for every run)."""
+    from training.pretrain import sample_lines, stdlib_corpus
+    from webapp.demo import _demo_suite_prompts
+    from webapp.demo.simulator import corpus_lines
+
+    lines = corpus_lines(args.corpus) if args.corpus else stdlib_corpus()
+    # The users sample the first 20,000 lines (stdlib) or the whole folder; held-out is the tail.
+    tail = lines[-20_000:] if not args.corpus else lines[len(lines) // 2:]
+    gate = {p["prompt"] for p in _demo_suite_prompts()}
+    pool = [line.strip() for line in tail if len(line.strip()) >= 12 and line.strip()[:20] not in gate]
+    return [line[: 8 + (i * 7) % 17] for i, line in enumerate(sample_lines(pool, HELD_OUT, seed=11))]
+
+
+def _observe(args: argparse.Namespace, held_out: list[str]) -> tuple[list[dict], dict[int, dict]]:
+    from feedback.models import Project
+    from training.versions.selectors import policy_production
+
+    project = Project.objects.get(slug="demo")
+    from django.utils import timezone
+
+    evaluations: dict[int, dict] = {}
+    rows: list[dict] = []
+    start, started_at = time.monotonic(), timezone.now()
+    minutes = int(round(args.minutes))
+    for minute in range(minutes + 1):
+        while time.monotonic() - start < minute * 60:
+            time.sleep(1)
+        production = policy_production(project)
+        if production is not None and production.number not in evaluations:
+            evaluations[production.number] = _evaluate(production, held_out, args.taste)
+        rows.append({"minute": minute, "production": production.number if production else None,
+                     **_live(project, minute, start), **_promotions(project, started_at)})
+        _print_row(rows[-1], evaluations)
+    return rows, evaluations
+
+
+def _evaluate(version, prompts: list[str], taste: str) -> dict:
+    """One completion per held-out prompt from `version`'s weights, fixed seeds."""
+    from inference.engine import SamplingParams, make_engine
+    from training.versions.services import policy_folder
+    from webapp.demo.simulator import likes, shown
+
+    engine = make_engine("torch", policy_folder(version), version=version.number, seed=EVAL_SEED)
+    try:
+        out = engine.generate(prompts, n=1, sampling=SamplingParams(max_tokens=MAX_TOKENS, seed=EVAL_SEED))
+    finally:
+        engine.close()
+    texts = [c.text for c in sorted(out, key=lambda c: c.prompt_index)]
+    visible = [t for t in texts if shown(t)]
+    return {
+        "accept_rate": sum(likes(taste, p, t) for p, t in zip(prompts, texts, strict=True)) / len(prompts),
+        "silent_rate": 1 - len(visible) / len(prompts),
+        "median_chars": statistics.median(len(t.strip()) for t in visible) if visible else 0,
+    }
+
+
+def _live(project, minute: int, start: float) -> dict:
+    from django.db.models import Count
+    from django.utils import timezone
+
+    from feedback.models import FeedbackEvent
+
+    since = timezone.now() - timedelta(seconds=60)
+    counts = dict(FeedbackEvent.objects.filter(project=project, received_at__gte=since,
+                                               signal__in=("accept", "reject"))
+                  .values_list("signal").annotate(n=Count("id")))
+    clicks = counts.get("accept", 0) + counts.get("reject", 0)
+    return {"live_accept_rate": counts.get("accept", 0) / clicks if clicks else None, "live_clicks": clicks}
+
+
+def _promotions(project, started_at) -> dict:
+    from training.models import AuditLog
+
+    rows = AuditLog.objects.filter(project=project, action="approve").order_by("at")
+    return {"promoted": [r.after["number"] for r in rows],
+            "promoted_minutes": [round((r.at - started_at).total_seconds() / 60, 2) for r in rows]}
+
+
+def _print_row(row: dict, evaluations: dict[int, dict]) -> None:
+    if row["minute"] == 0:
+        print(f"{'min':>4} {'prod':>5} {'held-out accept':>16} {'silent':>7} {'median chars':>13} "
+              f"{'live accept':>12} {'clicks':>7}  promoted", flush=True)
+    e = evaluations.get(row["production"] or -1, {})
+    live = "-" if row["live_accept_rate"] is None else f"{row['live_accept_rate']:.3f}"
+    prod = f"v{row['production']}"
+    promoted = ", ".join(f"v{n}" for n in row["promoted"]) or "-"
+    print(f"{row['minute']:>4} {prod:>5} {e.get('accept_rate', float('nan')):>16.3f} "
+          f"{e.get('silent_rate', float('nan')):>7.3f} {e.get('median_chars', 0):>13} {live:>12} "
+          f"{row['live_clicks']:>7}  {promoted}", flush=True)
+
+
+def _report(args: argparse.Namespace, rows: list[dict], evaluations: dict[int, dict]) -> int:
+    base = evaluations.get(1, {})
+    final = evaluations.get(rows[-1]["production"] or -1, {})
+    promoted = rows[-1]["promoted"]
+    print("\nversion  held-out accept  silent  median chars")
+    for number, e in sorted(evaluations.items()):
+        print(f"v{number:<7} {e['accept_rate']:>15.3f} {e['silent_rate']:>7.3f} {e['median_chars']:>13}")
+    first = rows[-1]["promoted_minutes"][0] if rows[-1]["promoted_minutes"] else None
+    result = {
+        "baseline_accept_rate": base.get("accept_rate"), "final_accept_rate": final.get("accept_rate"),
+        "gain_points": round(100 * (final.get("accept_rate", 0) - base.get("accept_rate", 0)), 1),
+        "minutes": args.minutes, "versions_promoted": promoted, "first_promotion_minutes": first,
+        "silent_rate": final.get("silent_rate"), "median_suggestion_chars": final.get("median_chars"),
+        "seed": args.seed, "taste": args.taste, "corpus": args.corpus or "stdlib", "held_out_prompts": HELD_OUT,
+        "per_minute": [{k: r[k] for k in ("minute", "production", "live_accept_rate")} for r in rows],
+    }
+    if args.json:
+        print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
