@@ -14,11 +14,15 @@ import platform
 import shutil
 import signal
 import socket
+import sys
+import sysconfig
+import tempfile
 import time
 from pathlib import Path
 
 import pytest
 
+from training.rewards import sandbox
 from training.rewards.checks import CheckResult, make_check
 from training.rewards.sandbox import BWRAP_ENV, SandboxLimits, SandboxUnavailable, run_script, spawn
 
@@ -123,9 +127,50 @@ for module in ("django", "torch", "training"):
 print("uid", os.getuid(), os.getgid())
 """)
     root = ast.literal_eval(out.splitlines()[0])
-    assert not {"etc", "proc", "sys", "home", "work", "var", "run"} & set(root)
+    extra = {"etc", "proc", "sys", "home", "work", "var", "run"} & set(root)
+    assert not extra, f"{sorted(extra)} in the sandbox's root {root}; bwrap {sandbox._bwrap_args(SandboxLimits(), None)}"
     assert "READ" not in out and "IMPORTED" not in out
     assert "uid 65534 65534" in out
+
+
+def test_what_is_mounted_does_not_depend_on_what_the_worker_did_before(monkeypatch, tmp_path):
+    """A worker runs other code first (vLLM's CPU platform sets LD_PRELOAD to torch's libgomp in the
+    venv, and the first sandbox fixes the mounts for the process): none of it may reach the root."""
+    clean = sandbox._interpreter.__wrapped__()
+    listing = "import os\nprint(sorted(os.listdir('/')))\n"
+    clean_root = script(listing)
+    libs, dynload, bin_ = tmp_path / "lib", tmp_path / "x" / "lib-dynload", tmp_path / "bin"
+    for folder in (libs, dynload, bin_):
+        folder.mkdir(parents=True)
+    linked = [a for a in clean[1] if ".so" in os.path.basename(a) and os.path.isfile(a)]
+    for lib in linked:
+        shutil.copy(lib, libs / os.path.basename(lib))
+    shutil.copy(linked[-1], dynload / "_evil.so")
+    (bin_ / "ldd").write_text('#!/bin/sh\necho "\tlibevil.so => /etc/passwd (0x0)"\n')
+    (bin_ / "ldd").chmod(0o755)
+    monkeypatch.setenv("LD_PRELOAD", str(libs / os.path.basename(linked[-1])))
+    monkeypatch.setenv("LD_LIBRARY_PATH", str(libs))
+    monkeypatch.setenv("PATH", f"{bin_}:{os.environ['PATH']}")
+    for name in ("TMPDIR", "HOME", "PYTHONHOME", "PYTHONPATH"):
+        monkeypatch.setenv(name, str(tmp_path))
+    monkeypatch.syspath_prepend(str(dynload))
+    monkeypatch.setitem(sysconfig.get_config_vars(), "installed_base", str(tmp_path))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    assert sandbox._interpreter.__wrapped__() == clean
+    sandbox._interpreter.cache_clear()  # as in a worker whose first sandbox comes after all that
+    try:
+        assert script(listing) == clean_root
+    finally:
+        sandbox._interpreter.cache_clear()
+
+
+def test_nothing_from_the_project_or_the_venv_is_ever_mounted():
+    venv = [os.path.join(sys.prefix, "lib", "libgomp.so.1")] if sys.prefix != sys.base_prefix else []
+    for path in (str(SETTINGS), *venv):
+        with pytest.raises(SandboxUnavailable, match="inside the project or its venv"):
+            sandbox._refuse_private_paths(["--ro-bind", path, path])
+    sandbox._refuse_private_paths(["--ro-bind", "/usr/lib/libc.so.6", "/usr/lib/libc.so.6"])
 
 
 def test_a_completion_cannot_read_the_projects_settings():

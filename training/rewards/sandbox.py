@@ -6,7 +6,9 @@ What the code inside gets (`_bwrap_args`):
   namespace's PID 1, so when it ends, everything it might have left behind ends with it;
 - a read-only root holding only the base interpreter, its stdlib (site-/dist-packages masked
   by an empty read-only tmpfs), the shared libraries they link (found with `ldd`), a minimal
-  /dev and `_harness.py`: no project tree, no venv, no /etc, no /proc, no /sys;
+  /dev and `_harness.py`: no project tree, no venv, no /etc, no /proc, no /sys; the same root
+  whatever the worker's process did before (its environment, sys.path, sysconfig, cwd): the
+  layout comes from an isolated run of the base interpreter and ldd runs in an empty environment;
 - a private tmpfs work dir (/sandbox/work, `disk_mb` big), an empty environment but HOME/TMPDIR/PATH/LANG;
 - a seccomp filter (x86_64, aarch64) refusing new processes (threads are fine), ptrace,
   process_vm_*, bpf, userfaultfd, io_uring, perf_event_open, keyrings, mount/namespace calls,
@@ -40,7 +42,6 @@ import signal
 import struct
 import subprocess
 import sys
-import sysconfig
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
@@ -93,35 +94,70 @@ def bwrap_path() -> str:
 _UNNEEDED_MODULES = {"_tkinter", "readline", "_curses", "_curses_panel", "nis", "_dbm", "_gdbm", "_crypt", "_ssl"}
 
 
+# Run by the base interpreter itself, isolated (-I: no PYTHON* variables, no user site, no cwd on
+# sys.path; -S: no site, so no .pth files) with an empty environment in "/": its answer depends on
+# the binary and the file system only, and is the layout the interpreter finds inside (same flags).
+_LAYOUT_PROBE = """\
+import json, os, sys, sysconfig
+print(json.dumps({"executable": sys.executable, "venv": sys.prefix != sys.base_prefix,
+                  "stdlib": sysconfig.get_path("stdlib"),
+                  "dynload": [p for p in sys.path if os.path.basename(p) == "lib-dynload"]}))
+"""
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+
+
 @functools.cache
 def _interpreter() -> tuple[str, tuple[str, ...]]:
-    """(the base interpreter's real path, bwrap args that make it and its stdlib run inside)."""
-    exe = os.path.realpath(getattr(sys, "_base_executable", "") or sys.executable)  # not the venv's
-    stdlib = os.path.realpath(sysconfig.get_path("stdlib"))
-    dynload = next((p for p in sys.path if os.path.basename(p) == "lib-dynload" and os.path.isdir(p)),
-                   os.path.join(stdlib, "lib-dynload"))
+    """(the base interpreter's real path, bwrap args that make it and its stdlib run inside).
+
+    Cached per process, so nothing the worker's process did before its first sandbox (environment
+    variables such as LD_PRELOAD, which vLLM's CPU platform sets to torch's libgomp in the venv, PATH,
+    sys.path, sysconfig, the cwd) may decide it: the layout comes from a fresh isolated run of the
+    base interpreter, and ldd runs from /bin or /usr/bin in an empty environment."""
+    exe, stdlib, dynload = _layout()
     args: list[str] = ["--ro-bind", stdlib, stdlib]
     for name in ("site-packages", "dist-packages"):  # third-party code stays outside
         if os.path.isdir(os.path.join(stdlib, name)):
             masked = os.path.join(stdlib, name)
             args += ["--size", "4096", "--tmpfs", masked, "--remount-ro", masked]
-    if not os.path.realpath(dynload).startswith(stdlib + os.sep):
-        args += ["--ro-bind", os.path.realpath(dynload), os.path.realpath(dynload)]
+    if not dynload.startswith(stdlib + os.sep):
+        args += ["--ro-bind", dynload, dynload]
     modules = [m for m in sorted(glob.glob(os.path.join(dynload, "*.so")))
                if os.path.basename(m).split(".")[0] not in _UNNEEDED_MODULES]
     for path in [exe, *_shared_libraries([exe, *modules])]:
         args += [a for step in _path_mounts(path) for a in step]
+    _refuse_private_paths(args)
     return exe, tuple(_dedupe(args))
 
 
+def _layout() -> tuple[str, str, str]:
+    """(interpreter, stdlib, lib-dynload), real paths, as the base interpreter reports them when run isolated."""
+    # The one input taken from this process: which binary the venv (if any) was made from.
+    exe = os.path.realpath(getattr(sys, "_base_executable", "") or sys.executable)
+    try:
+        run = subprocess.run([exe, "-I", "-S", "-c", _LAYOUT_PROBE], capture_output=True, text=True,
+                             timeout=60, env={}, cwd="/")
+        layout = json.loads(run.stdout)
+    except (OSError, subprocess.SubprocessError, ValueError) as exc:
+        raise SandboxUnavailable(f"the base interpreter {exe} could not report its layout: {exc}") from exc
+    if layout["venv"] or os.path.realpath(layout["executable"]) != exe:
+        raise SandboxUnavailable(f"{exe} is not a base interpreter (it reports {layout['executable']}, "
+                                 f"venv: {layout['venv']}): the sandbox runs the base interpreter only")
+    stdlib = os.path.realpath(layout["stdlib"])
+    dynload = next((os.path.realpath(p) for p in layout["dynload"] if os.path.isdir(p)),
+                   os.path.join(stdlib, "lib-dynload"))
+    return exe, stdlib, dynload
+
+
 def _shared_libraries(files: Sequence[str]) -> list[str]:
-    ldd = shutil.which("ldd")
+    # /bin or /usr/bin only (not the worker's PATH), an empty environment (the worker's LD_PRELOAD or
+    # LD_LIBRARY_PATH would add or resolve libraries into the venv and mount it, and /work, inside),
+    # from "/": which libraries ld.so finds is then a property of the files alone.
+    ldd = shutil.which("ldd", path=os.defpath)
     if ldd is None:
         raise SandboxUnavailable("ldd is not installed: the sandbox cannot tell which libraries Python needs")
-    # A clean environment: a worker's LD_LIBRARY_PATH (which torch or vLLM may set in-process)
-    # would otherwise resolve libraries into the venv and mount it (and /work) inside.
     lines = subprocess.run([ldd, *files], capture_output=True, text=True, timeout=60,
-                           env={"PATH": os.defpath}).stdout.splitlines()
+                           env={"PATH": os.defpath}, cwd="/").stdout.splitlines()
     found = []
     for line in (ln.strip() for ln in lines):
         target = (line.split("=>", 1)[1] if "=>" in line else line).strip().split(" (", 1)[0]
@@ -130,10 +166,22 @@ def _shared_libraries(files: Sequence[str]) -> list[str]:
     return found
 
 
+def _refuse_private_paths(args: Sequence[str]) -> None:
+    """A last check: nothing from the project tree or the venv is ever mounted, whatever put it there."""
+    private = {str(PROJECT_ROOT)}
+    if sys.prefix != sys.base_prefix:
+        private |= {os.path.abspath(sys.prefix), os.path.realpath(sys.prefix)}
+    for arg in args:
+        if any(arg == top or arg.startswith(top + os.sep) for top in private):
+            raise SandboxUnavailable(f"the sandbox would mount {arg}, inside the project or its venv: refusing")
+
+
 def _path_mounts(path: str) -> list[tuple[str, ...]]:
     """bwrap args that make `path` resolve inside as outside: each symlink on the way, then the file."""
+    if not os.path.isabs(path):  # never resolved against the worker's cwd
+        raise SandboxUnavailable(f"not an absolute path: {path!r}")
     steps: list[tuple[str, ...]] = []
-    path = os.path.abspath(path)
+    path = os.path.normpath(path)
     for _ in range(40):
         parts = Path(path).parts
         for i in range(2, len(parts) + 1):
