@@ -217,8 +217,10 @@ def pretrain(
     seq_len: int = 128,
     lr: float = 3e-3,
     seed: int = 0,
+    max_steps: int | None = None,
 ) -> dict[str, float]:
-    """Next-token pretraining of the policy in `folder` for at most `seconds` wall time.
+    """Next-token pretraining of the policy in `folder` for at most `seconds` wall time (and at
+    most `max_steps` steps when given: a test needs a step count, not a machine's speed).
 
     Saves the weights back into `folder` (HF format) and returns the final stats. `progress`
     is called after every step with {"step", "loss", "elapsed", "seconds", "tokens"}.
@@ -231,7 +233,7 @@ def pretrain(
     gen = torch.Generator().manual_seed(seed)
     stats = {"step": 0.0, "loss": math.nan, "elapsed": 0.0, "seconds": seconds, "tokens": 0.0}
     start = time.monotonic()
-    while time.monotonic() - start < seconds:
+    while time.monotonic() - start < seconds and (max_steps is None or stats["step"] < max_steps):
         batch = _random_windows(ids, batch_size, seq_len, gen)  # (B, T)
         loss = model(input_ids=batch, labels=batch).loss
         opt.zero_grad(set_to_none=True)
