@@ -73,7 +73,11 @@ def deploy_hook(version: PolicyVersion) -> DeployTarget:
     except Exception as exc:  # noqa: BLE001 - the decision is committed; the server catches up on restart
         # The serving process reads serving_target() when it starts, so nothing is lost; the
         # dashboard shows the failure so a person can act.
-        log.exception("deploy of project %s failed", version.project_id)
+        if isinstance(exc, httpx.TransportError):  # the serving process is not up (yet): expected, no trace
+            log.warning("deploy of project %s not delivered (%s); the serving process reads the target when it "
+                        "starts", version.project_id, exc)
+        else:
+            log.exception("deploy of project %s failed", version.project_id)
         project_event(version.project_id, {"type": "deploy_failed", "error": f"{type(exc).__name__}: {exc}",
                                            **target.as_dict()})
     return target
