@@ -160,7 +160,7 @@ def _observe(args: argparse.Namespace, held_out: list[str]) -> tuple[list[dict],
         if production is not None and production.number not in evaluations:
             evaluations[production.number] = _evaluate(production, held_out, args.taste)
         rows.append({"minute": minute, "production": production.number if production else None,
-                     **_live(project, minute, start), **_promotions(project, started_at)})
+                     **_live(project), **_promotions(project, started_at)})
         _print_row(rows[-1], evaluations)
     return rows, evaluations
 
@@ -185,7 +185,7 @@ def _evaluate(version, prompts: list[str], taste: str) -> dict:
     }
 
 
-def _live(project, minute: int, start: float) -> dict:
+def _live(project) -> dict:
     from django.db.models import Count
     from django.utils import timezone
 

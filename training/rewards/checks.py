@@ -239,7 +239,7 @@ class PythonCompiles(_SandboxCheck):
         deadline = time.monotonic() + self.limits.wall_s
         result_r, result_w = os.pipe()
         try:
-            box = spawn("compile_many", {"source": "", "sources": sources}, self.limits, fds=(result_w,))
+            box = spawn("compile_many", {"sources": sources}, self.limits, fds=(result_w,))
         finally:
             os.close(result_w)
         try:

@@ -175,7 +175,8 @@ def prepare_batch(
 # ---------------------------------------------------------------------------------- log-probs
 
 def _gather_logprobs(logits: torch.Tensor, ids: torch.Tensor, chunk_rows: int = 1024) -> torch.Tensor:
-    """log softmax(logits)[ids] without materialising the (N, V) log-softmax at once.
+    """log softmax(logits)[ids] without materialising the (N, V) log-softmax at once: the
+    plain-torch reference that kernels.logprobs.selective_log_softmax is tested against.
 
     logits: (..., V), ids: (...) -> (...) float32. Chunks over rows bound the float32 copy.
     """
@@ -189,13 +190,9 @@ def _gather_logprobs(logits: torch.Tensor, ids: torch.Tensor, chunk_rows: int = 
     return torch.cat(parts).reshape(ids.shape)
 
 
-def _selective(logits: torch.Tensor, ids: torch.Tensor, chunk_rows: int) -> torch.Tensor:
-    return selective_log_softmax(logits, ids).float()
-
-
-def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, chunk_rows: int = 1024) -> torch.Tensor:
+def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
     """(B, T) log-prob of token t given tokens < t; column 0 (no context) is 0."""
-    picked = _selective(logits[:, :-1], input_ids[:, 1:], chunk_rows)  # (B, T-1)
+    picked = selective_log_softmax(logits[:, :-1], input_ids[:, 1:]).float()  # (B, T-1)
     return nn.functional.pad(picked, (1, 0))  # (B, T)
 
 
@@ -240,7 +237,7 @@ def compute_logprobs(model: nn.Module, batch: Batch, cfg: RLConfig, replay: bool
     use_replay = cfg.router_replay if replay is None else replay
     if not cfg.batch_invariant:
         logits, _ = _forward_logits(model, batch, use_replay and batch.routing is not None)
-        return token_logprobs(logits, batch.input_ids, cfg.logprob_chunk_size)
+        return token_logprobs(logits, batch.input_ids)
     with batch_invariant_mode(model):
         logits, _ = _forward_logits(model, batch, use_replay and batch.routing is not None)
         return exact_token_logprobs(logits, batch.input_ids, cfg.logprob_chunk_size)
@@ -272,7 +269,7 @@ def _micro_loss(
 ) -> tuple[LossOutputs, ReplayStats]:
     replay = cfg.router_replay and mb.routing is not None
     logits, stats = _forward_logits(model, mb, replay)  # (b, T, V)
-    logprobs = token_logprobs(logits, mb.input_ids, cfg.logprob_chunk_size)  # (b, T)
+    logprobs = token_logprobs(logits, mb.input_ids)  # (b, T)
     # One update per batch: the pre-update forward *is* this forward, so pi_old = detached pi_theta.
     old = mb.old_logprobs if mb.old_logprobs is not None else logprobs.detach()
     ref = None
@@ -280,7 +277,7 @@ def _micro_loss(
         # No replay here: the KL is to the reference policy as it would act, with its own routing.
         with torch.no_grad():
             ref_logits = ref_model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits
-            ref = token_logprobs(ref_logits, mb.input_ids, cfg.logprob_chunk_size)
+            ref = token_logprobs(ref_logits, mb.input_ids)
     inputs = LossInputs(
         logprobs=logprobs,
         old_logprobs=old,

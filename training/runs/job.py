@@ -25,7 +25,7 @@ from training.models import Reward, RewardSpec, TrainingRun
 from training.rewards.selectors import rewarded_trajectories_since
 from training.rl.advantages import RunningBaseline
 from training.rl.config import RLConfig
-from training.rl.trainer import Batch, Sample, compute_logprobs, prepare_batch, rl_step
+from training.rl.trainer import Batch, Sample, compute_logprobs, filter_stale, prepare_batch, rl_step
 from training.runs.selectors import training_run_last
 from training.versions.selectors import policy_get
 from training.versions.services import policy_folder
@@ -48,12 +48,14 @@ def run(run: TrainingRun, folder: Path, on_step: StepCallback) -> dict[str, Any]
     pad_id = _pad_id(tokenizer)
     model = setup_model(base_dir)
     samples = setup_samples(run, tokenizer)
+    recorded = [s for s in samples if s.behaviour_logprobs is not None]  # mu as served, not recomputed
     unknown_mu = fill_behaviour_logprobs(run, samples, model, cfg, pad_id)
     baseline = setup_baseline(run, cfg)
     batch = prepare_batch(samples, run.base_version.number, cfg, pad_id, baseline)
     # pi_old is the pre-update policy for every step of the run (PPO's clip is against it).
     batch.old_logprobs = _chunked_logprobs(model, batch, cfg)
-    fresh = fresh_mismatch_kl(model, samples, run.base_version.number, cfg, pad_id)
+    kept, _ = filter_stale(samples, run.base_version.number, cfg.max_staleness)  # the batch's rows, in order
+    fresh = fresh_mismatch_kl(batch, kept, recorded, run.base_version.number)
     ref_model = setup_model(base_dir).eval() if cfg.beta > 0 else None
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     steps, size = steps_of(run), int(run.config["batch_size"])
@@ -181,26 +183,20 @@ def fill_behaviour_logprobs(
     return unknown
 
 
-FRESH_CHECK_SAMPLES = 256
+def fresh_mismatch_kl(batch: Batch, rows: Sequence[Sample], recorded: Sequence[Sample], base: int) -> dict[str, Any]:
+    """Token-mean k3 KL(mu || pi_old) over the rows served by the base weights themselves with their
+    recorded mu: the train/inference agreement invariant (~0 in fp32; a large value is a bug such
+    as scoring in the wrong context, not off-policy drift). None when no such row came.
 
-
-def fresh_mismatch_kl(
-    model: PreTrainedModel, samples: Sequence[Sample], base: int, cfg: RLConfig, pad_id: int
-) -> dict[str, Any]:
-    """Token-mean k3 KL(mu || pi) on samples served by the base weights themselves, at the base
-    weights: the train/inference agreement invariant (~0 in fp32; a large value is a bug such as
-    scoring in the wrong context, not off-policy drift). None when no such sample came."""
-    fresh = [s for s in samples if s.policy_version == base and s.behaviour_logprobs is not None]
-    fresh = fresh[-FRESH_CHECK_SAMPLES:]
-    if not fresh:
+    pi_old (batch.old_logprobs) is the base weights' forward already done for the clip."""
+    served = {id(s) for s in recorded}
+    fresh = torch.tensor([s.policy_version == base and id(s) in served for s in rows])  # (B,)
+    if not bool(fresh.any()):
         return {"fresh_mismatch_kl": None, "fresh_samples": 0}
-    batch = Batch.from_samples(fresh, pad_id, torch.zeros(len(fresh)))
-    with torch.no_grad():
-        pi = _chunked_logprobs(model, batch, cfg)  # (B, T)
-    mask = batch.behaviour_mask & batch.completion_mask
-    log_ratio = torch.where(mask, batch.behaviour_logprobs - pi, 0.0)  # log mu - log pi
+    mask = batch.behaviour_mask & batch.completion_mask & fresh[:, None]  # (B, T)
+    log_ratio = torch.where(mask, batch.behaviour_logprobs - batch.old_logprobs, 0.0)  # log mu - log pi
     k3 = torch.exp(-log_ratio) - 1 + log_ratio  # (B, T)  KL(mu || pi) estimator under mu
-    return {"fresh_mismatch_kl": float(k3[mask].mean()), "fresh_samples": len(fresh)}
+    return {"fresh_mismatch_kl": float(k3[mask].mean()), "fresh_samples": int(fresh.sum())}
 
 
 def _behaviour_model(run: TrainingRun, number: int | None, current: PreTrainedModel) -> PreTrainedModel | None:

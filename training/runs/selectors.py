@@ -7,8 +7,8 @@ from datetime import datetime
 from django.db.models import Max, QuerySet
 
 from feedback.models import Project
-from training.models import AuditLog, GateReport, PolicyVersion, TrainingRun, TrainingStep
-from training.versions.selectors import policy_production
+from training.models import AuditLog, PolicyVersion, TrainingRun, TrainingStep
+from training.versions.selectors import latest_report, policy_production
 
 ACTIVE_RUN_STATES = ("queued", "running")
 
@@ -62,6 +62,6 @@ def _only_not_better_yet(version: PolicyVersion) -> bool:
     if AuditLog.objects.filter(target=f"policy_version:{version.id}", action__in=("reject", "rollback",
                                                                                   "canary_rollback")).exists():
         return False
-    report = GateReport.objects.filter(version=version).order_by("-created_at").first()
+    report = latest_report(version)
     failed = {c["name"] for c in report.checks if not c.get("passed")} if report is not None else {"unknown"}
     return failed <= {"reward_improvement"}
