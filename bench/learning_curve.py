@@ -1,7 +1,7 @@
 """Does the loop make the model better for its users? The demo deployment, headless, for a budget.
 
     .venv/bin/python bench/learning_curve.py [--minutes 10] [--seed 0] [--taste compiles]
-        [--corpus DIR] [--pretrain-seconds 90] [--json]
+        [--corpus DIR] [--pretrain-steps 1000] [--json]
 
 Runs the processes `make demo AUTO_APPROVE=1` runs (uvicorn, a Celery worker, beat, the serving
 process, simulated users who approve what passes the gate) on a database of its own, then every
@@ -78,7 +78,7 @@ def _args() -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--taste", default="compiles")
     parser.add_argument("--corpus", default=None, help="the users' code base (*.py under DIR); default stdlib")
-    parser.add_argument("--pretrain-seconds", type=float, default=90)
+    parser.add_argument("--pretrain-steps", type=int, default=1000)
     parser.add_argument("--json", action="store_true")
     return parser.parse_args()
 
@@ -94,7 +94,7 @@ def _environment(db: str, args: argparse.Namespace) -> dict[str, str]:
         "DJANGO_SETTINGS_MODULE": "webapp.settings", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
         "FLYWHEEL_INFERENCE_URL": f"http://127.0.0.1:{serving}", "FLYWHEEL_INTERNAL_TOKEN": f"bench-{os.getpid()}",
         "FLYWHEEL_CHECKPOINT_DIR": str(var / "checkpoints"), "CELERY_KEY_PREFIX": f"bench-learning-{os.getpid()}:",
-        "AUTO_APPROVE": "1", "FLYWHEEL_PRETRAIN_SECONDS": f"{args.pretrain_seconds:g}",
+        "AUTO_APPROVE": "1", "FLYWHEEL_PRETRAIN_STEPS": str(args.pretrain_steps),
         "BENCH_WEB_PORT": str(web),
     }
 
@@ -124,7 +124,7 @@ def _prepare(args: argparse.Namespace) -> dict:
     os.environ["FLYWHEEL_DEMO_SECRET"] = state["webhook_secret"]
     os.environ["FLYWHEEL_APPROVER_KEY"] = state["approver_key"]
     _demo_loop_config(Project.objects.get(slug="demo"))
-    call_command("bootstrap_policy", "--project", "demo", "--seconds", f"{args.pretrain_seconds:g}")
+    call_command("bootstrap_policy", "--project", "demo", "--steps", str(args.pretrain_steps))
     return state
 
 

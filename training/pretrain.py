@@ -231,7 +231,8 @@ def pretrain(
     ids = _tokenise_stream(tokenizer, corpus_lines)  # (N,)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     gen = torch.Generator().manual_seed(seed)
-    stats = {"step": 0.0, "loss": math.nan, "elapsed": 0.0, "seconds": seconds, "tokens": 0.0}
+    stats = {"step": 0.0, "loss": math.nan, "elapsed": 0.0, "seconds": seconds if math.isfinite(seconds) else None,
+             "tokens": 0.0, "max_steps": max_steps}
     start = time.monotonic()
     while time.monotonic() - start < seconds and (max_steps is None or stats["step"] < max_steps):
         batch = _random_windows(ids, batch_size, seq_len, gen)  # (B, T)

@@ -9,19 +9,21 @@ from django_celery_beat.models import IntervalSchedule
 
 from core.errors import BadRequest
 from feedback.models import Project
-from training.rl.config import RLConfig
+from training.rl.config import RLConfig, group_config
 
 
 def training_schedule_install(
     projects: Iterable[Project] | None = None, rewards_every_s: int = 30, train_check_every_s: int = 60,
     min_new: int = 64, every_minutes: float = 60.0, *, steps: int | None = None, batch_size: int | None = None,
-    rl: dict[str, Any] | None = None,
+    rl: dict[str, Any] | None = None, group: dict[str, Any] | None = None, epochs: float | None = None,
 ) -> list[Any]:
     """Creates or updates the beat entries (django-celery-beat, editable in the admin) per project:
     rewards every `rewards_every_s`, the train check every `train_check_every_s`. Idempotent.
 
     `steps`, `batch_size` and `rl` (RLConfig overrides) are stored in the train entry's kwargs for
-    every run it starts; left out (None), the runs use the defaults."""
+    every run it starts; left out (None), the runs use the defaults. `group` ({"prompts", "G",
+    "max_tokens"}) turns on group rollouts scored by the users' reward model; `epochs` sets each
+    run's length in passes over its data instead of `steps`."""
     import json
 
     train_kwargs: dict[str, Any] = {"min_new": min_new, "every_minutes": every_minutes}
@@ -36,6 +38,15 @@ def training_schedule_install(
         except (TypeError, ValueError) as exc:
             raise BadRequest(f"invalid RL overrides: {exc}", "Use RLConfig field names and valid values.") from exc
         train_kwargs["rl"] = dict(rl)
+    if group is not None:
+        try:
+            train_kwargs["group"] = group_config(group)
+        except ValueError as exc:
+            raise BadRequest(str(exc), 'E.g. {"prompts": 64, "G": 8, "max_tokens": 16}.') from exc
+    if epochs is not None:
+        if not 0 < float(epochs) <= 16:
+            raise BadRequest(f"epochs must be in (0, 16], got {epochs!r}", "Give the passes over a run's data, e.g. 2.")
+        train_kwargs["epochs"] = float(epochs)
 
     from django_celery_beat.models import IntervalSchedule, PeriodicTask
 

@@ -279,6 +279,10 @@ def test_train_maybe_starts_a_run_only_with_enough_new_rewarded_trajectories(cre
                                                                               django_capture_on_commit_callbacks):
     plain_spec(creds.project, settle_seconds=0)
     assert train_maybe(creds.project, min_new=4, every_minutes=60) is None  # nothing new, first run
+    ingest_live(creds.project, tokenizer, 3)
+    rewards_compute_pending(creds.project, now=later(1))
+    # a first run waits for min_new, however long it has been
+    assert train_maybe(creds.project, min_new=4, every_minutes=0) is None
     ingest_live(creds.project, tokenizer, 4)
     rewards_compute_pending(creds.project, now=later(1))
     with django_capture_on_commit_callbacks(execute=False) as callbacks:

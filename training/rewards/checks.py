@@ -207,12 +207,18 @@ def _parse(raw: bytes) -> dict[str, Any] | None:
 # ---------------------------------------------------------------------------------- checks
 
 class _SandboxCheck(Check):
-    def __init__(self, **limits: Any) -> None:
+    """`prompt_is_prefix=True`: with no `prefix` in the context, the prompt is the code before the
+    completion (a raw `/v1/completions` prompt, e.g. tab completion: the editor's text so far)."""
+
+    def __init__(self, prompt_is_prefix: bool = False, **limits: Any) -> None:
+        self.prompt_is_prefix = bool(prompt_is_prefix)
         self.limits = SandboxLimits(**limits)
 
-    @staticmethod
-    def source(completion: str, context: Mapping[str, Any]) -> str:
-        return str(context.get("prefix", "")) + completion
+    def source(self, completion: str, context: Mapping[str, Any]) -> str:
+        prefix = context.get("prefix")
+        if prefix is None and self.prompt_is_prefix:
+            prefix = context.get("prompt", "")
+        return str(prefix or "") + completion
 
 
 @register_check("python_compiles")

@@ -5,12 +5,13 @@ from __future__ import annotations
 from collections import defaultdict
 from datetime import datetime, timedelta
 
-from django.db.models import DateTimeField, F, Max, OuterRef, Q, QuerySet, Subquery
+from django.db.models import DateTimeField, Exists, F, Max, OuterRef, Prefetch, Q, QuerySet, Subquery
 from django.db.models.functions import Coalesce, Greatest
 
-from feedback.models import FeedbackEvent, Project, Trajectory
+from feedback.models import FeedbackEvent, Project, Step, Trajectory
 from training.models import Reward, RewardSpec, RubricScore
 from training.rewards.calibration import Agreement, aspect_agreement
+from training.rewards.reward_model import Labelled
 
 
 def reward_list(project: Project, spec: RewardSpec | None = None) -> QuerySet[Reward]:
@@ -73,3 +74,40 @@ def judge_agreement(
         if human is not None:
             rows[judge].append((aspect, score, human))
     return {judge: aspect_agreement(r, threshold, human_threshold) for judge, r in sorted(rows.items())}
+
+
+CLICKS = ("accept", "reject")
+
+
+def labelled_suggestions(project: Project, spec: RewardSpec, limit: int = 4000) -> list[Labelled]:
+    """The newest `limit` live suggestions a user accepted or rejected, oldest first, with their
+    check outcomes under `spec` (its reward components): what the reward model is fitted on.
+    The later of accept/reject on one suggestion is its label."""
+    weights = {c["name"]: float(c.get("weight", 1.0)) for c in spec.checks}
+    clicked = FeedbackEvent.objects.filter(trajectory=OuterRef("trajectory"), signal__in=CLICKS)
+    rewards = (
+        Reward.objects.filter(spec=spec, trajectory__project=project, trajectory__source="live")
+        .filter(Exists(clicked))
+        .select_related("trajectory")
+        .prefetch_related(
+            Prefetch("trajectory__steps", queryset=Step.objects.filter(role="assistant").order_by("index")),
+            Prefetch("trajectory__feedback_events",
+                     queryset=FeedbackEvent.objects.filter(signal__in=CLICKS).order_by("occurred_at", "id")),
+        )
+        .order_by("-trajectory__received_at", "-trajectory_id")[:limit]
+    )
+    out = []
+    for reward in reversed(list(rewards)):
+        trajectory = reward.trajectory
+        events = list(trajectory.feedback_events.all())
+        steps = list(trajectory.steps.all())
+        messages = trajectory.prompt or []
+        checks = {name: (reward.components.get(f"check:{name}", 0.0) / w if w else 0.0) for name, w in weights.items()}
+        out.append(Labelled(
+            prompt=str(messages[-1].get("content", "")) if messages else "",
+            completion="".join(s.content for s in steps),
+            checks=checks,
+            completion_ids=[int(t) for s in steps for t in (s.token_ids or [])],
+            label=1.0 if events[-1].signal == "accept" else 0.0,
+        ))
+    return out

@@ -21,6 +21,7 @@ from training.models import Reward, RewardSpec, RubricScore
 from training.rewards import selectors
 from training.rewards.checks import CheckResult, check_from_config
 from training.rewards.judges import AspectScore, Judge, make_judge
+from training.rewards.reward_model import Labelled, RewardModel, expected_signal_reward
 from training.rewards.spec import DEFAULT_SIGNAL_REWARDS, RewardSpecData, compute_reward
 
 DEFAULT_JUDGE: dict[str, Any] = {"kind": "rule", "aspects": ["style", "concision"]}
@@ -101,10 +102,20 @@ def _check_context(trajectory: Trajectory) -> dict[str, Any]:
     return dict(context) if isinstance(context, dict) else {}
 
 
-def _checks_run(spec: RewardSpec, completion: str, context: dict[str, Any]) -> dict[str, CheckResult]:
-    out = {}
-    for check in spec.checks:
-        out[check["name"]] = check_from_config(check).run(completion, context)
+def _check_inputs(trajectory: Trajectory) -> tuple[str, dict[str, Any]]:
+    """(completion, check context): the context carries the prompt (a check may read it as the
+    code prefix) under the inputs the product sent."""
+    prompt, completion = _texts(trajectory)
+    return completion, {"prompt": prompt, **_check_context(trajectory)}
+
+
+def checks_run_many(checks: Sequence[dict[str, Any]], items: Sequence[tuple[str, dict[str, Any]]]
+                    ) -> list[dict[str, CheckResult]]:
+    """Every check over every (completion, context), each check batched (fewer sandboxes)."""
+    out: list[dict[str, CheckResult]] = [{} for _ in items]
+    for check in checks:
+        for row, result in zip(out, check_from_config(check).run_many(list(items)), strict=True):
+            row[check["name"]] = result
     return out
 
 
@@ -117,7 +128,8 @@ def _rubric_save(trajectory: Trajectory, judge_id: str, scores: dict[str, Aspect
         )
 
 
-def _reward_one(trajectory: Trajectory, spec: RewardSpec, data: RewardSpecData, judge: Judge | None) -> Reward:
+def _reward_one(trajectory: Trajectory, spec: RewardSpec, data: RewardSpecData, judge: Judge | None,
+                checks: dict[str, CheckResult]) -> Reward:
     prompt, completion = _texts(trajectory)
     context = _check_context(trajectory)
     aspect_scores: dict[str, AspectScore] = {}
@@ -126,7 +138,7 @@ def _reward_one(trajectory: Trajectory, spec: RewardSpec, data: RewardSpecData, 
         _rubric_save(trajectory, result.judge_id, result.scores)
         aspect_scores = result.scores
     signals = [{"signal": e.signal, "value": e.value} for e in trajectory.feedback_events.all()]
-    total, components = compute_reward(data, signals, _checks_run(spec, completion, context), aspect_scores)
+    total, components = compute_reward(data, signals, checks, aspect_scores)
     reward, _ = Reward.objects.update_or_create(
         trajectory=trajectory, spec=spec, defaults={"total": total, "components": components}
     )
@@ -144,10 +156,12 @@ def rewards_compute(trajectory_ids: Iterable[int], spec: RewardSpec) -> list[Rew
         Prefetch("steps", queryset=Step.objects.order_by("index")),
         Prefetch("feedback_events", queryset=FeedbackEvent.objects.order_by("occurred_at", "id")),
     )
+    trajectories = list(trajectories)
+    results = checks_run_many(spec.checks, [_check_inputs(t) for t in trajectories])
     rewards = []
-    for trajectory in trajectories:
+    for trajectory, checks in zip(trajectories, results, strict=True):
         with transaction.atomic():
-            rewards.append(_reward_one(trajectory, spec, data, judge))
+            rewards.append(_reward_one(trajectory, spec, data, judge, checks))
     return rewards
 
 
@@ -160,3 +174,27 @@ def rewards_compute_pending(project: Project, limit: int = 1000, now: datetime |
         rewards_compute(ids, spec)
         project_event(project.pk, {"type": "rewards_computed", "spec": spec.version, "count": len(ids)})
     return len(ids)
+
+
+def suggestions_reward(
+    spec: RewardSpec, items: Sequence[tuple[str, str, Sequence[int]]], model: RewardModel | None,
+) -> list[tuple[float, dict[str, float]]]:
+    """Rewards of suggestions no user saw (group rollouts), on the spec's scale: the signal part is
+    what the users would give in expectation (`model`'s accept probability through the spec's
+    accept/reject values; a suggestion not shown gets `silent`), plus the spec's checks and judged
+    aspects like any trajectory. Nothing is stored. items: (prompt, completion, completion ids)."""
+    data = RewardSpecData.from_json(spec.signal_rewards, spec.checks, spec.aspects)
+    judge = _judge_for(spec.judge, spec.aspects) if spec.judge else None
+    checks = checks_run_many(spec.checks, [(c, {"prompt": p}) for p, c, _ in items])
+    labelled = [Labelled(p, c, {k: r.score for k, r in row.items()}, ids) for (p, c, ids), row in zip(items, checks, strict=True)]
+    accept = model.predict(labelled).tolist() if model is not None else [None] * len(items)
+    out = []
+    for (prompt, completion, _), row, p in zip(items, checks, accept, strict=True):
+        shown = completion.strip() != ""
+        aspects = judge.judge(prompt, completion, {}).scores if judge is not None else {}
+        _, components = compute_reward(data, ["silent"], row, aspects)
+        del components["feedback:silent"]
+        if p is not None:
+            components["model:expected_signal"] = expected_signal_reward(p, shown, data.signal_rewards)
+        out.append((sum(components.values()), components))
+    return out

@@ -58,3 +58,21 @@ class RLConfig:
         if unknown:
             raise ValueError(f"unknown RLConfig keys: {unknown}; known keys: {sorted(known)}")
         return cls(**data)
+
+
+GROUP_KEYS = {"prompts": (1, 1024), "G": (2, 128), "max_tokens": (1, 512)}
+
+
+def group_config(group: Any) -> dict[str, int] | None:
+    """A run's group rollouts ({"prompts": P, "G": G, "max_tokens": N}), checked; None: off."""
+    if not group:
+        return None
+    if not isinstance(group, dict) or set(group) - set(GROUP_KEYS):
+        raise ValueError(f"group must be an object with keys {sorted(GROUP_KEYS)}, got {group!r}")
+    out = {}
+    for key, value in group.items():
+        low, high = GROUP_KEYS[key]
+        if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+            raise ValueError(f"group.{key} must be an integer in [{low}, {high}], got {value!r}")
+        out[key] = value
+    return out

@@ -9,6 +9,7 @@ Django-aware (it reads trajectories); the maths is in `training.rl`. Called by
 
 from __future__ import annotations
 
+import math
 import shutil
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
@@ -21,8 +22,11 @@ from django.db.models import Prefetch, QuerySet
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from feedback.models import Step, Trajectory
+from inference.engine import SamplingParams, make_engine
 from training.models import Reward, RewardSpec, TrainingRun
-from training.rewards.selectors import rewarded_trajectories_since
+from training.rewards.reward_model import fit_reward_model
+from training.rewards.selectors import labelled_suggestions, rewarded_trajectories_since
+from training.rewards.services import suggestions_reward
 from training.rl.advantages import RunningBaseline
 from training.rl.config import RLConfig
 from training.rl.trainer import Batch, Sample, compute_logprobs, filter_stale, prepare_batch, rl_step
@@ -47,9 +51,11 @@ def run(run: TrainingRun, folder: Path, on_step: StepCallback) -> dict[str, Any]
     tokenizer = AutoTokenizer.from_pretrained(str(base_dir))
     pad_id = _pad_id(tokenizer)
     model = setup_model(base_dir)
-    samples = setup_samples(run, tokenizer)
+    samples, rewards = setup_samples(run, tokenizer)
     recorded = [s for s in samples if s.behaviour_logprobs is not None]  # mu as served, not recomputed
     unknown_mu = fill_behaviour_logprobs(run, samples, model, cfg, pad_id)
+    rollouts, rollout_report = group_rollouts(run, base_dir, rewards, tokenizer)
+    samples += rollouts
     baseline = setup_baseline(run, cfg)
     batch = prepare_batch(samples, run.base_version.number, cfg, pad_id, baseline)
     # pi_old is the pre-update policy for every step of the run (PPO's clip is against it).
@@ -58,12 +64,16 @@ def run(run: TrainingRun, folder: Path, on_step: StepCallback) -> dict[str, Any]
     fresh = fresh_mismatch_kl(batch, kept, recorded, run.base_version.number)
     ref_model = setup_model(base_dir).eval() if cfg.beta > 0 else None
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    steps, size = steps_of(run), int(run.config["batch_size"])
-    for step, mb in zip(range(steps), _cycle(batch, size), strict=False):
+    size = int(run.config["batch_size"])
+    epochs = run.config.get("epochs")
+    if epochs:  # passes over the data instead of a step count: the data of a run varies
+        run.config["steps"] = max(1, math.ceil(float(epochs) * batch.size / size))
+    steps = steps_of(run)
+    for step, mb in zip(range(steps), _shuffled(batch, size, int(run.config.get("seed", 0))), strict=False):
         on_step(step, rl_step(model, ref_model, mb, optimizer, cfg).to_dict())
     save_candidate(model, base_dir, folder)
     return {"baseline": baseline.state_dict(), "samples": len(samples), "dropped_stale": batch.dropped_stale,
-            "behaviour_unknown": unknown_mu, **fresh}
+            "behaviour_unknown": unknown_mu, "steps": steps, **rollout_report, **fresh}
 
 
 # --------------------------------------------------------------------------------- setup
@@ -89,7 +99,8 @@ def _rewards_of(run: TrainingRun) -> QuerySet[Reward]:
     return rewarded_trajectories_since(run.project, spec, since, until)
 
 
-def setup_samples(run: TrainingRun, tokenizer: Any) -> list[Sample]:
+def setup_samples(run: TrainingRun, tokenizer: Any) -> tuple[list[Sample], list[Reward]]:
+    """The run's rewarded trajectories as Samples (and the Reward rows they came from)."""
     limit = int(run.config.get("max_samples", DEFAULT_MAX_SAMPLES))
     rewards = _rewards_of(run).select_related("trajectory").prefetch_related(
         Prefetch("trajectory__steps", queryset=Step.objects.order_by("index"))
@@ -98,7 +109,7 @@ def setup_samples(run: TrainingRun, tokenizer: Any) -> list[Sample]:
     samples = [s for r in rewards if (s := sample_from(r.trajectory, r.total, tokenizer)) is not None]
     if not samples:
         raise ValueError(f"no rewarded trajectories with token ids to train on ({len(rewards)} rewarded)")
-    return samples
+    return samples, rewards
 
 
 def sample_from(trajectory: Trajectory, reward: float, tokenizer: Any) -> Sample | None:
@@ -149,6 +160,61 @@ def routing_tensor(routing: Any, width: int) -> torch.Tensor | None:
     out = torch.full((recorded.shape[1], width, recorded.shape[2]), -1, dtype=torch.long)  # (L, width, k)
     out[:, :n] = recorded[:n].permute(1, 0, 2)
     return out
+
+
+# --------------------------------------------------------------------------------- group rollouts
+
+
+def group_rollouts(
+    run: TrainingRun, base_dir: Path, rewards: Sequence[Reward], tokenizer: Any,
+) -> tuple[list[Sample], dict[str, Any]]:
+    """More signal per prompt: for up to `group.prompts` distinct prompts the users sent in this
+    run's data (newest first), G completions from the base weights through the torch engine (the
+    serving engine's twin: same sampling, bitwise log-probs), each rewarded on the spec's scale by
+    `suggestions_reward` — checks and judge as for any trajectory, the users' click in expectation
+    from a reward model fitted to every accept/reject so far. Trained on group-relative advantages
+    (a prompt's G completions against each other), next to the live samples.
+
+    Off (`group` unset in the run config), or no model yet (too few clicks): no rollouts."""
+    group = run.config.get("group") or {}
+    n_prompts, G = int(group.get("prompts", 0)), int(group.get("G", 0))
+    if n_prompts < 1 or G < 2:
+        return [], {}
+    spec = RewardSpec.objects.get(pk=run.config["spec"])
+    reward_model = fit_reward_model(labelled_suggestions(run.project, spec), [c["name"] for c in spec.checks])
+    report: dict[str, Any] = {"reward_model": reward_model.summary() if reward_model is not None else None}
+    if reward_model is None:
+        return [], {**report, "rollouts": 0}
+    prompts: dict[tuple[int, ...], str] = {}
+    for reward in reversed(rewards):
+        trajectory = reward.trajectory
+        if trajectory.source != "live" or len(prompts) >= n_prompts:
+            continue
+        step = next((s for s in trajectory.steps.all() if s.role == "assistant" and s.token_ids), None)
+        ids = tuple(prompt_token_ids(trajectory, tokenizer, step))
+        messages = trajectory.prompt or []
+        if ids and messages:
+            prompts.setdefault(ids, str(messages[-1].get("content", "")))
+    if not prompts:
+        return [], {**report, "rollouts": 0}
+    keys = list(prompts)
+    seed = int(run.config.get("seed", 0)) * 1_000_003 + run.pk
+    engine = make_engine("torch", base_dir, version=run.base_version.number, seed=seed)
+    try:
+        sampling = SamplingParams(max_tokens=int(group.get("max_tokens", 16)), seed=seed)
+        completions = [c for c in engine.generate([list(k) for k in keys], n=G, sampling=sampling) if c.token_ids]
+    finally:
+        engine.close()
+    scored = suggestions_reward(spec, [(prompts[keys[c.prompt_index]], c.text, c.token_ids) for c in completions],
+                                reward_model)
+    samples = [
+        Sample(prompt_ids=list(keys[c.prompt_index]), completion_ids=list(c.token_ids), reward=total,
+               behaviour_logprobs=list(c.logprobs), policy_version=run.base_version.number,
+               group=f"rollout-{run.pk}-{c.prompt_index}", task="rollout")
+        for c, (total, _) in zip(completions, scored, strict=True)
+    ]
+    mean = sum(t for t, _ in scored) / len(scored) if scored else None
+    return samples, {**report, "rollouts": len(samples), "rollout_prompts": len(keys), "rollout_reward_mean": mean}
 
 
 # --------------------------------------------------------------------------------- log-probs
@@ -214,9 +280,14 @@ def _behaviour_model(run: TrainingRun, number: int | None, current: PreTrainedMo
 # --------------------------------------------------------------------------------- helpers
 
 
-def _cycle(batch: Batch, size: int) -> Iterator[Batch]:
+def _shuffled(batch: Batch, size: int, seed: int) -> Iterator[Batch]:
+    """Mini-batches of `size` rows, a fresh seeded permutation per pass (live samples and group
+    rollouts mixed, not one after the other)."""
+    gen = torch.Generator().manual_seed(seed)
     while True:
-        yield from batch.micro_batches(size)
+        order = torch.randperm(batch.size, generator=gen)
+        for start in range(0, batch.size, size):
+            yield batch.rows(order[start : start + size])
 
 
 def save_candidate(model: PreTrainedModel, base_dir: Path, folder: Path) -> None:

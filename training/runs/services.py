@@ -33,7 +33,7 @@ from training.gate.tasks import gate_run_enqueue
 from training.models import PolicyVersion, TrainingRun, TrainingStep
 from training.rewards.selectors import rewarded_trajectories_since
 from training.rewards.services import reward_spec_current
-from training.rl.config import RLConfig
+from training.rl.config import RLConfig, group_config
 from training.runs import job, selectors
 from training.versions.selectors import policy_production
 from training.versions.services import policy_register
@@ -102,7 +102,7 @@ def training_run_fail(run_id: int, error: str) -> bool:
 def training_run_start(
     project: Project, *, steps: int = DEFAULT_TRAIN_STEPS, rl: dict[str, Any] | None = None,
     batch_size: int = DEFAULT_BATCH_SIZE, trajectory_ids: Sequence[int] | None = None,
-    started_by: Any = None, enqueue: bool = True,
+    started_by: Any = None, enqueue: bool = True, group: dict[str, Any] | None = None, epochs: float | None = None,
 ) -> tuple[TrainingRun, bool]:
     """Claims the project's lineage: returns (new run, True), or (the active run, False) when one
     is alive. An active run whose worker died is marked failed first, then the new run starts.
@@ -123,7 +123,7 @@ def training_run_start(
                            "Run `manage.py bootstrap_policy --project SLUG` first.")
         run = TrainingRun.objects.create(
             project=project, base_version=base, state="queued", started_by=started_by,
-            config=_run_config(project, cfg, steps, batch_size, trajectory_ids),
+            config=_run_config(project, cfg, steps, batch_size, trajectory_ids, group, epochs),
         )
         if enqueue:
             enqueue_after_commit("training.tasks.train_policy", run.pk)
@@ -132,10 +132,14 @@ def training_run_start(
 
 
 def _run_config(
-    project: Project, cfg: RLConfig, steps: int, batch_size: int, trajectory_ids: Sequence[int] | None
+    project: Project, cfg: RLConfig, steps: int, batch_size: int, trajectory_ids: Sequence[int] | None,
+    group: dict[str, Any] | None = None, epochs: float | None = None,
 ) -> dict[str, Any]:
     if steps < 1 or batch_size < 1:
         raise BadRequest("steps and batch_size must be >= 1", "Give positive numbers.")
+    group = run_group_validate(group)
+    if epochs is not None and not 0 < float(epochs) <= 16:
+        raise BadRequest(f"epochs must be in (0, 16], got {epochs!r}", "Give the passes over a run's data, e.g. 2.")
     previous = selectors.training_run_last(project)
     return {
         "rl": cfg.to_dict(), "steps": steps, "batch_size": batch_size, "seed": 0,
@@ -143,7 +147,15 @@ def _run_config(
         "data_since": previous.config.get("data_until") if previous else None,
         "data_until": timezone.now().isoformat(),
         "trajectory_ids": list(trajectory_ids) if trajectory_ids is not None else None,
+        **({"group": group} if group else {}), **({"epochs": float(epochs)} if epochs is not None else {}),
     }
+
+
+def run_group_validate(group: dict[str, Any] | None) -> dict[str, int] | None:
+    try:
+        return group_config(group)
+    except ValueError as exc:
+        raise BadRequest(str(exc), 'E.g. {"prompts": 64, "G": 8, "max_tokens": 16}.') from exc
 
 
 def _run_claim(run_id: int, worker: WorkerRef) -> TrainingRun | None:
@@ -226,9 +238,11 @@ def training_run_finish(run: TrainingRun, folder: Path, extra_config: dict[str, 
 def train_maybe(
     project: Project, min_new: int = 64, every_minutes: float = 60.0, *, steps: int = DEFAULT_TRAIN_STEPS,
     batch_size: int = DEFAULT_BATCH_SIZE, rl: dict[str, Any] | None = None,
+    group: dict[str, Any] | None = None, epochs: float | None = None,
 ) -> TrainingRun | None:
     """Starts a run when >= min_new rewarded trajectories arrived since the last run, or when
-    every_minutes passed since it and at least one did. Returns the new run or None.
+    every_minutes passed since it and at least one did (the first run always waits for min_new).
+    Returns the new run or None.
 
     `steps`, `batch_size` and `rl` (RLConfig overrides, e.g. {"lr": 1e-3}) go to the run."""
     if policy_production(project) is None:
@@ -236,9 +250,12 @@ def train_maybe(
     last = selectors.training_run_last(project, ("succeeded", "failed", "queued", "running"))
     since = datetime.fromisoformat(last.config["data_until"]) if last and last.config.get("data_until") else None
     new = rewarded_trajectories_since(project, reward_spec_current(project), since).count()
-    due = last is None or timezone.now() - last.created_at >= timedelta(minutes=every_minutes)
+    # The clock runs from the last run: a project's first run waits for min_new (a first run on a
+    # handful of clicks would only occupy the gate).
+    due = last is not None and timezone.now() - last.created_at >= timedelta(minutes=every_minutes)
     if new >= min_new or (due and new > 0):
-        run, created = training_run_start(project, steps=steps, batch_size=batch_size, rl=rl)
+        run, created = training_run_start(project, steps=steps, batch_size=batch_size, rl=rl, group=group,
+                                          epochs=epochs)
         return run if created else None
     return None
 

@@ -14,6 +14,7 @@ import random
 import threading
 import time
 import uuid
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +33,9 @@ class Reaction:
 
 def compiles(source: str) -> bool:
     try:
-        compile(source, "<completion>", "exec")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # SyntaxWarnings of odd-but-valid code are not verdicts
+            compile(source, "<completion>", "exec")
     except (SyntaxError, ValueError):
         return False
     return True

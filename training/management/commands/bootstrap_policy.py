@@ -1,8 +1,10 @@
-"""python manage.py bootstrap_policy --project SLUG [--task tab-completion] [--seconds 60] [--kind dense|moe]
+"""python manage.py bootstrap_policy --project SLUG [--task tab-completion] [--steps 1000 | --seconds 60]
+    [--kind dense|moe]
 
 Builds the demo's base policy offline (a byte-level BPE tokenizer and a tiny causal LM, trained on
-lines of this machine's Python standard library), pretrains it for a bounded time with a progress
-bar, and registers it as the project's first policy version, in production.
+lines of this machine's Python standard library), pretrains it with a progress bar, and registers
+it as the project's first policy version, in production. `--steps` bounds pretraining by optimiser
+steps (the same base on every machine, however busy); `--seconds` by wall time.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ class Command(BaseCommand):
         parser.add_argument("--project", default="demo")
         parser.add_argument("--task", default="tab-completion")
         parser.add_argument("--seconds", type=float, default=60.0)
+        parser.add_argument("--steps", type=int, default=None,
+                            help="pretrain for this many optimiser steps (wins over --seconds)")
         parser.add_argument("--kind", choices=["dense", "moe"], default="dense")
         parser.add_argument("--force", action="store_true", help="replace an existing production policy")
         parser.add_argument("--no-cache", action="store_true", help="pretrain again even if var/ holds this base")
@@ -44,10 +48,13 @@ class Command(BaseCommand):
                               "use --force to build a new base")
             return
         folder = Path(settings.VAR_DIR) / "policies" / project.slug / f"base-{opts['kind']}"
-        cached = Path(settings.VAR_DIR) / "policies" / "pretrained" / f"{opts['kind']}-{opts['seconds']:g}s"
+        steps = opts["steps"]
+        budget = f"{steps}steps" if steps else f"{opts['seconds']:g}s"
+        seconds = float("inf") if steps else opts["seconds"]
+        cached = Path(settings.VAR_DIR) / "policies" / "pretrained" / f"{opts['kind']}-{budget}"
         if (cached / "pretrain.json").exists() and not opts["no_cache"]:
             # Pretraining is the slow part and depends only on the kind and budget: reuse it.
-            self.stdout.write(f"reusing the {opts['kind']} base pretrained {opts['seconds']:g} s in {cached}")
+            self.stdout.write(f"reusing the {opts['kind']} base pretrained {budget} in {cached}")
             shutil.rmtree(folder, ignore_errors=True)
             shutil.copytree(cached, folder)
             stats = json.loads((cached / "pretrain.json").read_text())
@@ -55,19 +62,19 @@ class Command(BaseCommand):
             corpus = stdlib_corpus()
             self.stdout.write(f"building a {opts['kind']} policy from {len(corpus)} stdlib lines in {folder}")
             build_policy(folder, PolicyConfig(kind=opts["kind"]), corpus[:60_000])
-            stats = pretrain(folder, corpus, opts["seconds"], progress=_progress_bar(opts["seconds"]))
+            stats = pretrain(folder, corpus, seconds, progress=_progress_bar(seconds, steps), max_steps=steps)
             sys.stdout.write("\n")
             (folder / "pretrain.json").write_text(json.dumps(stats))
             shutil.rmtree(cached, ignore_errors=True)
             shutil.copytree(folder, cached)
-        version = _register(project, folder, opts, stats)
+        version = _register(project, folder, opts, stats, budget)
         self.stdout.write(f"registered {project.slug} v{version.number} in production "
                           f"({int(stats['step'])} steps, loss {stats['loss']:.3f})")
 
 
-def _progress_bar(seconds: float):
+def _progress_bar(seconds: float, steps: int | None = None):
     def show(stats: dict[str, float]) -> None:
-        done = min(stats["elapsed"] / max(seconds, 1e-9), 1.0)
+        done = min(stats["step"] / steps if steps else stats["elapsed"] / max(seconds, 1e-9), 1.0)
         bar = "#" * int(done * 30)
         sys.stdout.write(f"\r[{bar:<30}] {done:4.0%} step {int(stats['step'])} loss {stats['loss']:.3f}")
         sys.stdout.flush()
@@ -75,9 +82,9 @@ def _progress_bar(seconds: float):
     return show
 
 
-def _register(project, folder: Path, opts: dict, stats: dict):
+def _register(project, folder: Path, opts: dict, stats: dict, budget: str):
 
     version = policy_register(project, folder, parent=None, state="candidate",
                               config={"task": opts["task"], "kind": opts["kind"], "pretrain": stats})
     return base_policy_install(version, "system:bootstrap_policy",
-                               f"base policy pretrained {opts['seconds']:g} s on stdlib sources")
+                               f"base policy pretrained {budget} on stdlib sources")
