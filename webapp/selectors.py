@@ -243,6 +243,19 @@ def rubric_view(project: Project, task: str, tag: str) -> dict[str, Any]:
             "judge_failures": sum(h.get(-1, 0) for k, h in hist.items() if k[2] == "judge")}
 
 
+def reward_model_history(project: Project, limit: int = 20) -> list[dict[str, Any]]:
+    """The users' reward model as each recent run fitted it (newest first): clicks it was fitted on
+    and its calibration on the newest clicks it never saw (training.rewards.reward_model)."""
+    runs = (TrainingRun.objects.filter(project=project, state="succeeded", config__has_key="reward_model")
+            .order_by("-finished_at")[:limit])
+    out = []
+    for run in runs:
+        model = run.config.get("reward_model")
+        if model:
+            out.append({"run": run.pk, "finished_at": run.finished_at, "rollouts": run.config.get("rollouts"), **model})
+    return out
+
+
 def rubric_strip(project: Project, task: str, tag: str, limit: int = 400) -> dict[str, Any]:
     """The newest judge scores of the filter, one point each (a bounded sample for the strip plot)."""
     scores = RubricScore.objects.filter(trajectory__project=project, score__isnull=False)

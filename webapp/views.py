@@ -104,7 +104,8 @@ def rubrics(request: HttpRequest, slug: str) -> HttpResponse:
     figures = {**view["figures"], "strip": selectors.rubric_strip(project, task, tag)}
     return render(request, "dashboard/rubrics.html", _ctx(
         request, project, "rubrics", task=task, tag=tag, filters=selectors.rubric_filters(project),
-        figures=figures, agreement=view["agreement"], judge_failures=view["judge_failures"]))
+        figures=figures, agreement=view["agreement"], judge_failures=view["judge_failures"],
+        reward_models=selectors.reward_model_history(project)))
 
 
 @page

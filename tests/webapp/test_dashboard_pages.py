@@ -178,3 +178,19 @@ async def test_an_outsider_cannot_subscribe_to_live_events(charlie, creds):
         headers=[(b"cookie", f"sessionid={client.cookies['sessionid'].value}".encode()), (b"origin", b"http://localhost")])
     connected, code = await communicator.connect()
     assert not connected and code == 4403
+
+
+def test_the_rubric_page_shows_the_users_reward_model_per_run(creds, bob):
+    from training.models import TrainingRun
+
+    v1 = PolicyVersion.objects.create(project=creds.project, number=1, state="production")
+    model = {"checks": ["python_compiles"], "labels": 812, "accept_rate": 0.25, "heldout": 163,
+             "heldout_auc": 0.971, "heldout_log_loss": 0.142, "base_rate_log_loss": 0.566,
+             "heldout_mean_predicted": 0.27, "heldout_mean_observed": 0.26}
+    run = TrainingRun.objects.create(project=creds.project, base_version=v1, state="succeeded",
+                                     config={"reward_model": model, "rollouts": 512})
+    TrainingRun.objects.create(project=creds.project, base_version=v1, state="succeeded", config={})
+    body = _client(bob).get(f"/p/{creds.project.slug}/rubrics/").content.decode()
+    table = body[body.index('id="reward-model"'):]
+    assert f"?run={run.id}" in table and "812" in table and "0.971" in table and "0.142 (0.566)" in table
+    assert table.count("<tr>") == 2  # the header and the one run that fitted a model
