@@ -61,6 +61,7 @@ def main() -> int:
         procs.append(subprocess.Popen(cmd, cwd=ROOT, env={**os.environ}, stdout=log, stderr=subprocess.STDOUT))
     try:
         rows, evaluations = _observe(args, held_out)
+        loop = _loop_record()
     finally:
         for p in procs:
             p.terminate()
@@ -69,7 +70,7 @@ def main() -> int:
                 p.wait(20)
             except subprocess.TimeoutExpired:
                 p.kill()
-    return _report(args, rows, evaluations)
+    return _report(args, rows, evaluations, loop)
 
 
 def _args() -> argparse.Namespace:
@@ -207,6 +208,35 @@ def _promotions(project, started_at) -> dict:
             "promoted_minutes": [round((r.at - started_at).total_seconds() / 60, 2) for r in rows]}
 
 
+def _loop_record() -> dict:
+    """What the loop did, to read the curve by: each run (data, rollouts, the reward model's
+    held-out AUC, mean clip fraction, fresh mismatch KL) and each gate verdict (the improvement,
+    its interval and width, the checks that failed)."""
+    from django.db.models import Avg
+
+    from training.models import GateReport, TrainingRun
+
+    runs = []
+    for run in TrainingRun.objects.filter(project__slug="demo").order_by("pk"):
+        c, model = run.config, run.config.get("reward_model") or {}
+        runs.append({"run": run.pk, "state": run.state, "base": run.base_version.number,
+                     "candidate": run.candidate.number if run.candidate_id else None, "samples": c.get("samples"),
+                     "rollouts": c.get("rollouts"), "reward_model_auc": model.get("heldout_auc"),
+                     "clip_fraction": run.steps.aggregate(v=Avg("clip_fraction"))["v"],
+                     "fresh_mismatch_kl": c.get("fresh_mismatch_kl")})
+    gates = []
+    for report in GateReport.objects.filter(version__project__slug="demo").order_by("pk"):
+        rows = {c["name"]: c for c in report.checks}
+        gain = rows.get("reward_improvement", {})
+        interval = gain.get("interval") or [None, None]
+        gates.append({"version": report.version.number, "passed": report.passed, "improvement": gain.get("value"),
+                      "interval": interval,
+                      "width": (interval[1] - interval[0]) if None not in interval else None,
+                      "failed": [n for n, c in rows.items() if not c.get("passed")],
+                      "kl": rows.get("kl", {}).get("value"), "length_drift": rows.get("length_drift", {}).get("value")})
+    return {"runs": runs, "gates": gates}
+
+
 def _print_row(row: dict, evaluations: dict[int, dict]) -> None:
     if row["minute"] == 0:
         print(f"{'min':>4} {'prod':>5} {'held-out accept':>16} {'silent':>7} {'median chars':>13} "
@@ -220,13 +250,22 @@ def _print_row(row: dict, evaluations: dict[int, dict]) -> None:
           f"{row['live_clicks']:>7}  {promoted}", flush=True)
 
 
-def _report(args: argparse.Namespace, rows: list[dict], evaluations: dict[int, dict]) -> int:
+def _report(args: argparse.Namespace, rows: list[dict], evaluations: dict[int, dict], loop: dict) -> int:
     base = evaluations.get(1, {})
     final = evaluations.get(rows[-1]["production"] or -1, {})
     promoted = rows[-1]["promoted"]
     print("\nversion  held-out accept  silent  median chars")
     for number, e in sorted(evaluations.items()):
         print(f"v{number:<7} {e['accept_rate']:>15.3f} {e['silent_rate']:>7.3f} {e['median_chars']:>13}")
+    print("\nrun  base  cand  samples  rollouts  RM AUC  clip   mismatch KL")
+    for r in loop["runs"]:
+        print(f"{r['run']:<4} v{r['base']:<4} v{r['candidate'] or '-':<4} {r['samples'] or 0:>7} {r['rollouts'] or 0:>9} "
+              f"{_fmt(r['reward_model_auc']):>7} {_fmt(r['clip_fraction']):>5}  {_fmt(r['fresh_mismatch_kl'], '.1e')}")
+    print("\ngate  passed  improvement  interval            width   KL     length  failed")
+    for g in loop["gates"]:
+        lo, hi = g["interval"]
+        print(f"v{g['version']:<4} {str(g['passed']):<7} {_fmt(g['improvement']):>11}  [{_fmt(lo)}, {_fmt(hi)}]"
+              f"{'':>4}{_fmt(g['width']):>6}  {_fmt(g['kl'])}  {_fmt(g['length_drift'])}  {', '.join(g['failed']) or '-'}")
     first = rows[-1]["promoted_minutes"][0] if rows[-1]["promoted_minutes"] else None
     result = {
         "baseline_accept_rate": base.get("accept_rate"), "final_accept_rate": final.get("accept_rate"),
@@ -235,10 +274,15 @@ def _report(args: argparse.Namespace, rows: list[dict], evaluations: dict[int, d
         "silent_rate": final.get("silent_rate"), "median_suggestion_chars": final.get("median_chars"),
         "seed": args.seed, "taste": args.taste, "corpus": args.corpus or "stdlib", "held_out_prompts": HELD_OUT,
         "per_minute": [{k: r[k] for k in ("minute", "production", "live_accept_rate")} for r in rows],
+        "per_version": {f"v{n}": e for n, e in sorted(evaluations.items())}, **loop,
     }
     if args.json:
         print(json.dumps(result))
     return 0
+
+
+def _fmt(value, spec: str = ".3f") -> str:
+    return "-" if value is None else format(value, spec)
 
 
 if __name__ == "__main__":

@@ -143,6 +143,11 @@ DEMO_KL_BUDGET = 2.0
 # The demo's reward spec: a tab completion is code, so "prefix + completion compiles" is a
 # verifiable check next to the users' clicks and the judged aspects.
 DEMO_CHECKS = [{"name": "python_compiles", "weight": 0.25, "prompt_is_prefix": True}]
+# Silence costs what a rejection costs (the user waited and got nothing). With the default map
+# (silent 0 > reject -0.25) a suggestion the users accept with p < 0.25 is worth less than none, and
+# a weak policy learns to go quiet: measured, candidates whose suggestions shrank to half their
+# length, mostly empty (the gate's concision aspect and length drift refused all six).
+DEMO_SIGNAL_REWARDS = {"silent": -0.25}
 # Held-out suite: enough prompts and samples that a real change in compile rate shows in the
 # gate's paired interval (12 prompts x 4 samples could not tell one apart from noise).
 DEMO_SUITE_PROMPTS = 160
@@ -179,8 +184,9 @@ def _demo_loop_config(project) -> None:
                                  aspects=[{"name": "style", "weight": 0.1}, {"name": "concision", "weight": 0.1}],
                                  n_samples=DEMO_SUITE_SAMPLES, max_tokens=16)
     spec = reward_spec_current(project)
-    if spec.settle_seconds != 10 or spec.checks != DEMO_CHECKS:
-        reward_spec_update(project, settle_seconds=10, checks=DEMO_CHECKS)
+    signals = {**spec.signal_rewards, **DEMO_SIGNAL_REWARDS}
+    if spec.settle_seconds != 10 or spec.checks != DEMO_CHECKS or spec.signal_rewards != signals:
+        reward_spec_update(project, settle_seconds=10, checks=DEMO_CHECKS, signal_rewards=signals)
     training_schedule_install([project], **DEMO_TRAINING)
     gate = gate_policy_active(project)
     if gate.thresholds.get("kl_budget") != DEMO_KL_BUDGET:
