@@ -152,6 +152,37 @@ def versions_live(project: Project) -> list[PolicyVersion]:
                 .order_by("-number")[:10])
 
 
+def accept_by_version(project: Project, days: int, limit: int = 8) -> list[dict[str, Any]]:
+    """The newest `limit` versions that served or were gated, newest first, each with:
+    live: suggestions the users accepted per live completion that version served in the range
+    (silence counts as not accepted, so going quiet never looks better); held_out: the accept rate
+    the users' reward model predicts on the gate's held-out suite (the version's newest gate
+    report, as candidate or else as the production it was compared with; None before there were
+    enough clicks to fit one)."""
+    since = timezone.now() - timedelta(days=days)
+    versions = list(PolicyVersion.objects.filter(project=project).exclude(state__in=("candidate", "failed"))
+                    .order_by("-number").values("number", "state", "created_at")[:limit])
+    numbers = [v["number"] for v in versions]
+    live = Trajectory.objects.filter(project=project, source="live", policy_version__in=numbers, occurred_at__gte=since)
+    clicked = Exists(FeedbackEvent.objects.filter(trajectory=OuterRef("pk"), signal="accept"))
+    counts = {number: (n, a) for number, n, a in live.values_list("policy_version").annotate(
+        n=Count("id"), a=Count("id", filter=Q(clicked))).order_by()}
+    served = {k: n for k, (n, _) in counts.items()}
+    accepted = {k: a for k, (_, a) in counts.items()}
+    held: dict[int, float | None] = {}
+    reports = (GateReport.objects.filter(version__project=project, policy__suite__has_key="accept")
+               .filter(Q(version__number__in=numbers) | Q(baseline__number__in=numbers))
+               .order_by("-created_at").values_list("version__number", "baseline__number", "policy")[:4 * limit])
+    for number, baseline, policy in reports:
+        accept = (policy.get("suite") or {}).get("accept") or {}
+        held.setdefault(number, accept.get("candidate"))
+        if baseline is not None and baseline not in held:
+            held[baseline] = accept.get("production")
+    return [{**v, "served": served.get(v["number"], 0),
+             "live": (accepted.get(v["number"], 0) / served[v["number"]]) if served.get(v["number"]) else None,
+             "held_out": held.get(v["number"])} for v in versions]
+
+
 def run_active(project: Project) -> dict[str, Any] | None:
     run = (TrainingRun.objects.filter(project=project, state__in=("queued", "running"))
            .select_related("base_version").order_by("-created_at").first())

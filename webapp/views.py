@@ -80,6 +80,7 @@ def overview(request: HttpRequest, slug: str) -> HttpResponse:
     return render(request, "dashboard/overview.html", _ctx(
         request, project, "overview", days=days, totals=charts["totals"], figures=charts["figures"],
         versions=selectors.versions_live(project), active=selectors.run_active(project),
+        accept=selectors.accept_by_version(project, days),
         queues=selectors.queue_depths(), errors=selectors.errors_recent(project)))
 
 

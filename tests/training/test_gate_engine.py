@@ -9,18 +9,23 @@ token "x" aligned with it, so it emits "x" most of the time; the suite's check r
 from __future__ import annotations
 
 import shutil
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
+from django.utils import timezone
 
 from core.errors import NotFound
+from feedback.services import feedback_ingest
+from tests.factories import feedback, trajectory
 from training.gate.services import gate_run
 from training.gate.tasks import gate_run_task
 from training.models import AuditLog, EvalSuite, PolicyVersion
 from training.pretrain import PolicyConfig, build_policy, load_tokenizer, stdlib_corpus
 from training.promotion.services import gate_policy_update
 from training.rewards.checks import Check, CheckResult, register_check
+from training.rewards.services import reward_spec_update, rewards_compute_pending
 
 
 @register_check("x_rate")
@@ -85,11 +90,39 @@ def test_a_better_candidate_passes_the_gate_and_awaits_approval(creds, suite, po
     assert report.passed, report.checks
     assert rows["reward_improvement"]["interval"][0] > 0.2
     assert rows["kl"]["value"] > 0.5  # a real distance: the default budget would have stopped it
-    assert report.policy["suite"] == {"name": "default", "version": 1, "prompts": 8}
+    assert report.policy["suite"] == {"name": "default", "version": 1, "prompts": 8, "accept": None}
     cand.refresh_from_db()
     assert cand.state == "awaiting_approval"
     actions = list(AuditLog.objects.filter(target=f"policy_version:{cand.id}").values_list("action", flat=True))
     assert actions == ["gate_start", "gate_pass"]
+
+
+def _users_who_like_x(project, tokenizer, n: int = 80) -> None:
+    """Live suggestions the users clicked: they accept the ones made mostly of "x", reject the rest."""
+    reward_spec_update(project, judge={}, aspects=[], checks=[], settle_seconds=0)
+    liked, disliked = ["xxxx", "x xx", "xxx x", "xx"], ["def f", "import os", "(a, b)", " = 1"]
+    events = []
+    for i in range(n):
+        text = (liked if i % 2 else disliked)[(i // 2) % 4]
+        step = {"role": "assistant", "content": text, "token_ids": tokenizer.encode(text, add_special_tokens=False)}
+        events.append(trajectory(f"t-{i}", prompt=[{"role": "user", "content": "x = "}], steps=[step]))
+        events.append(feedback(f"fb-{i}", f"t-{i}", signal="accept" if i % 2 else "reject"))
+    feedback_ingest(project, events)
+    rewards_compute_pending(project, now=timezone.now() + timedelta(seconds=1))
+
+
+@pytest.mark.django_db
+def test_the_report_tells_the_held_out_accept_rate_the_users_reward_model_predicts(creds, suite, policies):
+    gate_policy_update(creds.project, "system:test", "tiny models drift far", thresholds={"kl_budget": 50.0})
+    report = gate_run(_versions(creds.project, policies["plain"], policies["x"])[1].id)
+    assert report.policy["suite"]["accept"] is None  # no clicks yet: nothing to fit
+
+    _users_who_like_x(creds.project, load_tokenizer(policies["plain"]))
+    cand = PolicyVersion.objects.create(project=creds.project, number=3, parent_id=report.version_id,
+                                        state="candidate", checkpoint_path=str(policies["x"]))
+    accept = gate_run(cand.id).policy["suite"]["accept"]
+    assert accept["samples"] == 8 * 3 and accept["reward_model"]["labels"] == 80
+    assert accept["candidate"] > accept["production"] + 0.3, accept
 
 
 @pytest.mark.django_db

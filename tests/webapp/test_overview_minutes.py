@@ -9,7 +9,7 @@ from django.utils import timezone
 
 from feedback.services import feedback_ingest
 from tests.factories import feedback, trajectory
-from training.models import AuditLog, PolicyVersion
+from training.models import AuditLog, GateReport, PolicyVersion
 from webapp import selectors
 
 
@@ -61,3 +61,29 @@ def test_the_rollouts_list_tells_prompt_completion_signals_and_reward_and_filter
     assert ">good<" in high and ">bad<" not in high
     silent = client.get(f"/p/{creds.project.slug}/rollouts/?signal=none").content.decode()
     assert ">quiet<" in silent and ">good<" not in silent
+
+
+def test_accept_rate_per_version_live_counts_silence_as_not_accepted_and_held_out_comes_from_the_gate(creds, client, bob):
+    events = []
+    for i, (version, signal) in enumerate([(1, "accept"), (1, "reject"), (1, None), (1, None), (2, "accept"),
+                                           (2, "accept")]):
+        events.append(trajectory(f"t{i}", policy_version=version, occurred_at=_at(5)))
+        if signal:
+            events.append(feedback(f"f{i}", f"t{i}", signal, occurred_at=_at(5)))
+    assert all(r.status == "accepted" for r in feedback_ingest(creds.project, events))
+    v1 = PolicyVersion.objects.create(project=creds.project, number=1, state="production")
+    v2 = PolicyVersion.objects.create(project=creds.project, number=2, parent=v1, state="awaiting_approval")
+    v3 = PolicyVersion.objects.create(project=creds.project, number=3, parent=v1, state="rejected")
+    GateReport.objects.create(version=v2, baseline=v1, passed=True,
+                              policy={"suite": {"accept": {"candidate": 0.6, "production": 0.3}}})
+    GateReport.objects.create(version=v3, baseline=v1, passed=False,
+                              policy={"suite": {"accept": {"candidate": 0.2, "production": 0.31}}})
+
+    rows = {r["number"]: r for r in selectors.accept_by_version(creds.project, days=1)}
+    assert [rows[n]["live"] for n in (1, 2, 3)] == [0.25, 1.0, None]
+    assert [rows[n]["served"] for n in (1, 2, 3)] == [4, 2, 0]
+    assert [rows[n]["held_out"] for n in (1, 2, 3)] == [0.31, 0.6, 0.2]  # v1: its newest report as baseline
+
+    client.force_login(bob)
+    page = client.get(f"/p/{creds.project.slug}/").content.decode()
+    assert 'id="accept-by-version"' in page and "0.250" in page and "0.310" in page

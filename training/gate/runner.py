@@ -44,6 +44,7 @@ class Sample:
     aspects: dict[str, float] = field(default_factory=dict)
     logprobs: list[float] | None = None  # under the policy that sampled it
     other_logprobs: list[float] | None = None  # same tokens under the other policy
+    token_ids: tuple[int, ...] = ()  # the completion's tokens (the users' reward model reads them)
 
 
 @dataclass
@@ -126,7 +127,7 @@ def _sample(spec: SuiteSpec, scored: dict[str, Any], c: Completion, other: Polic
             sampling: SamplingParams) -> Sample:
     other_lp = other.score(c.prompt_token_ids, c.token_ids, sampling)[0] if other is not None else None
     return Sample(spec.prompts[c.prompt_index].id, c.text, len(c.token_ids), logprobs=list(c.logprobs),
-                  other_logprobs=other_lp, **scored)
+                  other_logprobs=other_lp, token_ids=tuple(c.token_ids), **scored)
 
 
 # ---------------------------------------------------------------------------------- evaluation

@@ -16,10 +16,11 @@ from django.db import transaction
 
 from core.errors import Conflict
 from feedback.models import Project
-from training.gate.config import GateThresholds
-from training.gate.runner import CheckRow, evaluate, suite_collect
+from training.gate.config import GateThresholds, SuiteSpec
+from training.gate.runner import CheckRow, SuiteSamples, evaluate, suite_collect
 from training.models import EvalSuite, GatePolicy, GateReport, PolicyVersion
 from training.promotion.selectors import gate_policy_active, gate_policy_json
+from training.rewards.services import accept_predicted
 from training.versions.selectors import policy_production
 from training.versions.services import Actor, policy_folder, version_locked, version_transition
 
@@ -87,7 +88,19 @@ def _gate_rows(version: PolicyVersion, baseline: PolicyVersion | None, policy: G
     finally:
         for engine in engines:
             getattr(engine, "close", lambda: None)()
-    return evaluate(samples, thresholds), {"name": suite.name, "version": suite.version, "prompts": len(suite.prompts)}
+    info = {"name": suite.name, "version": suite.version, "prompts": len(suite.prompts),
+            "accept": _accept_on_suite(version.project, suite.as_spec(), samples)}
+    return evaluate(samples, thresholds), info
+
+
+def _accept_on_suite(project: Project, spec: SuiteSpec, samples: SuiteSamples) -> dict[str, Any] | None:
+    """The users' accept rate on the held-out suite, candidate and production, as their reward model
+    predicts it: informative (the overview shows it per version), not a gate criterion — the
+    model is fitted to the very clicks training optimises."""
+    prompts = {p.id: p.prompt for p in spec.prompts}
+    return accept_predicted(project, {
+        side: [(prompts[s.prompt_id], s.text, s.token_ids) for s in getattr(samples, side)]
+        for side in ("candidate", "production")})
 
 
 def _gate_abort(version_id: int, actor: Actor, exc: Exception) -> None:

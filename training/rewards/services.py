@@ -21,7 +21,7 @@ from training.models import Reward, RewardSpec, RubricScore
 from training.rewards import selectors
 from training.rewards.checks import CheckResult, check_from_config
 from training.rewards.judges import AspectScore, Judge, make_judge
-from training.rewards.reward_model import Labelled, RewardModel, expected_signal_reward
+from training.rewards.reward_model import Labelled, RewardModel, expected_signal_reward, fit_reward_model
 from training.rewards.spec import DEFAULT_SIGNAL_REWARDS, RewardSpecData, compute_reward
 
 DEFAULT_JUDGE: dict[str, Any] = {"kind": "rule", "aspects": ["style", "concision"]}
@@ -197,4 +197,29 @@ def suggestions_reward(
         if p is not None:
             components["model:expected_signal"] = expected_signal_reward(p, shown, data.signal_rewards)
         out.append((sum(components.values()), components))
+    return out
+
+
+def accept_predicted(
+    project: Project, sides: dict[str, Sequence[tuple[str, str, Sequence[int]]]],
+) -> dict[str, Any] | None:
+    """How often the users would accept each side's suggestions, by the reward model fitted to their
+    clicks so far (refitted here on every click, as a run fits it). sides: name -> (prompt,
+    completion, completion ids). An empty suggestion is not shown, so it is never accepted.
+    Returns {"<side>": mean accept probability, ..., "samples": per side, "reward_model": summary},
+    or None while the users have not clicked enough to fit one (MIN_LABELS)."""
+    spec = reward_spec_current(project)
+    model = fit_reward_model(selectors.labelled_suggestions(project, spec), [c["name"] for c in spec.checks])
+    if model is None:
+        return None
+    out: dict[str, Any] = {}
+    for side, items in sides.items():
+        checks = checks_run_many(spec.checks, [(c, {"prompt": p}) for p, c, _ in items])
+        labelled = [Labelled(p, c, {k: r.score for k, r in row.items()}, ids)
+                    for (p, c, ids), row in zip(items, checks, strict=True)]
+        accept = model.predict(labelled).tolist() if labelled else []
+        shown = [p * (c.strip() != "") for p, (_, c, _) in zip(accept, items, strict=True)]
+        out[side] = round(sum(shown) / len(shown), 4) if shown else None
+        out["samples"] = len(shown)
+    out["reward_model"] = model.summary()
     return out
