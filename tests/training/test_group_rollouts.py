@@ -88,6 +88,24 @@ def test_a_run_with_group_rollouts_trains_on_them_with_the_live_samples(creds, p
     assert config["fresh_mismatch_kl"] is None or config["fresh_mismatch_kl"] < 1e-6
 
 
+def test_rounds_sample_score_and_update_again_from_the_weights_the_run_reached(creds, production, tokenizer):
+    _spec(creds.project)
+    _ingest_clicks(creds.project, tokenizer, MIN_LABELS)
+    rewards_compute_pending(creds.project, now=timezone.now() + timedelta(seconds=1))
+    run, _ = training_run_start(creds.project, steps=1, batch_size=16, rl={"lr": 1e-3}, enqueue=False,
+                                group={"prompts": 4, "G": 4, "max_tokens": 6, "rounds": 3}, epochs=1)
+    run = train_policy(run.pk)
+    assert run.state == "succeeded", run.error
+    config = run.config
+    assert config["rollout_rounds"] == 3 and len(config["rollout_reward_by_round"]) == 3
+    first = config["samples"] - MIN_LABELS  # round 0's rollouts trained with the live samples
+    assert 0 < first <= 16 and first < config["rollouts"] <= 3 * 16
+    # round 0: one pass over live + rollouts; rounds 1 and 2: one pass over their own rollouts
+    later = config["rollouts"] - first
+    assert config["steps"] >= math.ceil(config["samples"] / 16) + math.ceil(later / 32)
+    assert TrainingStep.objects.filter(run=run).count() == config["steps"]
+
+
 def test_without_enough_clicks_there_is_no_reward_model_and_no_rollouts(creds, production, tokenizer):
     _spec(creds.project)
     _ingest_clicks(creds.project, tokenizer, MIN_LABELS // 2)
@@ -100,6 +118,7 @@ def test_without_enough_clicks_there_is_no_reward_model_and_no_rollouts(creds, p
 
 
 @pytest.mark.parametrize("group", [{"prompts": 0, "G": 4}, {"G": 1}, {"prompts": 4, "G": 4, "size": 3},
+                                   {"prompts": 4, "G": 4, "rounds": 0},
                                    {"prompts": "4"}, [4, 4]])
 def test_a_bad_group_config_is_refused_with_the_reason(creds, production, group):
     with pytest.raises(BadRequest, match="group"):

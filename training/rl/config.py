@@ -60,11 +60,14 @@ class RLConfig:
         return cls(**data)
 
 
-GROUP_KEYS = {"prompts": (1, 1024), "G": (2, 128), "max_tokens": (1, 512)}
+GROUP_KEYS = {"prompts": (1, 1024), "G": (2, 128), "max_tokens": (1, 512), "rounds": (1, 64)}
 
 
 def group_config(group: Any) -> dict[str, int] | None:
-    """A run's group rollouts ({"prompts": P, "G": G, "max_tokens": N}), checked; None: off."""
+    """A run's group rollouts ({"prompts": P, "G": G, "max_tokens": N, "rounds": R}), checked;
+    None: off. R rounds: sample, score and update R times in one run, each round from the weights
+    the previous one left (on-policy), so one run moves as far as R short runs without paying a
+    run's and a gate's fixed costs R times."""
     if not group:
         return None
     if not isinstance(group, dict) or set(group) - set(GROUP_KEYS):

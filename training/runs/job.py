@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from feedback.models import Step, Trajectory
 from inference.engine import SamplingParams, make_engine
 from training.models import Reward, RewardSpec, TrainingRun
-from training.rewards.reward_model import fit_reward_model
+from training.rewards.reward_model import RewardModel, fit_reward_model
 from training.rewards.selectors import labelled_suggestions, rewarded_trajectories_since
 from training.rewards.services import suggestions_reward
 from training.rl.advantages import RunningBaseline
@@ -54,26 +54,50 @@ def run(run: TrainingRun, folder: Path, on_step: StepCallback) -> dict[str, Any]
     samples, rewards = setup_samples(run, tokenizer)
     recorded = [s for s in samples if s.behaviour_logprobs is not None]  # mu as served, not recomputed
     unknown_mu = fill_behaviour_logprobs(run, samples, model, cfg, pad_id)
-    rollouts, rollout_report = group_rollouts(run, base_dir, rewards, tokenizer)
-    samples += rollouts
-    baseline = setup_baseline(run, cfg)
-    batch = prepare_batch(samples, run.base_version.number, cfg, pad_id, baseline)
-    # pi_old is the pre-update policy for every step of the run (PPO's clip is against it).
-    batch.old_logprobs = _chunked_logprobs(model, batch, cfg)
-    kept, _ = filter_stale(samples, run.base_version.number, cfg.max_staleness)  # the batch's rows, in order
-    fresh = fresh_mismatch_kl(batch, kept, recorded, run.base_version.number)
-    ref_model = setup_model(base_dir).eval() if cfg.beta > 0 else None
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    size = int(run.config["batch_size"])
-    epochs = run.config.get("epochs")
-    if epochs:  # passes over the data instead of a step count: the data of a run varies
-        run.config["steps"] = max(1, math.ceil(float(epochs) * batch.size / size))
-    steps = steps_of(run)
-    for step, mb in zip(range(steps), _shuffled(batch, size, int(run.config.get("seed", 0))), strict=False):
-        on_step(step, rl_step(model, ref_model, mb, optimizer, cfg).to_dict())
+    rollouts, not_sampled = GroupRollouts.setup(run, base_dir, rewards, tokenizer)
+    try:
+        first = rollouts.round(0) if rollouts else []
+        samples += first
+        baseline = setup_baseline(run, cfg)
+        batch = prepare_batch(samples, run.base_version.number, cfg, pad_id, baseline)
+        # pi_old is the pre-update policy for every step of the round (PPO's clip is against it).
+        batch.old_logprobs = _chunked_logprobs(model, batch, cfg)
+        kept, _ = filter_stale(samples, run.base_version.number, cfg.max_staleness)  # the batch's rows, in order
+        fresh = fresh_mismatch_kl(batch, kept, recorded, run.base_version.number)
+        ref_model = setup_model(base_dir).eval() if cfg.beta > 0 else None
+        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        size = int(run.config["batch_size"])
+        epochs = run.config.get("epochs")
+        if epochs:  # passes over the data instead of a step count: the data of a run varies
+            run.config["steps"] = max(1, math.ceil(float(epochs) * batch.size / size))
+        steps = steps_of(run)
+        if rollouts and rollouts.rounds > 1:  # what the later rounds will add (progress on the runs page)
+            run.config["steps"] = steps + (rollouts.rounds - 1) * max(1, math.ceil(len(first) / size))
+        done = 0
+        for mb in _take(_shuffled(batch, size, int(run.config.get("seed", 0))), steps):
+            on_step(done, rl_step(model, ref_model, mb, optimizer, cfg).to_dict())
+            done += 1
+        for r in range(1, rollouts.rounds if rollouts else 1):
+            more = rollouts.round(r, model)
+            if not more:
+                break
+            round_batch = prepare_batch(more, run.base_version.number, cfg, pad_id, None)
+            round_batch.old_logprobs = _chunked_logprobs(model, round_batch, cfg)
+            for mb in _take(_shuffled(round_batch, size, int(run.config.get("seed", 0)) + r),
+                            max(1, math.ceil(round_batch.size / size))):
+                on_step(done, rl_step(model, ref_model, mb, optimizer, cfg).to_dict())
+                done += 1
+    finally:
+        if rollouts:
+            rollouts.close()
     save_candidate(model, base_dir, folder)
     return {"baseline": baseline.state_dict(), "samples": len(samples), "dropped_stale": batch.dropped_stale,
-            "behaviour_unknown": unknown_mu, "steps": steps, **rollout_report, **fresh}
+            "behaviour_unknown": unknown_mu, "steps": done, **(rollouts.report() if rollouts else not_sampled), **fresh}
+
+
+def _take(batches: Iterator[Batch], n: int) -> Iterator[Batch]:
+    for _, mb in zip(range(n), batches, strict=False):
+        yield mb
 
 
 # --------------------------------------------------------------------------------- setup
@@ -165,56 +189,83 @@ def routing_tensor(routing: Any, width: int) -> torch.Tensor | None:
 # --------------------------------------------------------------------------------- group rollouts
 
 
-def group_rollouts(
-    run: TrainingRun, base_dir: Path, rewards: Sequence[Reward], tokenizer: Any,
-) -> tuple[list[Sample], dict[str, Any]]:
+class GroupRollouts:
     """More signal per prompt: for up to `group.prompts` distinct prompts the users sent in this
-    run's data (newest first), G completions from the base weights through the torch engine (the
-    serving engine's twin: same sampling, bitwise log-probs), each rewarded on the spec's scale by
+    run's data (newest first), G completions per round through the torch engine (the serving
+    engine's twin: same sampling, bitwise log-probs), each rewarded on the spec's scale by
     `suggestions_reward` — checks and judge as for any trajectory, the users' click in expectation
     from a reward model fitted to every accept/reject so far. Trained on group-relative advantages
     (a prompt's G completions against each other), next to the live samples.
 
-    Off (`group` unset in the run config), or no model yet (too few clicks): no rollouts."""
-    group = run.config.get("group") or {}
-    n_prompts, G = int(group.get("prompts", 0)), int(group.get("G", 0))
-    if n_prompts < 1 or G < 2:
-        return [], {}
-    spec = RewardSpec.objects.get(pk=run.config["spec"])
-    reward_model = fit_reward_model(labelled_suggestions(run.project, spec), [c["name"] for c in spec.checks])
-    report: dict[str, Any] = {"reward_model": reward_model.summary() if reward_model is not None else None}
-    if reward_model is None:
-        return [], {**report, "rollouts": 0}
-    prompts: dict[tuple[int, ...], str] = {}
-    for reward in reversed(rewards):
-        trajectory = reward.trajectory
-        if trajectory.source != "live" or len(prompts) >= n_prompts:
-            continue
-        step = next((s for s in trajectory.steps.all() if s.role == "assistant" and s.token_ids), None)
-        ids = tuple(prompt_token_ids(trajectory, tokenizer, step))
-        messages = trajectory.prompt or []
-        if ids and messages:
-            prompts.setdefault(ids, str(messages[-1].get("content", "")))
-    if not prompts:
-        return [], {**report, "rollouts": 0}
-    keys = list(prompts)
-    seed = int(run.config.get("seed", 0)) * 1_000_003 + run.pk
-    engine = make_engine("torch", base_dir, version=run.base_version.number, seed=seed)
-    try:
-        sampling = SamplingParams(max_tokens=int(group.get("max_tokens", 16)), seed=seed)
-        completions = [c for c in engine.generate([list(k) for k in keys], n=G, sampling=sampling) if c.token_ids]
-    finally:
-        engine.close()
-    scored = suggestions_reward(spec, [(prompts[keys[c.prompt_index]], c.text, c.token_ids) for c in completions],
-                                reward_model)
-    samples = [
-        Sample(prompt_ids=list(keys[c.prompt_index]), completion_ids=list(c.token_ids), reward=total,
-               behaviour_logprobs=list(c.logprobs), policy_version=run.base_version.number,
-               group=f"rollout-{run.pk}-{c.prompt_index}", task="rollout")
-        for c, (total, _) in zip(completions, scored, strict=True)
-    ]
-    mean = sum(t for t, _ in scored) / len(scored) if scored else None
-    return samples, {**report, "rollouts": len(samples), "rollout_prompts": len(keys), "rollout_reward_mean": mean}
+    Round 0 samples the base weights; round r > 0 samples the weights the run has reached (the
+    engine is handed the model's state dict), so every round is on-policy.
+
+    `setup` returns None (and a report saying why) when off (`group` unset in the run config) or
+    without a model yet (too few clicks)."""
+
+    def __init__(self, run: TrainingRun, spec: RewardSpec, model: RewardModel, prompts: dict[tuple[int, ...], str],
+                 base_dir: Path, group: dict[str, Any]) -> None:
+        self.run, self.spec, self.reward_model, self.prompts = run, spec, model, prompts
+        self.keys = list(prompts)
+        self.G, self.rounds = int(group["G"]), int(group.get("rounds", 1))
+        self.max_tokens = int(group.get("max_tokens", 16))
+        self.seed = int(run.config.get("seed", 0)) * 1_000_003 + run.pk
+        self.engine = make_engine("torch", base_dir, version=run.base_version.number, seed=self.seed)
+        self.rewards_per_round: list[float] = []
+        self.count = 0
+
+    @classmethod
+    def setup(cls, run: TrainingRun, base_dir: Path, rewards: Sequence[Reward],
+              tokenizer: Any) -> tuple[GroupRollouts | None, dict[str, Any]]:
+        group = run.config.get("group") or {}
+        if int(group.get("prompts", 0)) < 1 or int(group.get("G", 0)) < 2:
+            return None, {}
+        spec = RewardSpec.objects.get(pk=run.config["spec"])
+        model = fit_reward_model(labelled_suggestions(run.project, spec), [c["name"] for c in spec.checks])
+        if model is None:
+            return None, {"reward_model": None, "rollouts": 0}
+        prompts: dict[tuple[int, ...], str] = {}
+        for reward in reversed(rewards):
+            trajectory = reward.trajectory
+            if trajectory.source != "live" or len(prompts) >= int(group["prompts"]):
+                continue
+            step = next((s for s in trajectory.steps.all() if s.role == "assistant" and s.token_ids), None)
+            ids = tuple(prompt_token_ids(trajectory, tokenizer, step))
+            messages = trajectory.prompt or []
+            if ids and messages:
+                prompts.setdefault(ids, str(messages[-1].get("content", "")))
+        if not prompts:
+            return None, {"reward_model": model.summary(), "rollouts": 0}
+        return cls(run, spec, model, prompts, base_dir, group), {}
+
+    def round(self, r: int, weights: PreTrainedModel | None = None) -> list[Sample]:
+        """Round r's G completions per prompt, scored; from `weights` when given (else the base)."""
+        if weights is not None:
+            self.engine.load_weights(weights.state_dict(), self.run.base_version.number)
+        seed = self.seed + 7919 * r
+        completions = [c for c in self.engine.generate([list(k) for k in self.keys], n=self.G,
+                                                       sampling=SamplingParams(max_tokens=self.max_tokens, seed=seed))
+                       if c.token_ids]
+        scored = suggestions_reward(self.spec, [(self.prompts[self.keys[c.prompt_index]], c.text, c.token_ids)
+                                                for c in completions], self.reward_model)
+        self.count += len(completions)
+        if scored:
+            self.rewards_per_round.append(sum(t for t, _ in scored) / len(scored))
+        return [
+            Sample(prompt_ids=list(self.keys[c.prompt_index]), completion_ids=list(c.token_ids), reward=total,
+                   behaviour_logprobs=list(c.logprobs), policy_version=self.run.base_version.number,
+                   group=f"rollout-{self.run.pk}-{r}-{c.prompt_index}", task="rollout")
+            for c, (total, _) in zip(completions, scored, strict=True)
+        ]
+
+    def report(self) -> dict[str, Any]:
+        return {"reward_model": self.reward_model.summary(), "rollouts": self.count, "rollout_prompts": len(self.keys),
+                "rollout_rounds": len(self.rewards_per_round),
+                "rollout_reward_mean": self.rewards_per_round[0] if self.rewards_per_round else None,
+                "rollout_reward_by_round": [round(x, 4) for x in self.rewards_per_round]}
+
+    def close(self) -> None:
+        self.engine.close()
 
 
 # --------------------------------------------------------------------------------- log-probs
