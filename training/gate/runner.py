@@ -28,7 +28,8 @@ class Policy(Protocol):
 
     def generate(self, prompts: Sequence[str], n: int = 1, sampling: SamplingParams | None = None) -> list[Completion]: ...
 
-    def score(self, prompt: list[int], toks: list[int], sampling: SamplingParams | None = None) -> tuple[list[float], Any]: ...
+    def score_many(self, pairs: Sequence[tuple[list[int], list[int]]],
+                   sampling: SamplingParams | None = None) -> list[tuple[list[float], Any]]: ...
 
 
 @dataclass(frozen=True)
@@ -117,15 +118,15 @@ def suite_collect(spec: SuiteSpec, candidate: Policy, production: Policy, scorer
     prod = production.generate(texts, n=spec.n_samples, sampling=sampling)
     scores = scorer.score_many([(spec.prompts[c.prompt_index].prompt, c.text, spec.prompts[c.prompt_index].context)
                                 for c in [*cand, *prod]])
+    # production's log-probs of the candidate's tokens, in batched forwards (one per length)
+    other = [lp for lp, _ in production.score_many([(c.prompt_token_ids, c.token_ids) for c in cand], sampling)]
     return SuiteSamples(
-        candidate=[_sample(spec, s, c, production, sampling) for c, s in zip(cand, scores, strict=False)],
-        production=[_sample(spec, s, c, None, sampling) for c, s in zip(prod, scores[len(cand):], strict=True)],
+        candidate=[_sample(spec, s, c, lp) for c, s, lp in zip(cand, scores, other, strict=False)],
+        production=[_sample(spec, s, c, None) for c, s in zip(prod, scores[len(cand):], strict=True)],
     )
 
 
-def _sample(spec: SuiteSpec, scored: dict[str, Any], c: Completion, other: Policy | None,
-            sampling: SamplingParams) -> Sample:
-    other_lp = other.score(c.prompt_token_ids, c.token_ids, sampling)[0] if other is not None else None
+def _sample(spec: SuiteSpec, scored: dict[str, Any], c: Completion, other_lp: list[float] | None) -> Sample:
     return Sample(spec.prompts[c.prompt_index].id, c.text, len(c.token_ids), logprobs=list(c.logprobs),
                   other_logprobs=other_lp, token_ids=tuple(c.token_ids), **scored)
 
