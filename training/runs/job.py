@@ -190,8 +190,8 @@ def routing_tensor(routing: Any, width: int) -> torch.Tensor | None:
 
 
 class GroupRollouts:
-    """More signal per prompt: for up to `group.prompts` distinct prompts the users sent in this
-    run's data (newest first), G completions per round through the torch engine (the serving
+    """More signal per prompt: for `group.prompts` distinct prompts the users sent in this run's
+    data (newest first; a fresh slice of them each round), G completions per round through the torch engine (the serving
     engine's twin: same sampling, bitwise log-probs), each rewarded on the spec's scale by
     `suggestions_reward` — checks and judge as for any trajectory, the users' click in expectation
     from a reward model fitted to every accept/reject so far. Trained on group-relative advantages
@@ -207,7 +207,7 @@ class GroupRollouts:
                  base_dir: Path, group: dict[str, Any]) -> None:
         self.run, self.spec, self.reward_model, self.prompts = run, spec, model, prompts
         self.keys = list(prompts)
-        self.G, self.rounds = int(group["G"]), int(group.get("rounds", 1))
+        self.G, self.rounds, self.per_round = int(group["G"]), int(group.get("rounds", 1)), int(group["prompts"])
         self.max_tokens = int(group.get("max_tokens", 16))
         self.seed = int(run.config.get("seed", 0)) * 1_000_003 + run.pk
         self.engine = make_engine("torch", base_dir, version=run.base_version.number, seed=self.seed)
@@ -227,7 +227,7 @@ class GroupRollouts:
         prompts: dict[tuple[int, ...], str] = {}
         for reward in reversed(rewards):
             trajectory = reward.trajectory
-            if trajectory.source != "live" or len(prompts) >= int(group["prompts"]):
+            if trajectory.source != "live" or len(prompts) >= int(group["prompts"]) * int(group.get("rounds", 1)):
                 continue
             step = next((s for s in trajectory.steps.all() if s.role == "assistant" and s.token_ids), None)
             ids = tuple(prompt_token_ids(trajectory, tokenizer, step))
@@ -243,20 +243,30 @@ class GroupRollouts:
         if weights is not None:
             self.engine.load_weights(weights.state_dict(), self.run.base_version.number)
         seed = self.seed + 7919 * r
-        completions = [c for c in self.engine.generate([list(k) for k in self.keys], n=self.G,
+        keys = self.round_prompts(r)
+        completions = [c for c in self.engine.generate([list(k) for k in keys], n=self.G,
                                                        sampling=SamplingParams(max_tokens=self.max_tokens, seed=seed))
                        if c.token_ids]
-        scored = suggestions_reward(self.spec, [(self.prompts[self.keys[c.prompt_index]], c.text, c.token_ids)
+        scored = suggestions_reward(self.spec, [(self.prompts[keys[c.prompt_index]], c.text, c.token_ids)
                                                 for c in completions], self.reward_model)
         self.count += len(completions)
         if scored:
             self.rewards_per_round.append(sum(t for t, _ in scored) / len(scored))
         return [
-            Sample(prompt_ids=list(self.keys[c.prompt_index]), completion_ids=list(c.token_ids), reward=total,
+            Sample(prompt_ids=list(keys[c.prompt_index]), completion_ids=list(c.token_ids), reward=total,
                    behaviour_logprobs=list(c.logprobs), policy_version=self.run.base_version.number,
                    group=f"rollout-{self.run.pk}-{r}-{c.prompt_index}", task="rollout")
             for c, (total, _) in zip(completions, scored, strict=True)
         ]
+
+    def round_prompts(self, r: int) -> list[tuple[int, ...]]:
+        """Round r's `group.prompts` prompts: the next slice of the users' newest distinct prompts
+        (wrapping round when there are fewer than prompts x rounds). Fresh prompts each round: on
+        the same 64 prompts eight rounds raised the rollouts' reward 0.41 -> 0.56 while the
+        gate's held-out reward did not move (-0.004)."""
+        n = len(self.keys)
+        start = (r * self.per_round) % n
+        return [self.keys[(start + i) % n] for i in range(min(self.per_round, n))]
 
     def report(self) -> dict[str, Any]:
         return {"reward_model": self.reward_model.summary(), "rollouts": self.count, "rollout_prompts": len(self.keys),

@@ -132,7 +132,7 @@ def _demo_state() -> dict:
 #   not thrown away), so they are short and frequent: every ~200 new rewarded trajectories or
 #   every minute. Data served by production while the lineage is ahead is off-policy and
 #   corrected by truncated IS; up to 8 versions ahead it is used (max_staleness).
-DEMO_TRAINING = {"min_new": 150, "every_minutes": 1, "train_check_every_s": 20, "steps": 8, "batch_size": 64,
+DEMO_TRAINING = {"min_new": 100, "every_minutes": 1, "train_check_every_s": 20, "steps": 8, "batch_size": 64,
                  "epochs": 1, "group": {"prompts": 64, "G": 8, "max_tokens": 16, "rounds": 8},
                  "rl": {"lr": 2e-3, "max_staleness": 8, "micro_batch_size": 64}}
 # The gate's KL budget for the demo: a lineage a few runs ahead of production moves the tiny

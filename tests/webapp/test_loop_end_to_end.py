@@ -1,0 +1,173 @@
+"""The whole loop, end to end, on the real processes `make demo` runs: the web server (ASGI), a
+Celery worker and beat, the serving process (vLLM engine), on the test database and Redis.
+
+A small population of simulated users asks the serving endpoint for completions and sends its
+clicks through the signed webhook → rewards → a training run (group rollouts scored by the
+users' reward model) → the gate → approval through the versions API by a service account → the
+serving process hot-swaps → the next completions name the new version. Then: lineage intact,
+and the new version beats the old on held-out prompts the users never sent (one-sided test).
+
+    .venv/bin/python -m pytest tests/webapp/test_loop_end_to_end.py -q
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import threading
+import time
+import uuid
+
+import httpx
+import pytest
+from django.conf import settings
+from django.core.management import call_command
+
+from feedback.client import FlywheelClient
+from feedback.models import Trajectory
+from feedback.services import api_key_create
+from tests.processes import ROOT, free_port, subprocess_env, wait_http
+from training.models import AuditLog, PolicyVersion, TrainingRun
+from training.pretrain import sample_lines, stdlib_corpus
+from training.versions.selectors import policy_production
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+PRETRAIN_STEPS = "1000"  # the demo's base (cached under var/policies/pretrained/, shared with it)
+USERS, SEED, TASTE = 4, 3, "compiles"
+DEADLINE_S = 900  # generous: a busy 2-core machine; the loop is measured by bench/learning_curve.py
+
+
+@pytest.fixture
+def loop(creds, tmp_path):
+    """The demo's loop settings on the test project, its base policy, and its processes."""
+    from webapp.demo import _demo_loop_config, demo_processes
+
+    call_command("bootstrap_policy", "--project", creds.project.slug, "--steps", PRETRAIN_STEPS)
+    _demo_loop_config(creds.project)
+    web, serving = free_port(), free_port()
+    env = subprocess_env(
+        FLYWHEEL_INFERENCE_URL=f"http://127.0.0.1:{serving}", FLYWHEEL_INTERNAL_TOKEN=uuid.uuid4().hex,
+        FLYWHEEL_CHECKPOINT_DIR=str(settings.FLYWHEEL_CHECKPOINT_DIR),
+        # this test's own queues: no other test's worker takes its tasks
+        CELERY_KEY_PREFIX=f"loop-{os.getpid()}-{uuid.uuid4().hex[:6]}:",
+    )
+    procs = []
+    logs = ROOT / "var" / "test-loop"
+    logs.mkdir(parents=True, exist_ok=True)
+    for name, cmd in demo_processes(web, {"project": creds.project.slug}, simulate=False):
+        if name == "beat":
+            cmd = [*cmd[:-1], str(tmp_path / "celerybeat-schedule")]
+        log = open(logs / f"{name}.log", "wb")
+        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
+    try:
+        wait_http(f"http://127.0.0.1:{web}/healthz", procs[0], 120)
+        wait_http(f"http://127.0.0.1:{serving}/v1/models", procs[3], 300)
+        yield {"web": f"http://127.0.0.1:{web}", "serving": f"http://127.0.0.1:{serving}"}
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def _users(loop: dict, creds, stop: threading.Event) -> list[threading.Thread]:
+    from webapp.demo.simulator import auto_approve, run_users
+
+    lines = stdlib_corpus(max_lines=20_000)
+    sender = FlywheelClient(loop["web"], creds.webhook_secret, project=creds.project.slug)
+    model = httpx.get(loop["serving"] + "/v1/models").json()["data"][0]["id"]
+
+    def population() -> None:
+        seed = SEED
+        while not stop.is_set():  # bounded rounds, so the stop is seen between them
+            run_users(loop["serving"], sender, model, lines, requests=40, pause_s=0.1, seed=seed, users=USERS,
+                      taste=TASTE)
+            seed += 1
+
+    key = api_key_create(creds.project, ["admin", "read"], "auto-approver")
+    return [threading.Thread(target=population, daemon=True),
+            threading.Thread(target=auto_approve, args=(loop["web"], key, stop, 2.0), daemon=True)]
+
+
+def test_users_feedback_trains_a_version_that_is_gated_approved_served_and_better(loop, creds):
+    v1 = policy_production(creds.project)
+    stop = threading.Event()
+    threads = _users(loop, creds, stop)
+    for t in threads:
+        t.start()
+    try:
+        deadline = time.monotonic() + DEADLINE_S
+        while time.monotonic() < deadline:
+            production = policy_production(creds.project)
+            if production.number != v1.number:
+                break
+            time.sleep(5)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(120)
+    new = policy_production(creds.project)
+    assert new.number != v1.number, _why_not(creds.project)
+
+    # approved through the versions API by the service account, audited, after the gate passed it
+    approve = AuditLog.objects.get(project=creds.project, action="approve", after__number=new.number)
+    assert approve.actor == f"api_key:{creds.project.slug}:auto-approver"
+    assert new.gate_reports.filter(passed=True).exists()
+    # the serving process hot-swapped: the next completion names the new version
+    body = httpx.post(loop["serving"] + "/v1/completions", timeout=120,
+                      json={"model": creds.project.slug, "prompt": "total = (a", "max_tokens": 8}).json()
+    served = Trajectory.objects.get(external_id=body["choices"][0]["trajectory_id"], project=creds.project)
+    assert served.policy_version == new.number
+    # lineage: each version names its parent and the run that made it; each live trajectory the
+    # version that served it (one the project has)
+    chain, v = [], new
+    while v.parent_id is not None:
+        run = TrainingRun.objects.get(candidate=v)
+        assert run.base_version_id == v.parent_id and run.state == "succeeded"
+        chain.append(v.number)
+        v = v.parent
+    assert v.number == v1.number and chain
+    numbers = set(PolicyVersion.objects.filter(project=creds.project).values_list("number", flat=True))
+    assert set(Trajectory.objects.filter(project=creds.project, source="live")
+               .values_list("policy_version", flat=True)) <= numbers
+    # better for the users on held-out prompts they never sent: one-sided two-proportion z-test
+    old_rate, new_rate, n = _held_out_accept(v1), _held_out_accept(new), HELD_OUT
+    pooled = (old_rate + new_rate) / 2
+    z = (new_rate - old_rate) / math.sqrt(2 * pooled * (1 - pooled) / n)
+    assert z > 1.645, f"held-out accept v{v1.number} {old_rate:.3f} -> v{new.number} {new_rate:.3f} (z={z:.2f})"
+
+
+HELD_OUT = 300
+
+
+def _held_out_accept(version: PolicyVersion) -> float:
+    from inference.engine import SamplingParams, make_engine
+    from training.versions.services import policy_folder
+    from webapp.demo import _demo_suite_prompts
+    from webapp.demo.simulator import likes
+
+    gate = {p["prompt"] for p in _demo_suite_prompts()}
+    pool = [line.strip() for line in stdlib_corpus()[-20_000:] if len(line.strip()) >= 12]
+    prompts = [line[: 8 + (i * 7) % 17] for i, line in
+               enumerate(sample_lines([p for p in pool if p[:20] not in gate], HELD_OUT, seed=11))]
+    engine = make_engine("torch", policy_folder(version), version=version.number, seed=1234)
+    try:
+        out = engine.generate(prompts, n=1, sampling=SamplingParams(max_tokens=16, seed=1234))
+    finally:
+        engine.close()
+    return sum(likes(TASTE, prompts[c.prompt_index], c.text) for c in out) / len(prompts)
+
+
+def _why_not(project) -> str:
+    """What the loop did, for the failure message."""
+    from training.models import GateReport
+
+    runs = list(TrainingRun.objects.filter(project=project).values_list("id", "state", "error"))
+    gates = [(r.version.number, r.passed, [c["name"] for c in r.checks if not c["passed"]])
+             for r in GateReport.objects.filter(version__project=project).select_related("version")]
+    return f"no new version in production: runs {runs}; gate reports {gates}"
