@@ -62,6 +62,8 @@ def main() -> int:
     try:
         rows, evaluations = _observe(args, held_out)
         loop = _loop_record()
+        if args.screenshot:
+            _screenshot(int(env["BENCH_WEB_PORT"]), args.screenshot)
     finally:
         for p in procs:
             p.terminate()
@@ -80,6 +82,8 @@ def _args() -> argparse.Namespace:
     parser.add_argument("--taste", default="compiles")
     parser.add_argument("--corpus", default=None, help="the users' code base (*.py under DIR); default stdlib")
     parser.add_argument("--pretrain-steps", type=int, default=1000)
+    parser.add_argument("--screenshot", default=None, metavar="PNG",
+                        help="at the end, the dashboard's overview in chromium (Playwright), saved here")
     parser.add_argument("--json", action="store_true")
     return parser.parse_args()
 
@@ -235,6 +239,39 @@ def _loop_record() -> dict:
                       "failed": [n for n, c in rows.items() if not c.get("passed")],
                       "kl": rows.get("kl", {}).get("value"), "length_drift": rows.get("length_drift", {}).get("value")})
     return {"runs": runs, "gates": gates}
+
+
+def _screenshot(port: int, path: str) -> None:
+    """The overview as a person sees it after the run: a viewer logs in through the login page."""
+    import secrets
+
+    from django.contrib.auth import get_user_model
+    from playwright.sync_api import sync_playwright
+
+    from feedback.models import Project
+
+    password = secrets.token_urlsafe(12)
+    users = get_user_model()
+    user = users.objects.filter(username="bench-viewer").first() or users.objects.create_user("bench-viewer")
+    user.set_password(password)
+    user.is_staff = True  # sees every project's pages (read-only: no approval permission)
+    user.save()
+    assert Project.objects.filter(slug="demo").exists()
+    base = f"http://127.0.0.1:{port}"
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path="/usr/bin/chromium", headless=True,
+                                     args=["--no-sandbox", "--disable-dev-shm-usage"])
+        page = browser.new_context(viewport={"width": 1400, "height": 1000}).new_page()
+        page.set_default_timeout(60_000)
+        page.goto(base + "/p/demo/")
+        page.fill("input[name=username]", "bench-viewer")
+        page.fill("input[name=password]", password)
+        page.click("button[type=submit]")
+        page.wait_for_url(base + "/p/demo/")
+        page.wait_for_selector("#chart-rate .main-svg")
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=path, full_page=True)
+        browser.close()
 
 
 def _print_row(row: dict, evaluations: dict[int, dict]) -> None:

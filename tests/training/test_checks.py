@@ -102,3 +102,10 @@ def test_compiling_many_in_one_sandbox_gives_each_its_own_verdict() -> None:
     one_by_one = [check.run(c, ctx) for c, ctx in items]
     assert [r.score for r in check.run_many(items)] == [r.score for r in one_by_one] == [1.0, 0.0, 1.0, 0.0]
     assert check.run_many(items)[1].reason == one_by_one[1].reason
+
+
+def test_an_empty_suggestion_verifies_nothing_even_after_a_prefix_that_compiles() -> None:
+    check = make_check("python_compiles", prompt_is_prefix=True, **LIMITS)
+    items = [("", {"prompt": "import os"}), (" \n", {"prompt": "x = 1"}), ("\nx = 2", {"prompt": "import os"})]
+    assert [r.score for r in check.run_many(items)] == [0.0, 0.0, 1.0]
+    assert check.run("", {"prompt": "import os"}).reason == "empty completion: nothing to verify"

@@ -25,7 +25,7 @@ from training.runs.services import train_policy, training_run_start
 CHECKS = [{"name": "python_compiles", "weight": 0.25, "prompt_is_prefix": True}]
 PROMPTS = ["total = (a", "name = str(x", "value = [1, 2", "if ok", "items = {}", "x = y +"]
 # (completion, compiles after its prompt?) — the users accept exactly what compiles.
-TAILS = ["\n", ")\n", " 3\n", "]\n", " + 1)\n", ":\n"]
+TAILS = [" # ok\n", ")\n", " 3\n", "]\n", " + 1)\n", ":\n"]
 
 
 def _spec(project):

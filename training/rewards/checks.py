@@ -221,6 +221,9 @@ class _SandboxCheck(Check):
         return str(prefix or "") + completion
 
 
+NOTHING_SUGGESTED = CheckResult(0.0, "empty completion: nothing to verify")
+
+
 @register_check("python_compiles")
 class PythonCompiles(_SandboxCheck):
     """1 if prefix + completion compiles as Python (compiled in the sandbox: parsers can crash)."""
@@ -228,14 +231,22 @@ class PythonCompiles(_SandboxCheck):
     batch = 64  # sources per sandbox in run_many: a sandbox costs ~0.1 s, compiling one ~0.1 ms
 
     def run(self, completion: str, context: Mapping[str, Any] | None = None) -> CheckResult:
+        if not completion.strip():
+            return NOTHING_SUGGESTED
         ctx = context or {}
         return run_sandboxed(self.source(completion, ctx), "", "compile", self.limits)
 
     def run_many(self, items: Sequence[tuple[str, Mapping[str, Any] | None]]) -> list[CheckResult]:
-        sources = [self.source(completion, context or {}) for completion, context in items]
-        out: list[CheckResult] = []
+        # An empty suggestion verifies nothing: with a prefix that compiles on its own it would
+        # otherwise pass, and a policy learns silence (measured: candidates refused for concision).
+        todo = [i for i, (completion, _) in enumerate(items) if completion.strip()]
+        sources = [self.source(items[i][0], items[i][1] or {}) for i in todo]
+        compiled: list[CheckResult] = []
         for start in range(0, len(sources), self.batch):
-            out += self._compile_batch(sources[start : start + self.batch])
+            compiled += self._compile_batch(sources[start : start + self.batch])
+        out = [NOTHING_SUGGESTED] * len(items)
+        for i, result in zip(todo, compiled, strict=True):
+            out[i] = result
         return out
 
     def _compile_batch(self, sources: list[str]) -> list[CheckResult]:

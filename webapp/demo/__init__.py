@@ -135,11 +135,15 @@ def _demo_state() -> dict:
 DEMO_TRAINING = {"min_new": 100, "every_minutes": 1, "train_check_every_s": 20, "steps": 8, "batch_size": 64,
                  "epochs": 1, "group": {"prompts": 64, "G": 8, "max_tokens": 16, "rounds": 8},
                  "rl": {"lr": 2e-3, "max_staleness": 8, "micro_batch_size": 64}}
-# The gate's KL budget for the demo: a lineage a few runs ahead of production moves the tiny
-# policy by ~0.5 nats/token per run (measured: 0.47 after one run, 1.02 after two at lr 2e-3), so
-# the library default (0.5) would hold back every real improvement after the first. The drift
-# detectors (length, silence, repetition, concision) still stand between gaming and production.
-DEMO_KL_BUDGET = 2.0
+# The gate's drift bounds for the demo. KL: a run of 8 rounds moves the tiny policy 1.2-1.8
+# nats/token from its base (measured), and production lags the lineage by up to a run, so the
+# library default (0.5) would refuse every real improvement; 4.0 admits two runs' move. Length:
+# the base runs to the 16-token limit (it rarely ends a statement); learning to end one halves
+# the mean length (ratio 0.51-0.53 measured, median 9 characters), which the default bound
+# [1/1.5, 1.5] refused although the users accept it. [1/2.5, 2.5] admits it and still refuses a
+# policy that shrinks to a token or two (ratio ~0.1). Silence, repetition and the concision
+# aspect still stand between gaming and production.
+DEMO_GATE_THRESHOLDS = {"kl_budget": 4.0, "length_ratio_max": 2.5}
 # The demo's reward spec: a tab completion is code, so "prefix + completion compiles" is a
 # verifiable check next to the users' clicks and the judged aspects.
 DEMO_CHECKS = [{"name": "python_compiles", "weight": 0.25, "prompt_is_prefix": True}]
@@ -189,9 +193,9 @@ def _demo_loop_config(project) -> None:
         reward_spec_update(project, settle_seconds=10, checks=DEMO_CHECKS, signal_rewards=signals)
     training_schedule_install([project], **DEMO_TRAINING)
     gate = gate_policy_active(project)
-    if gate.thresholds.get("kl_budget") != DEMO_KL_BUDGET:
-        gate_policy_update(project, "system:demo", "the demo's KL budget (webapp/demo DEMO_KL_BUDGET)",
-                           thresholds={**gate.thresholds, "kl_budget": DEMO_KL_BUDGET})
+    if any(gate.thresholds.get(k) != v for k, v in DEMO_GATE_THRESHOLDS.items()):
+        gate_policy_update(project, "system:demo", "the demo's drift bounds (webapp/demo DEMO_GATE_THRESHOLDS)",
+                           thresholds={**gate.thresholds, **DEMO_GATE_THRESHOLDS})
 
 
 def demo_processes(port: int, state: dict, simulate: bool) -> list[tuple[str, list[str]]]:
