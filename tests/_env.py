@@ -11,6 +11,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # This session's Celery messages only reach this session's workers.
 os.environ.setdefault("CELERY_KEY_PREFIX", f"test-{os.getpid()}:")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Speed for the suite alone: an embedded PostgreSQL this session starts runs without fsync
+# (core/embedded.py; a running durable server stays durable, the demo refuses the switch).
+os.environ.setdefault("FLYWHEEL_TEST_PG_UNDURABLE", "1")
 # Without a GPU the Triton kernels are tested in Triton's interpreter. Triton reads this once,
 # when it is first imported (vLLM and transformers import it early), so it is set here.
 if not os.path.exists("/dev/nvidia0"):

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from tests.factories import as_django_headers, sign
-from tests.processes import ROOT, SESSION_KEY_PREFIX, free_port, subprocess_env, wait_http
+from tests.processes import ROOT, SESSION_KEY_PREFIX, OwnPostgres, free_port, subprocess_env, wait_http
 from training.pretrain import PolicyConfig, build_policy, stdlib_corpus
 
 
@@ -130,6 +130,15 @@ def asgi_server(django_db_setup):
     yield url
     proc.terminate()
     proc.wait(timeout=20)
+
+
+@pytest.fixture(scope="session")
+def own_postgres(tmp_path_factory: pytest.TempPathFactory):
+    """An embedded PostgreSQL of its own (not the suite's server), for tests that stop it or
+    check how it starts; stopped at the end of the session."""
+    pg = OwnPostgres(tmp_path_factory.mktemp("own-pg"))
+    yield pg
+    pg.down()
 
 
 # --- tiny policies, built once per session (inference and training tests share them) ---------

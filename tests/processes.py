@@ -54,3 +54,51 @@ def wait_http(url: str, proc, seconds: float = 90) -> None:
         time.sleep(0.2)
     proc.kill()
     raise RuntimeError(f"{url} did not answer within {seconds} s")
+
+
+class OwnPostgres:
+    """An embedded PostgreSQL of a test's own, under `var_dir` (core/embedded.py run as a command
+    with FLYWHEEL_VAR_DIR): stopped and started by the test without touching the suite's server."""
+
+    def __init__(self, var_dir: Path) -> None:
+        self.var_dir = var_dir
+
+    def _embedded(self, *args: str, undurable: bool = False) -> str:
+        import subprocess
+        import sys
+
+        env = {**os.environ, "FLYWHEEL_VAR_DIR": str(self.var_dir)}
+        env.pop("FLYWHEEL_TEST_PG_UNDURABLE", None)
+        if undurable:
+            env["FLYWHEEL_TEST_PG_UNDURABLE"] = "1"
+        done = subprocess.run([sys.executable, "-m", "core.embedded", *args], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=180)
+        if done.returncode != 0:
+            raise RuntimeError(f"core.embedded {' '.join(args)} failed: {done.stderr[-2000:]}")
+        return done.stdout
+
+    def up(self, *, undurable: bool = False) -> str:
+        """Starts it (or reuses it); returns its DATABASE_URL."""
+        out = self._embedded("up", "postgres", undurable=undurable)
+        return next(line.split("=", 1)[1] for line in out.splitlines() if line.startswith("DATABASE_URL="))
+
+    def down(self) -> None:
+        self._embedded("down", "postgres")
+
+    def durable_url(self) -> str:
+        """What a durable caller (the demo, a worker) gets: embedded.postgres_url() without the switch."""
+        import subprocess
+        import sys
+
+        env = {**os.environ, "FLYWHEEL_VAR_DIR": str(self.var_dir)}
+        env.pop("FLYWHEEL_TEST_PG_UNDURABLE", None)
+        done = subprocess.run([sys.executable, "-c", "from core import embedded; print(embedded.postgres_url())"],
+                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=180, check=True)
+        return done.stdout.strip()
+
+    def settings(self, url: str) -> dict[str, str]:
+        import psycopg
+
+        with psycopg.connect(url, autocommit=True) as conn:
+            return {name: conn.execute(f"SHOW {name}").fetchone()[0]
+                    for name in ("fsync", "full_page_writes", "synchronous_commit")}

@@ -55,3 +55,29 @@ def test_a_logged_in_user_sees_the_projects(client, bob, creds):
     client.force_login(bob)
     response = client.get("/")
     assert response.status_code == 200 and b"acme" in response.content
+
+
+ON = {"fsync": "on", "full_page_writes": "on", "synchronous_commit": "on"}
+
+
+def test_the_embedded_postgres_is_durable_unless_the_suite_starts_it(own_postgres):
+    # The test switch applies only to a server the suite itself starts...
+    own_postgres.down()
+    url = own_postgres.up(undurable=True)
+    assert set(own_postgres.settings(url).values()) == {"off"}
+    # ...and a durable caller (the demo, a bench, a worker: no switch) turns durability back on.
+    assert own_postgres.durable_url() == url
+    assert own_postgres.settings(url) == ON
+    # The switch never turns it off on a running server, and a fresh start is durable.
+    own_postgres.up(undurable=True)
+    assert own_postgres.settings(url) == ON
+    own_postgres.down()
+    assert own_postgres.settings(own_postgres.up()) == ON
+
+
+def test_the_demo_refuses_the_test_only_switch(monkeypatch):
+    from webapp.demo import _environment
+
+    monkeypatch.setenv("FLYWHEEL_TEST_PG_UNDURABLE", "1")
+    with pytest.raises(ConfigError, match="test suite only"):
+        _environment()

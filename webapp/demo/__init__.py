@@ -39,7 +39,11 @@ def _environment() -> dict[str, str]:
     # Imported here, like every project import below: `python -m webapp.demo` runs before Django
     # is set up (`_prepare` does it), and models cannot be imported until then.
     from core import embedded
+    from core.env import ConfigError
 
+    if embedded.undurable_requested():
+        raise ConfigError(f"{embedded.UNDURABLE_SWITCH} turns off PostgreSQL's fsync for the test suite only; "
+                          "the demo keeps acknowledged events through a crash: unset it")
     env = dict(os.environ)
     if not env.get("DATABASE_URL"):
         env["DATABASE_URL"] = embedded.postgres_url()
