@@ -197,6 +197,14 @@ def durability(sock: Path | None = None) -> dict[str, str]:
         return {name: conn.execute(f"SHOW {name}").fetchone()[0] for name in DURABILITY_SETTINGS}
 
 
+def _flags_on_command_line(sock: Path) -> bool:
+    import psycopg
+
+    with psycopg.connect(host=str(sock), user="postgres", dbname="postgres", autocommit=True) as conn:
+        return bool(conn.execute("SELECT count(*) FROM pg_settings WHERE name = ANY(%s) AND source = 'command line'",
+                                 [list(DURABILITY_SETTINGS)]).fetchone()[0])
+
+
 def _apply_durability(sock: Path, *, undurable: bool) -> None:
     import psycopg
 
@@ -233,6 +241,12 @@ def postgres_url() -> str:
     if _pg_running() and (_socket_dir() / ".s.PGSQL.5432").exists():
         if not undurable_requested():
             with _lock("pg"):
+                if _flags_on_command_line(_socket_dir()):
+                    # Started by an older Flywheel with the durability flags on its command line,
+                    # which no reload can change: restart it without them.
+                    _run([_pg_bin("pg_ctl"), "-D", str(PG_DATA), "-w", "-m", "fast", "stop"], "pg_ctl stop",
+                         **_as_pg_user())
+                    _start_postgres_locked(_socket_dir())
                 _apply_durability(_socket_dir(), undurable=False)
         return postgres_url_for(_socket_dir())
     return start_postgres()
