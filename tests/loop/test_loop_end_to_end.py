@@ -7,7 +7,7 @@ users' reward model) → the gate → approval through the versions API by a ser
 serving process hot-swaps → the next completions name the new version. Then: lineage intact,
 and the new version beats the old on held-out prompts the users never sent (one-sided test).
 
-    .venv/bin/python -m pytest tests/webapp/test_loop_end_to_end.py -q
+    .venv/bin/python -m pytest tests/loop -q
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ DEADLINE_S = 900  # generous: a busy 2-core machine; the loop is measured by ben
 
 
 @pytest.fixture
-def loop(creds, tmp_path):
+def loop(creds, tmp_path, monkeypatch):
     """The demo's loop settings on the test project, its base policy, and its processes."""
     from webapp.demo import _demo_loop_config, demo_processes
 
@@ -53,6 +53,7 @@ def loop(creds, tmp_path):
         # this test's own queues: no other test's worker takes its tasks
         CELERY_KEY_PREFIX=f"loop-{os.getpid()}-{uuid.uuid4().hex[:6]}:",
     )
+    monkeypatch.setenv("FLYWHEEL_INFERENCE_URL", env["FLYWHEEL_INFERENCE_URL"])  # demo_processes reads it
     procs = []
     logs = ROOT / "var" / "test-loop"
     logs.mkdir(parents=True, exist_ok=True)
@@ -121,7 +122,8 @@ def test_users_feedback_trains_a_version_that_is_gated_approved_served_and_bette
     # the serving process hot-swapped: the next completion names the new version
     body = httpx.post(loop["serving"] + "/v1/completions", timeout=120,
                       json={"model": creds.project.slug, "prompt": "total = (a", "max_tokens": 8}).json()
-    served = Trajectory.objects.get(external_id=body["choices"][0]["trajectory_id"], project=creds.project)
+    assert body["model"].endswith(f"v{new.number}"), body["model"]
+    served = _recorded(creds.project, body["choices"][0]["trajectory_id"])  # the recorder writes in batches
     assert served.policy_version == new.number
     # lineage: each version names its parent and the run that made it; each live trajectory the
     # version that served it (one the project has)
@@ -143,6 +145,16 @@ def test_users_feedback_trains_a_version_that_is_gated_approved_served_and_bette
 
 
 HELD_OUT = 300
+
+
+def _recorded(project, trajectory_id: str, seconds: float = 60) -> Trajectory:
+    deadline = time.monotonic() + seconds
+    while True:
+        found = Trajectory.objects.filter(project=project, external_id=trajectory_id).first()
+        if found is not None or time.monotonic() > deadline:
+            assert found is not None, f"the served completion {trajectory_id} was never recorded"
+            return found
+        time.sleep(0.5)
 
 
 def _held_out_accept(version: PolicyVersion) -> float:
