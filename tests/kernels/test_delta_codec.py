@@ -6,14 +6,17 @@ Run: `.venv/bin/python -m pytest tests/kernels/test_delta_codec.py -q -p no:djan
 from __future__ import annotations
 
 import hashlib
+import json
+import struct
 
+import blake3
 import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kernels.delta import CheckpointCorrupt, checkpoint_sha256, decode, encode, read_manifest
+from kernels.delta import MAGIC, CheckpointCorrupt, checkpoint_hash, decode, encode, read_manifest
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int8, torch.uint8,
           torch.int16, torch.int32, torch.int64, torch.bool]  # fmt: skip
@@ -126,7 +129,7 @@ def _resealed(blob: bytes, i: int) -> bytes:
     """Flip byte i and recompute the container digest: only the inner hashes can catch it."""
     bad = bytearray(blob[:-32])
     bad[i] ^= 0x10
-    return bytes(bad) + hashlib.sha256(bad).digest()
+    return bytes(bad) + blake3.blake3(bad).digest()
 
 
 def test_inner_hashes_never_let_a_resealed_flip_through_as_different_weights(
@@ -164,5 +167,47 @@ def test_truncation_a_wrong_parent_and_a_missing_parent_are_refused(
 def test_the_checkpoint_hash_ignores_the_encoding(pair: tuple[dict[str, torch.Tensor], bytes]) -> None:
     parent, blob = pair
     child = decode(blob, parent)
-    assert read_manifest(blob)["checkpoint_sha256"] == read_manifest(encode(child))["checkpoint_sha256"]
-    assert read_manifest(blob)["checkpoint_sha256"] == checkpoint_sha256(child)
+    assert read_manifest(blob)["checkpoint_hash"] == read_manifest(encode(child))["checkpoint_hash"]
+    assert read_manifest(blob)["checkpoint_hash"] == checkpoint_hash(child)
+
+
+def test_a_wrong_base_is_refused_even_when_the_caller_vouches_for_its_hash(
+    pair: tuple[dict[str, torch.Tensor], bytes],
+) -> None:
+    """The store passes the parent hash it verified; a base that differs from it in memory (one
+    element, even in a tensor the delta leaves alone) still fails the reconstructed-tensor hashes."""
+    parent, blob = pair
+    vouched = read_manifest(blob)["parent_hash"]
+    for name in parent:
+        other = dict(parent)
+        other[name] = _mutate(parent[name], 0.0, 5)  # one flipped bit
+        with pytest.raises(CheckpointCorrupt, match="does not match its hash"):
+            decode(blob, other, parent_hash=vouched)
+    unchanged = {**parent, "d": torch.ones(3)}
+    blob_d = encode(unchanged, unchanged)  # every plane zero: the result is the base itself
+    with pytest.raises(CheckpointCorrupt, match="does not match its hash"):
+        decode(blob_d, {**unchanged, "d": torch.zeros(3)}, parent_hash=read_manifest(blob_d)["parent_hash"])
+
+
+def _as_format_1(blob: bytes, state: dict[str, torch.Tensor]) -> bytes:
+    """The same payload in the format-1 container: SHA-256 hashes under their old key names."""
+    manifest = read_manifest(blob)
+    sha = {k: hashlib.sha256(_bits(t)).hexdigest() for k, t in state.items()}
+    tensors = [{**{k: v for k, v in e.items() if k != "hash"}, "sha256": sha[e["name"]]} for e in manifest["tensors"]]
+    canon = json.dumps(sorted((e["name"], e["dtype"], e["shape"], e["sha256"]) for e in tensors), separators=(",", ":"))
+    old = {"format": 1, "kind": manifest["kind"], "payload_bytes": manifest["payload_bytes"], "tensors": tensors,
+           "checkpoint_sha256": hashlib.sha256(canon.encode()).hexdigest(), "parent_sha256": None}
+    mjson = json.dumps(old, separators=(",", ":"), sort_keys=True).encode()
+    body = MAGIC + struct.pack("<Q", len(mjson)) + mjson + blob[-32 - manifest["payload_bytes"] : -32]
+    return body + hashlib.sha256(body).digest()
+
+
+def test_a_format_1_blob_with_sha256_hashes_still_decodes_and_is_still_verified() -> None:
+    state = {"w": torch.randn(300).to(torch.bfloat16), "i": torch.arange(9)}
+    old = _as_format_1(encode(state), state)
+    assert _same(decode(old), state)
+    assert read_manifest(old)["checkpoint_hash"] == checkpoint_hash(state, fmt=1)
+    bad = bytearray(old[:-32])
+    bad[-1] ^= 0x01  # the last payload byte, resealed: only the SHA-256 of the tensor can tell
+    with pytest.raises(CheckpointCorrupt):
+        decode(bytes(bad) + hashlib.sha256(bad).digest())

@@ -40,7 +40,8 @@ from safetensors.torch import load_file, save_file
 
 from kernels.delta import CheckpointCorrupt, decode, encode, read_manifest
 
-FORMAT = "flywheel.checkpoint/1"
+FORMAT = "flywheel.checkpoint/2"  # /1 named the checkpoint hash `checkpoint_sha256`; still read
+_FORMAT_1 = "flywheel.checkpoint/1"
 WEIGHTS = "model.safetensors"
 DEFAULT_FULL_EVERY = 8
 # Weight files are re-encoded; everything else in an HF folder (config, tokenizer, chat template)
@@ -155,8 +156,10 @@ class CheckpointStore:
             manifest = json.loads(data)
         except ValueError as e:
             raise CheckpointCorrupt(f"manifest {manifest_hash[:12]} is not JSON: {e}") from e
-        if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        if not isinstance(manifest, dict) or manifest.get("format") not in (FORMAT, _FORMAT_1):
             raise CheckpointCorrupt(f"object {manifest_hash[:12]} is not a checkpoint manifest")
+        if manifest["format"] == _FORMAT_1 and "checkpoint_sha256" in manifest:
+            manifest["checkpoint_hash"] = manifest.pop("checkpoint_sha256")
         return manifest
 
     def put(
@@ -178,7 +181,7 @@ class CheckpointStore:
         every = full_every or self.full_every
         as_delta = parent is not None and parent["depth"] + 1 < every
         parent_state = self.load_state_dict(parent_hash) if as_delta and parent_hash else None
-        blob = encode(state, parent_state, parent_sha256=parent["checkpoint_sha256"] if as_delta and parent else None)
+        blob = encode(state, parent_state, parent_hash=parent["checkpoint_hash"] if as_delta and parent else None)
         side = dict(files or folder_files or {})
         inherited = parent["files"] if parent and not side else {}
         manifest = {
@@ -190,7 +193,7 @@ class CheckpointStore:
             "blob": self.storage.put(blob),
             "blob_bytes": len(blob),
             "raw_bytes": sum(t.numel() * t.element_size() for t in state.values()),
-            "checkpoint_sha256": _blob_checkpoint_hash(blob),
+            "checkpoint_hash": _blob_checkpoint_hash(blob),
             "files": {**inherited, **{name: self.storage.put(data) for name, data in side.items()}},
             "meta": dict(meta or {}),
         }
@@ -214,10 +217,10 @@ class CheckpointStore:
         known: str | None = None
         for manifest in self._chain(manifest_hash):
             blob = self.storage.get(manifest["blob"])
-            if _blob_checkpoint_hash(blob) != manifest["checkpoint_sha256"]:
+            if _blob_checkpoint_hash(blob) != manifest["checkpoint_hash"]:
                 raise CheckpointCorrupt("blob does not hold the checkpoint its manifest names")
-            state = decode(blob, state, parent_sha256=known)
-            known = manifest["checkpoint_sha256"]
+            state = decode(blob, state, parent_hash=known)
+            known = manifest["checkpoint_hash"]
         assert state is not None
         return state
 
@@ -253,4 +256,4 @@ def _publish(tmp: Path, out: Path) -> None:
 
 
 def _blob_checkpoint_hash(blob: bytes) -> str:
-    return str(read_manifest(blob)["checkpoint_sha256"])
+    return str(read_manifest(blob)["checkpoint_hash"])
