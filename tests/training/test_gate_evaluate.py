@@ -102,3 +102,14 @@ def test_a_candidate_far_from_production_fails_the_kl_budget():
                    s.logprobs, [lp - 3.0 for lp in s.logprobs]) for s in prod]
     assert not verdict(cand, prod, kl_budget=0.5)["kl"]
     assert verdict(cand, prod, kl_budget=None)["kl"]
+
+
+def test_a_candidate_that_shrinks_below_the_median_floor_is_refused_unless_production_already_is():
+    prod = production_samples()
+    tiny = changed(prod, verifiable=0.2, length=0.1)  # better on the checks, one word per suggestion
+    checks = verdict(tiny, prod, length_ratio_max=100.0, min_median_chars=20)
+    assert checks["median_chars"] is False and checks["reward_improvement"] and checks["length_drift"]
+    assert "median_chars" not in verdict(tiny, prod, length_ratio_max=100.0)  # off by default
+    # production already shows one-word suggestions: the floor is what it shows, not more
+    short_prod = changed(prod, length=0.1, seed=3)
+    assert verdict(changed(short_prod, verifiable=0.2, seed=4), short_prod, min_median_chars=20)["median_chars"]

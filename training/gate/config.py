@@ -18,6 +18,9 @@ class GateThresholds:
     kl_budget: float | None = 0.5  # nats per token, KL(candidate ‖ production); None: not checked
     length_ratio_max: float = 1.5  # candidate/production mean length within [1/x, x]
     silence_jump_max: float = 0.05  # empty/refusal/clarifying-question rate increase
+    # The candidate's shown suggestions must keep a median of at least this many characters (or
+    # production's median, if that is lower): no gain by shrinking. None: not checked.
+    min_median_chars: int | None = None
     repeated_ngram_jump_max: float = 0.05
     ngram: int = 4
     tool_failure_jump_max: float = 0.05

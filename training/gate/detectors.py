@@ -31,6 +31,16 @@ def length_drift_ratio(candidate_lengths: Sequence[int], production_lengths: Seq
     return _mean(candidate_lengths) / base
 
 
+def median_shown_chars(texts: Sequence[str]) -> float:
+    """Median length in characters of the suggestions that would be shown (non-blank, stripped);
+    0 when none would be."""
+    shown = sorted(len(t.strip()) for t in texts if t.strip())
+    if not shown:
+        return 0.0
+    mid = len(shown) // 2
+    return float(shown[mid]) if len(shown) % 2 else (shown[mid - 1] + shown[mid]) / 2
+
+
 def is_silent(text: str) -> bool:
     """Empty, whitespace, or a refusal / clarifying question instead of an answer."""
     return not text.strip() or bool(REFUSALS.search(text))

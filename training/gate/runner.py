@@ -205,7 +205,17 @@ def _detector_rows(samples: SuiteSamples, t: GateThresholds) -> list[CheckRow]:
         _jump_row("repeated_ngram_jump", ngram, t.repeated_ngram_jump_max, f"repeated {t.ngram}-gram rate"),
         _jump_row("tool_call_failure_jump", tools, t.tool_failure_jump_max, "broken tool-call rate"),
         _divergence_row(samples, t),
+        *_shrink_rows(c_txt, p_txt, t),
     ]
+
+
+def _shrink_rows(candidate: Sequence[str], production: Sequence[str], t: GateThresholds) -> list[CheckRow]:
+    if t.min_median_chars is None:
+        return []
+    value = detectors.median_shown_chars(candidate)
+    floor = min(float(t.min_median_chars), detectors.median_shown_chars(production))
+    return [CheckRow("median_chars", value, floor, None, value >= floor,
+                     "median characters of the candidate's shown suggestions (no gain by shrinking)")]
 
 
 def _jump_row(name: str, value: float, limit: float, what: str) -> CheckRow:

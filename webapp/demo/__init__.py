@@ -139,15 +139,16 @@ def _demo_state() -> dict:
 DEMO_TRAINING = {"min_new": 100, "every_minutes": 1, "train_check_every_s": 20, "steps": 8, "batch_size": 64,
                  "epochs": 1, "group": {"prompts": 64, "G": 8, "max_tokens": 16, "rounds": 8},
                  "rl": {"lr": 2e-3, "max_staleness": 8, "micro_batch_size": 64}}
-# The gate's drift bounds for the demo. KL: a run of 8 rounds moves the tiny policy 1.2-1.8
+# The gate's drift bounds for the demo. KL: a run of 8 rounds moves the tiny policy 1.2-2.0
 # nats/token from its base (measured), and production lags the lineage by up to a run, so the
 # library default (0.5) would refuse every real improvement; 4.0 admits two runs' move. Length:
-# the base runs to the 16-token limit (it rarely ends a statement); learning to end one halves
-# the mean length (ratio 0.51-0.53 measured, median 9 characters), which the default bound
-# [1/1.5, 1.5] refused although the users accept it. [1/2.5, 2.5] admits it and still refuses a
-# policy that shrinks to a token or two (ratio ~0.1). Silence, repetition and the concision
-# aspect still stand between gaming and production.
-DEMO_GATE_THRESHOLDS = {"kl_budget": 4.0, "length_ratio_max": 2.5}
+# the base runs to the 16-token limit (it rarely ends a statement); learning to end one shortens
+# the mean to 0.70-0.72 of it (measured), at the edge of the default bound [1/1.5, 1.5]; [1/2, 2]
+# admits it. Shrinking is caught by the median's floor: the users see suggestions of at least
+# 6 characters (measured: the gameable population's candidate passed a [1/2.5, 2.5] length bound
+# at ratio 0.44 with a median of 4 characters). Silence, repetition and the concision aspect
+# still stand between gaming and production.
+DEMO_GATE_THRESHOLDS = {"kl_budget": 4.0, "length_ratio_max": 2.0, "min_median_chars": 6}
 # The demo's reward spec: a tab completion is code, so "prefix + completion compiles" is a
 # verifiable check next to the users' clicks and the judged aspects.
 DEMO_CHECKS = [{"name": "python_compiles", "weight": 0.25, "prompt_is_prefix": True}]
