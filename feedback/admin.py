@@ -1,6 +1,15 @@
 from django.contrib import admin
 
-from feedback.models import ApiKey, FeedbackEvent, Project, Step, Trajectory, WebhookDelivery, WebhookSecret
+from feedback.models import (
+    ApiKey,
+    FeedbackEvent,
+    Project,
+    Quarantine,
+    Step,
+    Trajectory,
+    WebhookDelivery,
+    WebhookSecret,
+)
 
 
 @admin.register(Project)
@@ -55,3 +64,19 @@ class FeedbackEventAdmin(admin.ModelAdmin):
     list_filter = ("project", "signal")
     search_fields = ("event_id", "trajectory_external_id")
     raw_id_fields = ("trajectory",)
+
+
+@admin.register(Quarantine)
+class QuarantineAdmin(admin.ModelAdmin):
+    """Items the queues set aside. Read-only; deleting a row offers a reward item to its queue again."""
+
+    list_display = ("project", "kind", "item", "failures", "last_at", "error")
+    list_filter = ("project", "kind")
+    search_fields = ("item", "error")
+    raw_id_fields = ("trajectory",)
+
+    def has_add_permission(self, request) -> bool:
+        return False
+
+    def has_change_permission(self, request, obj=None) -> bool:
+        return False

@@ -147,3 +147,31 @@ class FeedbackEvent(models.Model):
 
     def __str__(self) -> str:
         return f"{self.event_id}: {self.signal}"
+
+
+class Quarantine(models.Model):
+    """An item a queue could not process, set aside with its error so the queue goes on.
+
+    One row per (project, kind, item): a second failure of the same item counts up `failures` and
+    keeps the newest error. A quarantined trajectory is not offered to the reward queue again
+    until its row is deleted (the admin's delete is the "retry" button)."""
+
+    KINDS = [("reward", "reward"), ("training", "training"), ("rollup", "rollup"), ("serving", "serving")]
+
+    project = models.ForeignKey(Project, on_delete=models.CASCADE, related_name="quarantined")
+    kind = models.CharField(max_length=16, choices=KINDS)
+    item = models.CharField(max_length=255)  # what was skipped, e.g. "trajectory traj-1"
+    trajectory = models.ForeignKey(Trajectory, on_delete=models.CASCADE, null=True, blank=True,
+                                   related_name="quarantined")
+    error = models.TextField()
+    detail = models.JSONField(default=dict, blank=True)
+    failures = models.PositiveIntegerField(default=1)
+    first_at = models.DateTimeField(auto_now_add=True)
+    last_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["project", "kind", "item"], name="uniq_quarantine_item")]
+        indexes = [models.Index(fields=["project", "-last_at"], name="quarantine_project_time")]
+
+    def __str__(self) -> str:
+        return f"{self.project.slug} {self.kind}: {self.item}"

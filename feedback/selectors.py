@@ -7,7 +7,7 @@ from datetime import datetime
 from django.db.models import Prefetch, QuerySet
 
 from core.errors import NotFound
-from feedback.models import FeedbackEvent, Project, Step, Trajectory
+from feedback.models import FeedbackEvent, Project, Quarantine, Step, Trajectory
 
 
 def project_get(slug: str) -> Project:
@@ -58,3 +58,8 @@ def trajectory_get(project: Project, external_id: str) -> Trajectory:
         raise NotFound(f"no trajectory {external_id[:80]!r} in project {project.slug!r}",
                        "Check the id; it is the one your product sent (or the serving endpoint returned).")
     return trajectory
+
+
+def quarantine_recent(project: Project, limit: int = 10) -> list[Quarantine]:
+    """The items the project's queues set aside most recently (newest first)."""
+    return list(Quarantine.objects.filter(project=project).order_by("-last_at", "-id")[:limit])

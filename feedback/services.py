@@ -6,6 +6,7 @@ webhook, the serving process and the simulators alike.
 
 from __future__ import annotations
 
+import json
 import logging
 import secrets
 from base64 import b64encode
@@ -373,3 +374,26 @@ def _settle(results: list[EventResult], new_ids: dict[str, int], new_feedback: s
                 result.status, result.reason = "duplicate", "an event with this id was stored before"
         counts[result.status] += 1
     return counts
+
+
+# --- quarantine ---------------------------------------------------------------------------------
+
+_QUARANTINE_UPSERT = """
+INSERT INTO feedback_quarantine (project_id, kind, item, trajectory_id, error, detail, failures, first_at, last_at)
+VALUES (%s, %s, %s, %s, %s, %s::jsonb, 1, now(), now())
+ON CONFLICT (project_id, kind, item) DO UPDATE
+    SET error = EXCLUDED.error, detail = EXCLUDED.detail, failures = feedback_quarantine.failures + 1,
+        last_at = now()
+"""
+
+
+def quarantine_record(project_id: int, kind: str, item: str, error: str, *, trajectory_id: int | None = None,
+                      detail: dict[str, Any] | None = None) -> None:
+    """Sets a bad item aside with its error so its queue goes on (rewards, training, rollups, the
+    serving recorder); shown under "last errors" on the project's overview. One row per item: a
+    repeat counts up. Call it outside the transaction that failed (that one is rolled back)."""
+    log.warning("quarantined %s item %r of project %s: %s", kind, item, project_id, error[:500])
+    text = json.dumps(detail or {}, default=str, ensure_ascii=True)
+    with connection.cursor() as cur:
+        cur.execute(_QUARANTINE_UPSERT, [project_id, kind, item[:255], trajectory_id,
+                                         error.replace("\x00", "")[:10_000], text])

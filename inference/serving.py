@@ -57,13 +57,24 @@ class Served:
     version: int
 
 
+def _always_transient(exc: Exception) -> bool:
+    return True
+
+
 @dataclass
 class Recorder:
-    """Writes served completions as trajectories in batches, off the request path."""
+    """Writes served completions as trajectories in batches, off the request path.
+
+    A write that fails with a transient error (`transient(exc)`: the database is restarting) is
+    retried, then the batch is queued again. Any other failure is a poison pill: the batch is
+    written event by event and each event that still fails goes to `quarantine(event, error)`,
+    so one bad completion never holds up the others."""
 
     write: Callable[[list[dict[str, Any]]], None]
     batch_size: int = 200
     interval_s: float = 0.25
+    quarantine: Callable[[dict[str, Any], str], None] | None = None
+    transient: Callable[[Exception], bool] = _always_transient
     _queue: queue.Queue = field(default_factory=queue.Queue)
     _thread: threading.Thread | None = None
     _stopping: threading.Event = field(default_factory=threading.Event)
@@ -106,10 +117,24 @@ class Recorder:
             try:
                 self.write(batch)
                 return
-            except Exception:  # noqa: BLE001 - the database may be restarting; retry, then keep the batch
+            except Exception as exc:  # noqa: BLE001 - sorted below: a restarting database or a poison pill
+                if self.quarantine is not None and not self.transient(exc):
+                    self._write_each(batch)
+                    return
                 log.warning("recording %d trajectories failed (attempt %d)", len(batch), attempt + 1, exc_info=True)
                 time.sleep(0.5 * 2**attempt)
         self.put(batch)
+
+    def _write_each(self, batch: list[dict[str, Any]]) -> None:
+        assert self.quarantine is not None
+        for event in batch:
+            try:
+                self.write([event])
+            except Exception as exc:  # noqa: BLE001 - this event is the poison pill, or the database went away
+                if self.transient(exc):
+                    self.put([event])
+                else:
+                    self.quarantine(event, f"{type(exc).__name__}: {exc}")
 
 
 # Version number -> a verified HF folder of its weights; raises ServingError (404 unknown, 409 not

@@ -19,6 +19,7 @@ from django.utils import timezone
 
 from core.errors import Forbidden, NotFound
 from feedback.models import FeedbackEvent, Project, Step, Trajectory
+from feedback.selectors import quarantine_recent
 from training.models import (
     AuditLog,
     GateReport,
@@ -210,7 +211,7 @@ def errors_recent(project: Project) -> dict[str, Any]:
     failed = list(TrainingRun.objects.filter(project=project, state="failed").order_by("-created_at")
                   .values("id", "error", "finished_at", "created_at")[:5])
     judge = RubricRollup.objects.filter(project=project, tag="", bin=-1).aggregate(n=Sum("n"))["n"] or 0
-    return {"runs": failed, "judge_failures": judge}
+    return {"runs": failed, "judge_failures": judge, "quarantined": quarantine_recent(project)}
 
 
 # --- training runs ------------------------------------------------------------------------------

@@ -15,17 +15,18 @@ import logging
 import os
 import signal
 from pathlib import Path
+from typing import Any
 
 import uvicorn
 from django.conf import settings
 from django.core.asgi import get_asgi_application
 from django.core.management.base import BaseCommand, CommandError
-from django.db import close_old_connections
+from django.db import InterfaceError, OperationalError, close_old_connections
 from django.urls import clear_url_caches
 
 from core.errors import NotFound
 from feedback.models import Project
-from feedback.services import feedback_ingest
+from feedback.services import feedback_ingest, quarantine_record
 from inference import serving
 from inference.engine import EngineFactory
 from inference.serving import PolicyServer, Recorder, ServingError
@@ -82,7 +83,7 @@ class Command(BaseCommand):
                     raise ServingError(409, f"project {project.slug!r} has no production policy",
                                        "Create one with `manage.py bootstrap_policy --project SLUG`.")
                 folder = resolve(number)
-            recorder = None if opts["no_record"] else Recorder(write=_writer(project))
+            recorder = None if opts["no_record"] else recorder_for(project)
             server = PolicyServer(project.slug, engines(folder, number), recorder,
                                   max_model_len=opts["max_model_len"], engines=engines, resolve=resolve)
             if opts["model_dir"] is None and opts["policy_version"] is None and target.canary is not None:
@@ -112,11 +113,24 @@ def _exit_on_signal(signum, frame) -> None:
     raise SystemExit(0)
 
 
-def _writer(project: Project):
-    def write(events):
+def recorder_for(project: Project) -> Recorder:
+    """The serving process's recorder: writes through `feedback_ingest`; a completion that is
+    rejected, or whose write raises for any reason but the database being away, is quarantined."""
+
+    def quarantine(event: dict[str, Any], error: str) -> None:
+        ident = event.get("id") if isinstance(event, dict) else None
+        quarantine_record(project.pk, "serving", f"trajectory {str(ident)[:200]}", error,
+                          detail={"policy_version": event.get("policy_version") if isinstance(event, dict) else None})
+
+    def write(events: list[dict[str, Any]]) -> None:
         close_old_connections()
         for result in feedback_ingest(project, events):
             if result.status == "rejected":
                 log.error("served completion %s was not recorded: %s", result.id, result.reason)
+                quarantine(events[result.index], f"rejected by ingest: {result.reason}")
 
-    return write
+    return Recorder(write=write, quarantine=quarantine, transient=_database_away)
+
+
+def _database_away(exc: Exception) -> bool:
+    return isinstance(exc, OperationalError | InterfaceError)
