@@ -1,4 +1,4 @@
-from django.contrib import admin
+from django.contrib import admin, messages
 
 from feedback.models import (
     ApiKey,
@@ -10,6 +10,7 @@ from feedback.models import (
     WebhookDelivery,
     WebhookSecret,
 )
+from feedback.services import webhook_secret_create
 
 
 @admin.register(Project)
@@ -27,9 +28,24 @@ class ApiKeyAdmin(admin.ModelAdmin):
 
 @admin.register(WebhookSecret)
 class WebhookSecretAdmin(admin.ModelAdmin):
+    """Neither the secret nor any part of it is ever shown: adding one generates it and shows it
+    once, in the confirmation message."""
+
     list_display = ("__str__", "project", "created_at", "expires_at", "revoked_at")
     list_filter = ("project",)
-    exclude = ("secret",)
+    exclude = ("secret_encrypted",)
+
+    def get_readonly_fields(self, request, obj=None):
+        return ("project", "created_at") if obj is not None else ()
+
+    def save_model(self, request, obj, form, change):
+        if change:
+            super().save_model(request, obj, form, change)
+            return
+        created = webhook_secret_create(obj.project)
+        obj.pk = created.pk
+        messages.warning(request, f"New webhook secret for {obj.project.slug}: {created.secret} "
+                                  "(copy it now: it is not shown again).")
 
 
 @admin.register(WebhookDelivery)

@@ -8,6 +8,8 @@ import hmac
 from django.db import models
 from django.db.models import Q
 
+from core import secretbox
+
 
 class Project(models.Model):
     slug = models.SlugField(max_length=64, unique=True)
@@ -21,7 +23,7 @@ class Project(models.Model):
 
 
 class ApiKey(models.Model):
-    SCOPES = ("ingest", "read", "admin")
+    SCOPES = ("ingest", "read", "serve", "admin")  # serve: /v1/* of the serving process
 
     project = models.ForeignKey(Project, on_delete=models.CASCADE, related_name="api_keys")
     name = models.CharField(max_length=100, default="default")
@@ -46,16 +48,30 @@ class ApiKey(models.Model):
 class WebhookSecret(models.Model):
     """A Standard Webhooks signing secret (`whsec_…`); two may be active during rotation.
 
-    The secret is kept as-is because HMAC verification needs it (it cannot be hashed)."""
+    HMAC verification needs the secret itself (it cannot be hashed), so it is stored encrypted
+    (core.secretbox, key from the environment) and shown only once, when created."""
 
     project = models.ForeignKey(Project, on_delete=models.CASCADE, related_name="webhook_secrets")
-    secret = models.CharField(max_length=100)
+    secret_encrypted = models.TextField()
     created_at = models.DateTimeField(auto_now_add=True)
     expires_at = models.DateTimeField(null=True, blank=True)  # set on rotation: old secret's grace end
     revoked_at = models.DateTimeField(null=True, blank=True)
 
+    class Meta:
+        constraints = [models.CheckConstraint(condition=~Q(secret_encrypted=""), name="webhook_secret_not_empty")]
+
     def __str__(self) -> str:
-        return f"{self.secret[:10]}… ({self.project.slug})"
+        return f"webhook secret #{self.pk} ({self.project.slug})"
+
+    @property
+    def secret(self) -> str:
+        return secretbox.decrypt(self.secret_encrypted)
+
+    @secret.setter
+    def secret(self, raw: str) -> None:
+        if not raw.startswith("whsec_") or len(raw) < 6 + 24:
+            raise ValueError("a webhook secret is 'whsec_' followed by at least 24 characters of base64")
+        self.secret_encrypted = secretbox.encrypt(raw)
 
 
 class WebhookDelivery(models.Model):

@@ -6,6 +6,8 @@ webhook, the serving process and the simulators alike.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import logging
 import secrets
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
+from django.conf import settings
 from django.db import DataError, IntegrityError, connection, transaction
 from django.utils import timezone
 
@@ -47,7 +50,7 @@ def project_create(name: str, slug: str | None = None) -> ProjectCredentials:
         raise BadRequest(f"a project with slug {slug!r} exists", "Choose another name or pass --slug.")
     with transaction.atomic():
         project = Project.objects.create(name=name, slug=slug)
-        raw_key = api_key_create(project, ["ingest", "read"], name="default")
+        raw_key = api_key_create(project, ["ingest", "read", "serve"], name="default")
         secret = webhook_secret_create(project)
     return ProjectCredentials(project=project, api_key=raw_key, webhook_secret=secret.secret)
 
@@ -73,8 +76,13 @@ def api_key_revoke(prefix: str) -> ApiKey:
 
 
 def webhook_secret_create(project: Project) -> WebhookSecret:
-    raw = b64encode(secrets.token_bytes(24)).decode()
-    return WebhookSecret.objects.create(project=project, secret=f"whsec_{raw}")
+    """A new signing secret, stored encrypted; the returned row's `.secret` is the only time the
+    clear value is handed out (show it to the person once)."""
+    raw = f"whsec_{b64encode(secrets.token_bytes(24)).decode()}"
+    row = WebhookSecret(project=project)
+    row.secret = raw
+    row.save()
+    return row
 
 
 def webhook_secret_rotate(project: Project, grace: timedelta = SECRET_ROTATION_GRACE) -> WebhookSecret:
@@ -94,6 +102,14 @@ def webhook_secret_rotate(project: Project, grace: timedelta = SECRET_ROTATION_G
 
 
 # --- ingest -------------------------------------------------------------------------------------
+
+
+def user_hash_key(project: Project) -> str:
+    """The HMAC key user ids of `project` are hashed with: the server's pepper (never stored in
+    the database nor sent anywhere), separated per project so one project's hashes do not match
+    another's."""
+    pepper = settings.FLYWHEEL_USER_PEPPER.encode()
+    return hmac.new(pepper, f"project:{project.pk}".encode(), hashlib.sha256).hexdigest()
 
 
 @dataclass(slots=True)
@@ -149,7 +165,7 @@ def _parse_batch(project: Project, raw_events: list[Any], now: datetime):
     results: list[EventResult] = []
     trajectories: dict[str, TrajectoryRecord] = {}  # external id -> record (first one wins)
     feedback: dict[str, FeedbackRecord] = {}
-    salt = project.slug
+    salt = user_hash_key(project)
     for index, raw in enumerate(raw_events):
         kind, ident = event_identity(raw)
         result = EventResult(index=index, id=ident, type=kind, status="rejected")

@@ -29,6 +29,10 @@ log = logging.getLogger(__name__)
 
 MAX_N = 16
 MAX_TOKENS = 512
+# Bounds checked before a prompt reaches the tokenizer: characters per token of a prompt that can
+# still fit the context (a byte-level BPE token rarely spans more), messages and stop strings.
+PROMPT_CHARS_PER_TOKEN = 16
+MAX_MESSAGES = 64
 
 
 class ServingError(Exception):
@@ -137,12 +141,13 @@ class Recorder:
                     self.quarantine(event, f"{type(exc).__name__}: {exc}")
 
 
-# Version number -> a verified HF folder of its weights; raises ServingError (404 unknown, 409 not
-# on this machine). Handed in by whoever knows the versions (the serve_policy command).
-WeightsResolver = Callable[[int], Path]
+# (version number, role "production" | "canary") -> a verified HF folder of its weights; raises
+# ServingError (404 unknown, 409 not what the project should serve in that role, or not on this
+# machine). Handed in by whoever knows the versions (the serve_policy command).
+WeightsResolver = Callable[[int, str], Path]
 
 
-def _no_versions(number: int) -> Path:
+def _no_versions(number: int, role: str) -> Path:
     raise ServingError(409, "this serving process was started on a folder, not on the project's versions",
                        "Start it with `manage.py serve_policy --project SLUG` (without --model-dir).")
 
@@ -187,6 +192,10 @@ class PolicyServer:
                            f"Use one of {self.model_names()} (GET /v1/models lists them).")
 
     # --- requests ---------------------------------------------------------------------------
+    def max_prompt_chars(self) -> int:
+        """Longest prompt text (characters) worth tokenising: anything longer cannot fit."""
+        return self.max_model_len * PROMPT_CHARS_PER_TOKEN
+
     def complete(self, request: CompletionRequest, engine: Engine | None = None) -> Served:
         """Generates on `engine` (picked from request.model when not given) and records."""
         engine = engine or self.pick_engine(request.model)
@@ -238,7 +247,7 @@ class PolicyServer:
         drops it. Returns what is served now."""
         if "version" in body:
             number = _version_number(body["version"])
-            self.load_version(self.resolve(number), number)
+            self.load_version(self.resolve(number, "production"), number)
         if "canary" in body:
             if body["canary"] is None:
                 self.set_canary(None, 0.0)
@@ -247,7 +256,7 @@ class PolicyServer:
                 if not isinstance(share, int | float) or isinstance(share, bool) or not 0 < share < 1:
                     raise ServingError(400, "'share' must be a fraction in (0, 1)", "Send e.g. {\"share\": 0.1}.")
                 number = _version_number(body["canary"])
-                self.set_canary(self.engine_for(self.resolve(number), number), float(share))
+                self.set_canary(self.engine_for(self.resolve(number, "canary"), number), float(share))
         return {"version": self.engine.version, "canary": self.canary.version if self.canary else None,
                 "canary_share": self.canary_share}
 

@@ -14,10 +14,57 @@ from core.env import ConfigError, env_bool, env_float, env_int, env_list, env_st
 BASE_DIR = Path(__file__).resolve().parent.parent
 VAR_DIR = Path(env_str("FLYWHEEL_VAR_DIR", str(BASE_DIR / "var")))
 
-SECRET_KEY = env_str("SECRET_KEY", "flywheel-dev-only-secret-key-change-me-in-production-0123456789")
 DEBUG = env_bool("DEBUG", False)
+
+
+def _secrets() -> dict[str, str]:
+    """SECRET_KEY, FLYWHEEL_SECRETS_KEY (Fernet keys for secrets at rest) and FLYWHEEL_USER_PEPPER
+    (the HMAC key of user ids) come from the environment; with DEBUG on, missing ones are
+    development values kept in var/dev-secrets.json (core.devsecrets)."""
+    from core import devsecrets
+
+    values = {name: env_str(name, "") for name in devsecrets.NAMES}
+    missing = [name for name, value in values.items() if not value]
+    if missing and not DEBUG:
+        raise ConfigError(
+            f"{', '.join(missing)} must be set when DEBUG is off (each a long random value; "
+            "FLYWHEEL_SECRETS_KEY a Fernet key: python -c 'from cryptography.fernet import Fernet; "
+            "print(Fernet.generate_key().decode())'). On a development machine: "
+            "eval $(.venv/bin/python -m core.devsecrets), or DEBUG=1.")
+    if missing:
+        values.update({name: devsecrets.dev_secrets()[name] for name in missing})
+    from core.secretbox import parse_keys
+
+    try:
+        parse_keys(values["FLYWHEEL_SECRETS_KEY"])
+    except ValueError as exc:
+        raise ConfigError(f"FLYWHEEL_SECRETS_KEY is {exc}") from None
+    return values
+
+
+_SECRETS = _secrets()
+SECRET_KEY = _SECRETS["SECRET_KEY"]
+FLYWHEEL_SECRETS_KEY = _SECRETS["FLYWHEEL_SECRETS_KEY"]
+FLYWHEEL_USER_PEPPER = _SECRETS["FLYWHEEL_USER_PEPPER"]
 ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", ["localhost", "127.0.0.1", "[::1]", "testserver"])
 CSRF_TRUSTED_ORIGINS = env_list("CSRF_TRUSTED_ORIGINS", [])
+
+# Behind TLS (FLYWHEEL_HTTPS=1, production): cookies only over HTTPS, HSTS, redirects to HTTPS.
+# `manage.py check --deploy` is clean with it on (tests/webapp/test_security_settings.py).
+FLYWHEEL_HTTPS = env_bool("FLYWHEEL_HTTPS", False)
+SESSION_COOKIE_SECURE = CSRF_COOKIE_SECURE = SECURE_SSL_REDIRECT = FLYWHEEL_HTTPS
+SECURE_HSTS_SECONDS = env_int("SECURE_HSTS_SECONDS", 31_536_000) if FLYWHEEL_HTTPS else 0
+SECURE_HSTS_INCLUDE_SUBDOMAINS = SECURE_HSTS_PRELOAD = FLYWHEEL_HTTPS
+# A TLS-terminating proxy in front says so in this header (set only when the proxy strips it).
+if env_bool("FLYWHEEL_TRUST_X_FORWARDED_PROTO", False):
+    SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
+SESSION_COOKIE_HTTPONLY = True
+X_FRAME_OPTIONS = "DENY"
+SECURE_REFERRER_POLICY = "same-origin"
+# Password sign-ins (dashboard and admin): this many failures per account or per address within
+# the window lock further tries out for the rest of it (webapp/throttle.py).
+LOGIN_FAILURES_MAX = env_int("LOGIN_FAILURES_MAX", 5)
+LOGIN_FAILURE_WINDOW_S = env_int("LOGIN_FAILURE_WINDOW_S", 900)
 
 
 def _database_from_url(url: str) -> dict:
@@ -202,6 +249,18 @@ SPECTACULAR_SETTINGS = {
 
 FLYWHEEL_CHECKPOINT_DIR = Path(env_str("FLYWHEEL_CHECKPOINT_DIR", str(VAR_DIR / "checkpoints")))
 FLYWHEEL_INFERENCE_URL = env_str("FLYWHEEL_INFERENCE_URL", "")
+
+
+def _internal_url(public: str) -> str:
+    # serve_policy's internal listener: loopback, the public port + 1 unless told otherwise.
+    if not public:
+        return ""
+    parsed = urlparse(public)
+    return f"http://127.0.0.1:{(parsed.port or 80) + 1}"
+
+
+# Where promotions reach the serving process's /internal/load (its loopback-only listener).
+FLYWHEEL_INFERENCE_INTERNAL_URL = env_str("FLYWHEEL_INFERENCE_INTERNAL_URL", "") or _internal_url(FLYWHEEL_INFERENCE_URL)
 # How a promotion reaches the serving process: "http" (its /internal/load) or "record" (a notice only).
 FLYWHEEL_DEPLOY_TRANSPORT = env_str("FLYWHEEL_DEPLOY_TRANSPORT", "http" if FLYWHEEL_INFERENCE_URL else "record")
 FLYWHEEL_GATE_ENGINE = env_str("FLYWHEEL_GATE_ENGINE", "torch")
