@@ -81,14 +81,16 @@ def _too_big() -> ServingError:
 
 
 def _serve_auth(request: HttpRequest) -> Principal:
-    """The caller's key: scope `serve` (or admin) of the project this process serves."""
+    """The caller's key: scope `serve` (or admin) of the project this process serves. A process
+    with no policy loaded says so first (503, as /healthz does): no key could be checked yet."""
+    server = serving.current()
     token = bearer_token(request.headers.get("authorization", ""))
     if token is None:
         raise ServingError(401, "no API key was sent",
                            "Send 'Authorization: Bearer fw_...' with a key of scope 'serve' "
                            "(manage.py create_key SLUG --scopes serve).")
     principal = _principal(token)
-    if principal.project.slug != serving.current().project_slug:
+    if principal.project.slug != server.project_slug:
         raise ServingError(403, "this key belongs to another project",
                            "Use a key of the project this serving process serves (GET /v1/models names it).")
     if not principal.has_scope("serve"):
