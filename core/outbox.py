@@ -34,8 +34,9 @@ def outbox_enqueue(task_name: str, *args: Any, **kwargs: Any) -> OutboxMessage:
 
 
 def _publish(message: OutboxMessage) -> None:
-    # No publish retries here: a broker that is down is the outbox's job, not the request's.
-    current_app.send_task(message.task, args=message.args, kwargs=message.kwargs, retry=False)
+    # No publish retries here: a broker that is down is the outbox's job, not the request's. No
+    # result either: nobody waits on it, and subscribing to it would retry a dead Redis for long.
+    current_app.send_task(message.task, args=message.args, kwargs=message.kwargs, retry=False, ignore_result=True)
 
 
 def outbox_send(message: OutboxMessage) -> bool:
