@@ -231,7 +231,7 @@ class CheckpointStore:
         chain = self._chain(manifest_hash)
         for manifest in chain:
             blob = self.storage.get(manifest["blob"])
-            if _blob_checkpoint_hash(blob) != manifest["checkpoint_sha256"]:
+            if _blob_checkpoint_hash(blob) != manifest["checkpoint_hash"]:
                 raise CheckpointCorrupt("blob does not hold the checkpoint its manifest names")
             for key in manifest["files"].values():
                 self.storage.get(key)
