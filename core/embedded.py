@@ -358,15 +358,29 @@ def start_redis() -> str:
     return f"redis://127.0.0.1:{state[1]}"
 
 
+def _port_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
 def _start_redis_locked() -> tuple[int, int]:
     REDIS_DIR.mkdir(parents=True, exist_ok=True)
-    port = _free_port()
+    # A restarted server takes its previous port again: the processes configured with its URL
+    # reconnect by themselves.
+    last = RUN_DIR / "redis.port"
+    previous = int(last.read_text().strip()) if last.exists() and last.read_text().strip().isdigit() else 0
+    port = previous if previous and _port_free(previous) else _free_port()
     pidfile = RUN_DIR / "redis.pid"
     pidfile.unlink(missing_ok=True)
     log = REDIS_DIR / "redis.log"
     _run([_redis_bin(), "--port", str(port), "--bind", "127.0.0.1", "--daemonize", "yes",
           "--pidfile", str(pidfile), "--dir", str(REDIS_DIR), "--logfile", str(log),
-          "--save", "", "--appendonly", "no"], f"redis-server (log: {log})")
+          # The broker's queued messages survive a restart (an append-only file, fsync each second).
+          "--save", "", "--appendonly", "yes", "--appendfsync", "everysec"], f"redis-server (log: {log})")
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
         if pidfile.exists() and _ping(port):
@@ -390,7 +404,9 @@ def stop_redis() -> None:
         state = _redis_state()
         if state is not None:
             os.kill(state[0], 15)
-            (RUN_DIR / "redis.port").unlink(missing_ok=True)
+            deadline = time.monotonic() + 20
+            while pid_alive(state[0]) and time.monotonic() < deadline:
+                time.sleep(0.05)
 
 
 def redis_url() -> str:

@@ -415,10 +415,16 @@ class StepView:
     step: Step
     tokens: list[dict[str, Any]] = field(default_factory=list)
     routing: dict[str, Any] | None = None
+    hidden: int = 0  # tokens past REPLAY_MAX_TOKENS, summarised as a count
+    total: int = 0
 
 
 def _step_view(step: Step) -> StepView:
-    ids = step.token_ids or []
+    # A page draws one span per token and one heatmap column per token: past a size, the first
+    # REPLAY_MAX_TOKENS are drawn and the rest is a count (the read API pages through them).
+    limit = int(settings.REPLAY_MAX_TOKENS)
+    all_ids = step.token_ids if isinstance(step.token_ids, list) else []
+    ids = all_ids[:limit]
     logprobs = step.logprobs or []
     texts = (step.extra or {}).get("tokens") or []
     advantages = (step.extra or {}).get("advantages") or []
@@ -429,7 +435,8 @@ def _step_view(step: Step) -> StepView:
         adv = advantages[i] if i < len(advantages) else None
         tokens.append({"id": tid, "text": text, "logprob": lp, "colour": charts.token_colour(lp), "advantage": adv,
                        "title": f"id {tid} · logprob {lp}" + (f" · advantage {adv}" if adv is not None else "")})
-    return StepView(step=step, tokens=tokens, routing=charts.routing_figure(step.routing, len(ids)))
+    return StepView(step=step, tokens=tokens, routing=charts.routing_figure(step.routing, len(all_ids), limit),
+                    hidden=len(all_ids) - len(ids), total=len(all_ids))
 
 
 def rollout_replay(project: Project, trajectory_id: int, flt: RolloutFilter) -> dict[str, Any]:

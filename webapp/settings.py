@@ -81,7 +81,8 @@ def _database_from_url(url: str) -> dict:
         "HOST": host,
         "PORT": str(parsed.port or ""),
         "CONN_MAX_AGE": env_int("DB_CONN_MAX_AGE", 0),
-        "OPTIONS": {},
+        # A database that does not answer fails a request in seconds (503), never hangs it.
+        "OPTIONS": {"connect_timeout": env_int("DB_CONNECT_TIMEOUT_S", 5)},
         "TEST": {"NAME": env_str("TEST_DATABASE_NAME", "") or None},
     }
 
@@ -130,6 +131,7 @@ INSTALLED_APPS = [
     "drf_spectacular",
     "channels",
     "django_celery_beat",
+    "core",
     "feedback",
     "training",
     "webapp",
@@ -194,12 +196,20 @@ INGEST_MAX_BODY_BYTES = 5 * 1024 * 1024
 INGEST_MAX_EVENTS = 1000
 DATA_UPLOAD_MAX_MEMORY_SIZE = INGEST_MAX_BODY_BYTES
 INGEST_STATEMENT_TIMEOUT_MS = env_int("INGEST_STATEMENT_TIMEOUT_MS", 15_000)
+# What one read may cost: a page of the read API holds at most this much JSON (and `limit` rows),
+# a step's token ids, log-probs and routing at most this many items there (the first ones), and
+# the replay page shows at most this many tokens and heatmap columns per step.
+READ_PAGE_MAX_BYTES = env_int("READ_PAGE_MAX_BYTES", 2 * 1024 * 1024)
+READ_MAX_TOKENS_PER_STEP = env_int("READ_MAX_TOKENS_PER_STEP", 4096)
+REPLAY_MAX_TOKENS = env_int("REPLAY_MAX_TOKENS", 2000)
 
 CACHES = {
     "default": {
         "BACKEND": "django.core.cache.backends.redis.RedisCache",
         "LOCATION": _redis_db(REDIS_BASE_URL, 2),
         "KEY_PREFIX": env_str("CACHE_KEY_PREFIX", "flywheel"),
+        # The cache is optional (a rate counter): a Redis that does not answer costs a second, not a hang.
+        "OPTIONS": {"socket_connect_timeout": 1, "socket_timeout": 1},
     }
 }
 
@@ -213,10 +223,20 @@ CHANNEL_LAYERS = {
 CELERY_BROKER_URL = _redis_db(REDIS_BASE_URL, 0)
 CELERY_RESULT_BACKEND = _redis_db(REDIS_BASE_URL, 1)
 # Separate key spaces on one Redis (e.g. concurrent test sessions, several deployments).
+# A broker that is down or hung fails a publish in seconds (the outbox keeps the message).
+CELERY_BROKER_TRANSPORT_OPTIONS = {"socket_connect_timeout": 3, "socket_timeout": 10}
 if env_str("CELERY_KEY_PREFIX", ""):
-    CELERY_BROKER_TRANSPORT_OPTIONS = {"global_keyprefix": env_str("CELERY_KEY_PREFIX", "")}
+    CELERY_BROKER_TRANSPORT_OPTIONS["global_keyprefix"] = env_str("CELERY_KEY_PREFIX", "")
 CELERY_TASK_ALWAYS_EAGER = env_bool("CELERY_TASK_ALWAYS_EAGER", False)
+# A task is acknowledged when it finished; a worker that dies under it gives it back to the queue
+# (a killed solo worker's unacked message comes back after the visibility timeout; the sweeper,
+# core of the self-healing pipeline, does not wait that long: training/runs/sweep.py).
 CELERY_TASK_ACKS_LATE = True
+CELERY_TASK_REJECT_ON_WORKER_LOST = True
+# Every task is bounded: the soft limit raises inside the task (it fails its work cleanly), the
+# hard one kills the child. The gate and training tasks set their own (FLYWHEEL_*_TIME_LIMIT_S).
+CELERY_TASK_TIME_LIMIT = env_int("CELERY_TASK_TIME_LIMIT", 900)
+CELERY_TASK_SOFT_TIME_LIMIT = env_int("CELERY_TASK_SOFT_TIME_LIMIT", 840)
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_TASK_DEFAULT_QUEUE = "celery"
 CELERY_TASK_ROUTES = {
@@ -264,9 +284,18 @@ FLYWHEEL_INFERENCE_INTERNAL_URL = env_str("FLYWHEEL_INFERENCE_INTERNAL_URL", "")
 # How a promotion reaches the serving process: "http" (its /internal/load) or "record" (a notice only).
 FLYWHEEL_DEPLOY_TRANSPORT = env_str("FLYWHEEL_DEPLOY_TRANSPORT", "http" if FLYWHEEL_INFERENCE_URL else "record")
 FLYWHEEL_GATE_ENGINE = env_str("FLYWHEEL_GATE_ENGINE", "torch")
-# A running training run with no step for this long (or queued for this long) is presumed dead.
-FLYWHEEL_TRAIN_HEARTBEAT_TIMEOUT_S = env_int("FLYWHEEL_TRAIN_HEARTBEAT_TIMEOUT_S", 900)
+# A running training run beats every FLYWHEEL_TRAIN_HEARTBEAT_EVERY_S; one silent for the timeout
+# (or queued for the queue timeout) is presumed dead.
+FLYWHEEL_TRAIN_HEARTBEAT_EVERY_S = env_float("FLYWHEEL_TRAIN_HEARTBEAT_EVERY_S", 30.0)
+FLYWHEEL_TRAIN_HEARTBEAT_TIMEOUT_S = env_int("FLYWHEEL_TRAIN_HEARTBEAT_TIMEOUT_S", 300)
 FLYWHEEL_TRAIN_QUEUE_TIMEOUT_S = env_int("FLYWHEEL_TRAIN_QUEUE_TIMEOUT_S", 3600)
+# Hard time limits of the training and gate tasks (the soft limit is 60 s earlier). The sweeper
+# knows a gate older than its limit has no live task, wherever its worker ran.
+FLYWHEEL_TRAIN_TIME_LIMIT_S = env_int("FLYWHEEL_TRAIN_TIME_LIMIT_S", 4 * 3600)
+FLYWHEEL_GATE_TIME_LIMIT_S = env_int("FLYWHEEL_GATE_TIME_LIMIT_S", 1800)
+# The sweeper (beat): work waiting this long without a worker is queued again, at most this often.
+FLYWHEEL_SWEEP_REQUEUE_AFTER_S = env_int("FLYWHEEL_SWEEP_REQUEUE_AFTER_S", 300)
+FLYWHEEL_SWEEP_MAX_ATTEMPTS = env_int("FLYWHEEL_SWEEP_MAX_ATTEMPTS", 3)
 FLYWHEEL_INTERNAL_TOKEN = env_str("FLYWHEEL_INTERNAL_TOKEN", "")
 # Train/inference agreement: on data sampled by the very weights being trained, the behaviour and
 # recomputed log-probs agree (~0 nats in fp32). A run above this is flagged and not gated.

@@ -32,6 +32,7 @@ from inference import serving
 from inference.engine import EngineFactory
 from inference.listeners import serve_both
 from inference.serving import PolicyServer, Recorder, ServingError
+from kernels.delta import CheckpointCorrupt
 from training.versions.selectors import policy_get, serving_target
 from training.versions.services import policy_folder
 
@@ -109,6 +110,12 @@ def _resolver(project: Project):
             return policy_folder(version)
         except NotFound as exc:
             raise ServingError(409, exc.message, exc.fix) from None
+        except CheckpointCorrupt as exc:  # nothing was loaded: the served version stays
+            raise ServingError(409, f"policy v{number}'s checkpoint is refused: {exc}",
+                               "Nothing was swapped; train a new candidate or restore the store's files.") from None
+        except OSError as exc:  # e.g. no space left to materialise it
+            raise ServingError(507, f"policy v{number} could not be written out for loading: {exc}",
+                               "Nothing was swapped; free space under FLYWHEEL_VAR_DIR and send the load again.") from None
 
     return resolve
 
