@@ -86,16 +86,17 @@ def version_checkpoint_refuse(version_id: int, actor: Actor, problem: str) -> No
 
 def version_checkpoint_verify(version: PolicyVersion) -> str | None:
     """What is wrong with the version's checkpoint (every object of its chain read back and
-    checked against its hash), or None when it is whole."""
+    checked against its hash), or None when it is whole, or when this machine's store does not
+    hold the version at all (a folder-only version, or a store elsewhere): the serving process
+    verifies again before it loads anything."""
     # Imported here: the checkpoint modules import torch, which only this check needs.
     from kernels.delta import CheckpointCorrupt
 
-    if not version.manifest_hash:
-        folder = Path(version.checkpoint_path) if version.checkpoint_path else None
-        ok = folder is not None and (folder / "config.json").exists()
-        return None if ok else f"policy v{version.number} has no checkpoint on this machine"
+    store = checkpoint_store()
+    if not version.manifest_hash or not store.storage.exists(version.manifest_hash):
+        return None
     try:
-        checkpoint_store().verify(version.manifest_hash)
+        store.verify(version.manifest_hash)
     except CheckpointCorrupt as exc:
         return f"policy v{version.number}'s checkpoint is refused: {exc}"
     return None
