@@ -4,11 +4,17 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import AsyncIterator, Iterator
+from itertools import islice
 from typing import Any
 
+from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.core.exceptions import RequestDataTooBig
+from django.core.handlers.asgi import ASGIRequest
 from django.db import InterfaceError, OperationalError
+from django.http import StreamingHttpResponse
+from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, extend_schema, inline_serializer
 from rest_framework import serializers
 from rest_framework.pagination import CursorPagination
@@ -17,7 +23,7 @@ from rest_framework.views import APIView
 
 from core.errors import BadRequest, Forbidden, PayloadTooLarge, ServiceUnavailable, Unauthorized
 from core.notify import project_event
-from feedback import selectors
+from feedback import export, selectors
 from feedback.auth import (
     PROJECT_HEADER,
     HasReadScope,
@@ -236,3 +242,46 @@ class TrajectoryDetailApi(APIView):
     def get(self, request, external_id: str) -> Response:
         trajectory = selectors.trajectory_get(_project_of(request), external_id)
         return Response(TrajectoryOutput(trajectory).data)
+
+
+class ExportFilter(TrajectoryFilter):
+    format = serializers.ChoiceField(choices=list(export.FORMATS))
+
+
+class DatasetExportApi(APIView):
+    """GET /api/v1/export?format=messages|kto|preference: the dataset as streamed JSON Lines
+    (the same rows as `manage.py export_dataset`; filters as on /api/v1/trajectories)."""
+
+    permission_classes = [HasReadScope]
+
+    def perform_content_negotiation(self, request, force: bool = False):
+        # `?format=` names the dataset here, not one of DRF's renderers (its URL format override).
+        return super().perform_content_negotiation(request, force=True)
+
+    @extend_schema(parameters=[ExportFilter], responses={(200, "application/jsonl"): OpenApiTypes.STR})
+    def get(self, request) -> StreamingHttpResponse:
+        params = ExportFilter(data=request.query_params)
+        params.is_valid(raise_exception=True)
+        filters = dict(params.validated_data)
+        fmt = filters.pop("format")
+        lines = export.jsonl(selectors.dataset_rows(_project_of(request), fmt, **filters))
+        response = StreamingHttpResponse(_streamed(request, lines), content_type="application/jsonl; charset=utf-8")
+        response["Content-Disposition"] = f'attachment; filename="{fmt}.jsonl"'
+        return response
+
+
+def _streamed(request, lines: Iterator[str]) -> Iterator[str] | AsyncIterator[str]:
+    """Under ASGI Django would collect a synchronous iterator into a list before sending it; an
+    asynchronous one that pulls batches through the request's database thread streams instead."""
+    if not isinstance(getattr(request, "_request", request), ASGIRequest):
+        return lines
+
+    async def batches() -> AsyncIterator[str]:
+        while chunk := await sync_to_async(_take)(lines, 200):
+            yield "".join(chunk)
+
+    return batches()
+
+
+def _take(lines: Iterator[str], n: int) -> list[str]:
+    return list(islice(lines, n))

@@ -3,11 +3,12 @@ from django.contrib.auth import views as auth_views
 from django.urls import include, path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
-from feedback.apis import IngestApi, TrajectoryDetailApi, TrajectoryListApi
+from feedback.apis import DatasetExportApi, IngestApi, TrajectoryDetailApi, TrajectoryListApi
 from webapp import views
 
 api_v1 = [
     path("api/v1/events", IngestApi.as_view(), name="api-events"),
+    path("api/v1/export", DatasetExportApi.as_view(), name="api-export"),
     path("api/v1/trajectories", TrajectoryListApi.as_view(), name="api-trajectories"),
     path("api/v1/trajectories/<path:external_id>", TrajectoryDetailApi.as_view(), name="api-trajectory"),
 ]
