@@ -10,4 +10,5 @@ urlpatterns = [
     path("v1/models", apis.models),
     path("internal/load", apis.load_version),
     path("healthz", apis.healthz),
+    path("metrics", apis.metrics_view),
 ]

@@ -90,6 +90,7 @@ INSTALLED_APPS = [
 ]
 
 MIDDLEWARE = [
+    "core.metrics.RequestMetricsMiddleware",
     "django.middleware.security.SecurityMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
@@ -209,6 +210,8 @@ FLYWHEEL_GATE_ENGINE = env_str("FLYWHEEL_GATE_ENGINE", "torch")
 FLYWHEEL_TRAIN_HEARTBEAT_TIMEOUT_S = env_int("FLYWHEEL_TRAIN_HEARTBEAT_TIMEOUT_S", 900)
 FLYWHEEL_TRAIN_QUEUE_TIMEOUT_S = env_int("FLYWHEEL_TRAIN_QUEUE_TIMEOUT_S", 3600)
 FLYWHEEL_INTERNAL_TOKEN = env_str("FLYWHEEL_INTERNAL_TOKEN", "")
+# Who may read /metrics (web app and serving process): bearers of this token; unset, loopback only.
+FLYWHEEL_METRICS_TOKEN = env_str("FLYWHEEL_METRICS_TOKEN", "")
 # Train/inference agreement: on data sampled by the very weights being trained, the behaviour and
 # recomputed log-probs agree (~0 nats in fp32). A run above this is flagged and not gated.
 FLYWHEEL_MISMATCH_KL_MAX = env_float("FLYWHEEL_MISMATCH_KL_MAX", 0.01)

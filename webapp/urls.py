@@ -5,6 +5,7 @@ from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
 from feedback.apis import DatasetExportApi, IngestApi, TrajectoryDetailApi, TrajectoryListApi
 from webapp import views
+from webapp.metrics import metrics_view
 
 api_v1 = [
     path("api/v1/events", IngestApi.as_view(), name="api-events"),
@@ -21,6 +22,7 @@ urlpatterns = [
     path("accounts/login/", auth_views.LoginView.as_view(), name="login"),
     path("accounts/logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("healthz", views.healthz, name="healthz"),
+    path("metrics", metrics_view, name="metrics"),
     path("api/v1/", include("training.urls")),
     path("", include("webapp.dashboard_urls")),
 ]

@@ -26,7 +26,7 @@ from django.urls import clear_url_caches
 from core.errors import NotFound
 from feedback.models import Project
 from feedback.services import feedback_ingest
-from inference import serving
+from inference import metrics, serving
 from inference.engine import EngineFactory
 from inference.serving import PolicyServer, Recorder, ServingError
 from training.versions.selectors import policy_get, serving_target
@@ -117,6 +117,9 @@ def _writer(project: Project):
         close_old_connections()
         for result in feedback_ingest(project, events):
             if result.status == "rejected":
+                metrics.TRAJECTORIES_DROPPED.inc()
                 log.error("served completion %s was not recorded: %s", result.id, result.reason)
+            else:
+                metrics.TRAJECTORIES_RECORDED.inc()
 
     return write
