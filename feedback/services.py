@@ -22,6 +22,7 @@ from django.db import DataError, IntegrityError, connection, transaction
 from django.utils import timezone
 
 from core.errors import BadRequest, NotFound
+from core.metrics import ingest_counted
 from feedback.events import EventError, FeedbackRecord, TrajectoryRecord, event_identity, parse_event
 from feedback.models import ApiKey, Project, WebhookSecret
 
@@ -139,6 +140,13 @@ def feedback_ingest(
     Idempotent per event id (a unique constraint with ON CONFLICT DO NOTHING, so concurrent
     duplicate deliveries store one row), and per `webhook_id` when given. Returns only after
     the transaction committed: an acknowledged event is durable."""
+    results = _ingest(project, raw_events, webhook_id, on_commit)
+    ingest_counted(r.status for r in results)
+    return results
+
+
+def _ingest(project: Project, raw_events: list[Any], webhook_id: str | None,
+            on_commit: Callable[[dict[str, int]], None] | None) -> list[EventResult]:
     now = timezone.now()
     results, trajectories, feedback = _parse_batch(project, raw_events, now)
     with transaction.atomic():

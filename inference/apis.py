@@ -19,14 +19,15 @@ from typing import Any
 
 from django.conf import settings
 from django.core.exceptions import RequestDataTooBig
-from django.http import HttpRequest, JsonResponse
+from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_GET, require_POST
 
 from core.errors import ApplicationError
+from core.metrics import metrics_response
 from feedback.auth import Principal, api_key_principal, bearer_token
 from feedback.models import ApiKey
-from inference import serving
+from inference import metrics, serving
 from inference.engine import SamplingParams
 from inference.serving import CompletionRequest, Served, ServingError
 
@@ -281,6 +282,19 @@ def _internal_auth(request: HttpRequest) -> None:
     sent = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
     if not hmac.compare_digest(sent.encode(), token.encode()):
         raise ServingError(401, "wrong internal token", "Send 'Authorization: Bearer $FLYWHEEL_INTERNAL_TOKEN'.")
+
+
+@require_GET
+def metrics_view(request: HttpRequest) -> HttpResponse:
+    """Prometheus text format (who may scrape: core/metrics.py)."""
+    server = serving.SERVER
+    if server is not None:
+        metrics.SERVING_VERSION.labels("production").set(server.engine.version)
+        metrics.SERVING_VERSION.labels("canary").set(server.canary.version if server.canary else 0)
+        metrics.SERVING_CANARY_SHARE.set(server.canary_share)
+        if server.recorder is not None:
+            metrics.RECORDER_QUEUE.set(server.recorder.pending())
+    return metrics_response(request)
 
 
 @require_GET

@@ -23,6 +23,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from inference import metrics
 from inference.engine import Completion, Engine, EngineFactory, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -90,6 +91,9 @@ class Recorder:
     def put(self, events: list[dict[str, Any]]) -> None:
         for event in events:
             self._queue.put(event)
+
+    def pending(self) -> int:
+        return self._queue.qsize()
 
     def flush(self) -> int:
         batch: list[dict[str, Any]] = []
@@ -204,12 +208,14 @@ class PolicyServer:
                 400, f"the prompt is {len(request.prompt_ids)} tokens and max_tokens is "
                 f"{request.sampling.max_tokens}; the context holds {self.max_model_len}",
                 "Shorten the prompt or lower max_tokens.")
+        start = time.perf_counter()
         try:
             completions = engine.generate([request.prompt_ids], n=request.n, sampling=request.sampling)
         except Exception as exc:
             log.exception("generation failed")
             raise ServingError(503, f"the engine failed: {type(exc).__name__}", "Retry; if it persists, "
                                "restart the serving process (manage.py serve_policy).") from exc
+        _observe(start, completions, engine.version)
         ids = [f"traj_{uuid.uuid4().hex}" for _ in completions]
         if self.recorder is not None:
             self.recorder.put([self._trajectory(request, c, t, engine.tokenizer)
@@ -273,6 +279,13 @@ class PolicyServer:
         self.engine.close()
         if self.canary is not None:
             self.canary.close()
+
+
+def _observe(start: float, completions: list[Completion], version: int) -> None:
+    elapsed = time.perf_counter() - start
+    metrics.SERVING_GENERATE.observe(elapsed)
+    metrics.SERVING_TTFT.observe(elapsed)
+    metrics.SERVING_TOKENS.labels(str(version)).inc(sum(len(c.token_ids) for c in completions))
 
 
 def _version_number(value: Any) -> int:

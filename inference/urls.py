@@ -11,4 +11,5 @@ urlpatterns = [
     path("v1/completions", apis.completions),
     path("v1/models", apis.models),
     path("healthz", apis.healthz),
+    path("metrics", apis.metrics_view),
 ]

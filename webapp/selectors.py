@@ -13,7 +13,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from django.conf import settings
-from django.db.models import Count, Exists, F, Max, OuterRef, Prefetch, Q, QuerySet, Sum
+from django.db.models import Avg, Count, Exists, F, Max, OuterRef, Prefetch, Q, QuerySet, Sum
 from django.db.models.functions import Coalesce, TruncMinute
 from django.utils import timezone
 
@@ -487,3 +487,31 @@ def audit_log(project: Project, limit: int = 50) -> list[AuditLog]:
 def feedback_counts(project: Project) -> dict[str, int]:
     return dict(FeedbackHourly.objects.filter(project=project).values_list("signal").annotate(n=Sum("n")))
 
+
+
+# --- figures for /metrics (read at scrape time; each one query) --------------------------------
+
+REWARD_WINDOW = timedelta(hours=24)
+
+
+def metrics_versions_by_state() -> list[dict[str, Any]]:
+    return list(PolicyVersion.objects.values("project__slug", "state").annotate(n=Count("id"))
+                .order_by("project__slug", "state"))
+
+
+def metrics_reward_means() -> list[dict[str, Any]]:
+    """Mean reward of the trajectories each version served, over rewards computed in the last 24 h."""
+    since = timezone.now() - REWARD_WINDOW
+    return list(Reward.objects.filter(computed_at__gte=since, trajectory__policy_version__isnull=False)
+                .values("trajectory__project__slug", "trajectory__policy_version")
+                .annotate(mean=Avg("total"), n=Count("id")).order_by())
+
+
+def metrics_training_latest() -> list[dict[str, Any]]:
+    """Each project's newest optimiser step (of its newest run that logged one)."""
+    return list(TrainingStep.objects.order_by("run__project_id", "-run__created_at", "-step")
+                .distinct("run__project_id").values("run__project__slug", "step", "tokens_per_s"))
+
+
+def metrics_dropped_stale() -> list[dict[str, Any]]:
+    return list(TrainingStep.objects.values("run__project__slug").annotate(n=Sum("dropped_stale")).order_by())

@@ -139,6 +139,7 @@ INSTALLED_APPS = [
 ]
 
 MIDDLEWARE = [
+    "core.metrics.RequestMetricsMiddleware",
     "django.middleware.security.SecurityMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
@@ -297,6 +298,8 @@ FLYWHEEL_GATE_TIME_LIMIT_S = env_int("FLYWHEEL_GATE_TIME_LIMIT_S", 1800)
 FLYWHEEL_SWEEP_REQUEUE_AFTER_S = env_int("FLYWHEEL_SWEEP_REQUEUE_AFTER_S", 300)
 FLYWHEEL_SWEEP_MAX_ATTEMPTS = env_int("FLYWHEEL_SWEEP_MAX_ATTEMPTS", 3)
 FLYWHEEL_INTERNAL_TOKEN = env_str("FLYWHEEL_INTERNAL_TOKEN", "")
+# Who may read /metrics (web app and serving process): bearers of this token; unset, loopback only.
+FLYWHEEL_METRICS_TOKEN = env_str("FLYWHEEL_METRICS_TOKEN", "")
 # Train/inference agreement: on data sampled by the very weights being trained, the behaviour and
 # recomputed log-probs agree (~0 nats in fp32). A run above this is flagged and not gated.
 FLYWHEEL_MISMATCH_KL_MAX = env_float("FLYWHEEL_MISMATCH_KL_MAX", 0.01)

@@ -5,6 +5,7 @@ from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
 from feedback.apis import DatasetExportApi, IngestApi, TrajectoryDetailApi, TrajectoryListApi
 from webapp import views
+from webapp.metrics import metrics_view
 from webapp.throttle import ThrottledAdminAuthenticationForm, ThrottledAuthenticationForm
 
 admin.site.login_form = ThrottledAdminAuthenticationForm
@@ -24,6 +25,7 @@ urlpatterns = [
     path("accounts/login/", auth_views.LoginView.as_view(authentication_form=ThrottledAuthenticationForm), name="login"),
     path("accounts/logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("healthz", views.healthz, name="healthz"),
+    path("metrics", metrics_view, name="metrics"),
     path("api/v1/", include("training.urls")),
     path("", include("webapp.dashboard_urls")),
 ]

@@ -134,3 +134,15 @@ def test_each_format_loads_with_datasets_and_trains_one_trl_step(creds, tmp_path
         "kto": {"rows": 6, "conversational": True, "steps": 1},
         "preference": {"rows": 3, "conversational": True, "steps": 1},
     }
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_export_streams_over_the_asgi_server(asgi_server, creds, tmp_path):
+    import httpx
+
+    _seed(creds.project)
+    with httpx.stream("GET", f"{asgi_server}/api/v1/export", params={"format": "kto"},
+                      headers={"Authorization": f"Bearer {creds.api_key}"}, timeout=60) as response:
+        assert response.status_code == 200
+        lines = list(response.iter_lines())
+    assert [json.loads(line) for line in lines if line] == _export(creds.project, "kto", tmp_path / "k.jsonl")

@@ -28,7 +28,7 @@ from django.db import InterfaceError, OperationalError, close_old_connections
 from core.errors import NotFound
 from feedback.models import Project
 from feedback.services import feedback_ingest, quarantine_record
-from inference import serving
+from inference import metrics, serving
 from inference.engine import EngineFactory
 from inference.listeners import serve_both
 from inference.serving import PolicyServer, Recorder, ServingError
@@ -156,8 +156,11 @@ def recorder_for(project: Project) -> Recorder:
         close_old_connections()
         for result in feedback_ingest(project, events):
             if result.status == "rejected":
+                metrics.TRAJECTORIES_DROPPED.inc()
                 log.error("served completion %s was not recorded: %s", result.id, result.reason)
                 quarantine(events[result.index], f"rejected by ingest: {result.reason}")
+            else:
+                metrics.TRAJECTORIES_RECORDED.inc()
 
     return Recorder(write=write, quarantine=quarantine, transient=_database_away)
 
