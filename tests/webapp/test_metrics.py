@@ -12,7 +12,7 @@ from django.test import override_settings
 from inference import serving
 from inference.engine import make_engine
 from tests.factories import feedback, trajectory
-from training.management.commands.serve_policy import _writer
+from training.management.commands.serve_policy import recorder_for
 from training.models import PolicyVersion, Reward, RewardSpec, TrainingRun, TrainingStep
 
 pytestmark = pytest.mark.django_db
@@ -88,14 +88,15 @@ def test_the_queue_depth_counts_waiting_tasks(client, settings):
 @pytest.mark.django_db(transaction=True)  # the recorder's writer closes stale connections, as in serve_policy
 def test_the_serving_process_counts_tokens_versions_and_recorded_trajectories(client, creds, dense_dir):
     engine = make_engine("torch", dense_dir, version=1, max_model_len=64)
-    recorder = serving.Recorder(write=_writer(creds.project))
+    recorder = recorder_for(creds.project)
     serving.SERVER = serving.PolicyServer(creds.project.slug, engine, recorder=recorder, max_model_len=64)
     try:
         with override_settings(ROOT_URLCONF="inference.urls"):
             before = _scrape(client)
             body = {"model": creds.project.slug, "messages": [{"role": "user", "content": "def f"}],
                     "max_tokens": 5, "n": 2, "seed": 1}
-            response = client.post("/v1/chat/completions", json.dumps(body), content_type="application/json")
+            response = client.post("/v1/chat/completions", json.dumps(body), content_type="application/json",
+                                   headers={"Authorization": f"Bearer {creds.api_key}"})
             assert response.status_code == 200, response.content
             assert recorder.flush() == 2
             after = _scrape(client)
