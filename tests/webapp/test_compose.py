@@ -17,7 +17,10 @@ FROM_ENV = re.compile(r"\$\{([A-Z_][A-Z0-9_]*)(?::?[-?].*)?\}")
 
 def _read_by_flywheel() -> set[str]:
     """Variables the settings module reads through core/env.py, and those the commands read."""
+    from core.devsecrets import NAMES  # the secrets settings.py reads by name (required with DEBUG off)
+
     names = set(re.findall(r'env_\w+\(\s*"([A-Z_][A-Z0-9_]*)"', (ROOT / "webapp" / "settings.py").read_text()))
+    names |= set(NAMES)
     for command in ROOT.glob("*/management/commands/*.py"):
         names |= set(re.findall(r'os\.environ\.get\(\s*"([A-Z_][A-Z0-9_]*)"', command.read_text()))
     return names
@@ -40,14 +43,16 @@ def test_every_flywheel_service_takes_each_setting_from_the_environment():
 
 def test_the_variables_are_the_ones_the_settings_module_reads():
     read = _read_by_flywheel()
-    assert {"DATABASE_URL", "REDIS_URL", "SECRET_KEY", "FLYWHEEL_METRICS_TOKEN"} <= read
+    assert {"DATABASE_URL", "REDIS_URL", "SECRET_KEY", "FLYWHEEL_SECRETS_KEY", "FLYWHEEL_USER_PEPPER",
+            "FLYWHEEL_METRICS_TOKEN"} <= read
     for name, service in _flywheel_services().items():
         unknown = set(service["environment"]) - read
         assert not unknown, f"{name} sets {sorted(unknown)}, which Flywheel never reads"
     # Every setting that matters in production is passed on (test-only ones need not be).
     missing = read - set(COMPOSE["services"]["web"]["environment"]) - {
         "TEST_DATABASE_NAME", "CELERY_TASK_ALWAYS_EAGER", "CACHE_KEY_PREFIX", "CHANNELS_PREFIX",
-        "FLYWHEEL_DEMO_SECRET", "FLYWHEEL_DEMO_TASTE", "FLYWHEEL_DEMO_CORPUS", "FLYWHEEL_APPROVER_KEY"}
+        "FLYWHEEL_DEMO_SECRET", "FLYWHEEL_DEMO_TASTE", "FLYWHEEL_DEMO_CORPUS", "FLYWHEEL_APPROVER_KEY",
+        "FLYWHEEL_SERVE_KEY"}
     assert not missing, f"compose.yaml does not pass {sorted(missing)}"
 
 
