@@ -12,6 +12,11 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from core import devsecrets  # noqa: E402 - after the path above
+
+# Benchmarks run with the development secrets (var/dev-secrets.json) unless the environment has its own.
+devsecrets.setdefault_environ()
+
 
 def bench_database_url(name: str) -> str:
     base = os.environ.get("DATABASE_URL")

@@ -92,12 +92,13 @@ def _environment(db: str, args: argparse.Namespace) -> dict[str, str]:
     from core import embedded
     from webapp.demo import _port
 
-    web, serving = _port(18000 + args.seed), _port(18500 + args.seed)
+    web, serving, internal = _port(18000 + args.seed), _port(18500 + args.seed), _port(18600 + args.seed)
     var = ROOT / "var" / "bench-learning" / f"seed-{args.seed}"
     return {
         "DATABASE_URL": bench_database_url(db), "REDIS_URL": os.environ.get("REDIS_URL") or embedded.redis_url(),
         "DJANGO_SETTINGS_MODULE": "webapp.settings", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
         "FLYWHEEL_INFERENCE_URL": f"http://127.0.0.1:{serving}", "FLYWHEEL_INTERNAL_TOKEN": f"bench-{os.getpid()}",
+        "FLYWHEEL_INFERENCE_INTERNAL_URL": f"http://127.0.0.1:{internal}",
         "FLYWHEEL_CHECKPOINT_DIR": str(var / "checkpoints"), "CELERY_KEY_PREFIX": f"bench-learning-{os.getpid()}:",
         "AUTO_APPROVE": "1", "FLYWHEEL_PRETRAIN_STEPS": str(args.pretrain_steps),
         "BENCH_WEB_PORT": str(web),
@@ -125,8 +126,10 @@ def _prepare(args: argparse.Namespace) -> dict:
     call_command("migrate", verbosity=0)
     creds = project_create("Bench coding assistant", "demo")
     state = {"project": "demo", "webhook_secret": creds.webhook_secret,
-             "approver_key": api_key_create(creds.project, ["admin", "read"], "auto-approver")}
+             "approver_key": api_key_create(creds.project, ["admin", "read"], "auto-approver"),
+             "serve_key": api_key_create(creds.project, ["serve"], "simulated-users")}
     os.environ["FLYWHEEL_DEMO_SECRET"] = state["webhook_secret"]
+    os.environ["FLYWHEEL_SERVE_KEY"] = state["serve_key"]
     os.environ["FLYWHEEL_APPROVER_KEY"] = state["approver_key"]
     _demo_loop_config(Project.objects.get(slug="demo"))
     call_command("bootstrap_policy", "--project", "demo", "--steps", str(args.pretrain_steps))

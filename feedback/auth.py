@@ -13,6 +13,7 @@ from typing import NoReturn
 
 from django.db.models import Q
 from django.utils import timezone
+from drf_spectacular.extensions import OpenApiAuthenticationExtension
 from rest_framework.authentication import BaseAuthentication
 from rest_framework.permissions import BasePermission
 from standardwebhooks.webhooks import Webhook, WebhookVerificationError
@@ -73,6 +74,16 @@ class ApiKeyAuthentication(BaseAuthentication):
 
     def authenticate_header(self, request) -> str:
         return 'Bearer realm="flywheel"'
+
+
+class ApiKeySchema(OpenApiAuthenticationExtension):
+    """How the API docs describe ApiKeyAuthentication (registered by being defined)."""
+
+    target_class = "feedback.auth.ApiKeyAuthentication"
+    name = "apiKey"
+
+    def get_security_definition(self, auto_schema):
+        return {"type": "http", "scheme": "bearer", "description": "An API key (fw_...) with the scopes the call needs."}
 
 
 def _scope_permission(scope: str) -> type[BasePermission]:
@@ -177,7 +188,7 @@ def _active_secrets(project: Project) -> list[str]:
     rows = WebhookSecret.objects.filter(project=project, revoked_at__isnull=True).filter(
         Q(expires_at__isnull=True) | Q(expires_at__gt=now)
     )
-    return list(rows.order_by("-created_at").values_list("secret", flat=True)[:2])
+    return [row.secret for row in rows.order_by("-created_at")[:2]]
 
 
 def _signature_message(error: str) -> str:

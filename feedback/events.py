@@ -24,6 +24,7 @@ PostgreSQL stores and the trainer reads without a special case:
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import math
 import re
@@ -191,8 +192,10 @@ def parse_feedback(raw: dict, now: datetime, user_salt: str) -> FeedbackRecord:
     )
 
 
-def hash_user(user: str, salt: str) -> str:
-    return hashlib.sha256(f"{salt}:{user}".encode()).hexdigest()
+def hash_user(user: str, key: str) -> str:
+    """HMAC-SHA256 of the user id under `key` (the server's per-project key, from its pepper):
+    without the key a hash cannot be matched against guessed ids (e.g. emails)."""
+    return hmac.new(key.encode(), user.encode(), hashlib.sha256).hexdigest()
 
 
 def _is_custom(signal: str) -> bool:

@@ -8,6 +8,8 @@ import hmac
 from django.db import models
 from django.db.models import Q
 
+from core import secretbox
+
 
 class Project(models.Model):
     slug = models.SlugField(max_length=64, unique=True)
@@ -21,7 +23,7 @@ class Project(models.Model):
 
 
 class ApiKey(models.Model):
-    SCOPES = ("ingest", "read", "admin")
+    SCOPES = ("ingest", "read", "serve", "admin")  # serve: /v1/* of the serving process
 
     project = models.ForeignKey(Project, on_delete=models.CASCADE, related_name="api_keys")
     name = models.CharField(max_length=100, default="default")
@@ -46,16 +48,30 @@ class ApiKey(models.Model):
 class WebhookSecret(models.Model):
     """A Standard Webhooks signing secret (`whsec_…`); two may be active during rotation.
 
-    The secret is kept as-is because HMAC verification needs it (it cannot be hashed)."""
+    HMAC verification needs the secret itself (it cannot be hashed), so it is stored encrypted
+    (core.secretbox, key from the environment) and shown only once, when created."""
 
     project = models.ForeignKey(Project, on_delete=models.CASCADE, related_name="webhook_secrets")
-    secret = models.CharField(max_length=100)
+    secret_encrypted = models.TextField()
     created_at = models.DateTimeField(auto_now_add=True)
     expires_at = models.DateTimeField(null=True, blank=True)  # set on rotation: old secret's grace end
     revoked_at = models.DateTimeField(null=True, blank=True)
 
+    class Meta:
+        constraints = [models.CheckConstraint(condition=~Q(secret_encrypted=""), name="webhook_secret_not_empty")]
+
     def __str__(self) -> str:
-        return f"{self.secret[:10]}… ({self.project.slug})"
+        return f"webhook secret #{self.pk} ({self.project.slug})"
+
+    @property
+    def secret(self) -> str:
+        return secretbox.decrypt(self.secret_encrypted)
+
+    @secret.setter
+    def secret(self, raw: str) -> None:
+        if not raw.startswith("whsec_") or len(raw) < 6 + 24:
+            raise ValueError("a webhook secret is 'whsec_' followed by at least 24 characters of base64")
+        self.secret_encrypted = secretbox.encrypt(raw)
 
 
 class WebhookDelivery(models.Model):
@@ -147,3 +163,31 @@ class FeedbackEvent(models.Model):
 
     def __str__(self) -> str:
         return f"{self.event_id}: {self.signal}"
+
+
+class Quarantine(models.Model):
+    """An item a queue could not process, set aside with its error so the queue goes on.
+
+    One row per (project, kind, item): a second failure of the same item counts up `failures` and
+    keeps the newest error. A quarantined trajectory is not offered to the reward queue again
+    until its row is deleted (the admin's delete is the "retry" button)."""
+
+    KINDS = [("reward", "reward"), ("training", "training"), ("rollup", "rollup"), ("serving", "serving")]
+
+    project = models.ForeignKey(Project, on_delete=models.CASCADE, related_name="quarantined")
+    kind = models.CharField(max_length=16, choices=KINDS)
+    item = models.CharField(max_length=255)  # what was skipped, e.g. "trajectory traj-1"
+    trajectory = models.ForeignKey(Trajectory, on_delete=models.CASCADE, null=True, blank=True,
+                                   related_name="quarantined")
+    error = models.TextField()
+    detail = models.JSONField(default=dict, blank=True)
+    failures = models.PositiveIntegerField(default=1)
+    first_at = models.DateTimeField(auto_now_add=True)
+    last_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["project", "kind", "item"], name="uniq_quarantine_item")]
+        indexes = [models.Index(fields=["project", "-last_at"], name="quarantine_project_time")]
+
+    def __str__(self) -> str:
+        return f"{self.project.slug} {self.kind}: {self.item}"

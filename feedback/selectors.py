@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from datetime import datetime
+from itertools import groupby
+from typing import Any
 
-from django.db.models import Prefetch, QuerySet
+from django.db.models import F, IntegerField, JSONField, Prefetch, QuerySet, TextField
+from django.db.models.expressions import RawSQL
+from django.db.models.fields.json import KT
+from django.db.models.functions import Cast
 
-from core.errors import NotFound
-from feedback.models import FeedbackEvent, Project, Step, Trajectory
+from core.errors import BadRequest, NotFound
+from feedback import export
+from feedback.models import FeedbackEvent, Project, Quarantine, Step, Trajectory
 
 
 def project_get(slug: str) -> Project:
@@ -17,9 +24,30 @@ def project_get(slug: str) -> Project:
     return project
 
 
-def _with_children(queryset: QuerySet[Trajectory]) -> QuerySet[Trajectory]:
+# A step's per-token arrays: what a read summarises past `max_tokens`.
+TOKEN_ARRAYS = ("token_ids", "logprobs", "routing")
+
+
+def _steps(max_tokens: int | None) -> QuerySet[Step]:
+    """Steps in order; with `max_tokens`, each per-token array is cut to its first `max_tokens`
+    items by PostgreSQL (the rest never leaves the database) as `<array>_head`, and
+    `token_count` says how many ids the step holds."""
+    steps = Step.objects.order_by("index")
+    if max_tokens is None:
+        return steps
+    path = f"$[0 to {max(max_tokens, 1) - 1}]"
+    heads = {f"{name}_head": RawSQL(f"CASE WHEN jsonb_typeof(feedback_step.{name}) = 'array' "  # noqa: S608 - fixed names
+                                     f"THEN jsonb_path_query_array(feedback_step.{name}, %s::jsonpath) END", [path],
+                                     output_field=JSONField())
+             for name in TOKEN_ARRAYS}
+    count = RawSQL("CASE WHEN jsonb_typeof(feedback_step.token_ids) = 'array' "
+                   "THEN jsonb_array_length(feedback_step.token_ids) ELSE 0 END", [], output_field=IntegerField())
+    return steps.defer(*TOKEN_ARRAYS).annotate(token_count=count, **heads)
+
+
+def _with_children(queryset: QuerySet[Trajectory], max_tokens: int | None = None) -> QuerySet[Trajectory]:
     return queryset.prefetch_related(
-        Prefetch("steps", queryset=Step.objects.order_by("index")),
+        Prefetch("steps", queryset=_steps(max_tokens)),
         Prefetch("feedback_events", queryset=FeedbackEvent.objects.order_by("occurred_at", "id")),
     )
 
@@ -33,7 +61,9 @@ def trajectory_list(
     signal: str | None = None,
     task: str | None = None,
     source: str | None = None,
+    max_tokens: int | None = None,
 ) -> QuerySet[Trajectory]:
+    """Newest first, with steps and feedback; `max_tokens` summarises long steps (see `_steps`)."""
     queryset = Trajectory.objects.filter(project=project)
     if since is not None:
         queryset = queryset.filter(occurred_at__gte=since)
@@ -49,12 +79,45 @@ def trajectory_list(
         queryset = queryset.filter(
             id__in=FeedbackEvent.objects.filter(project=project, signal=signal).values("trajectory_id")
         )
-    return _with_children(queryset)
+    return _with_children(queryset, max_tokens)
 
 
-def trajectory_get(project: Project, external_id: str) -> Trajectory:
-    trajectory = _with_children(Trajectory.objects.filter(project=project, external_id=external_id)).first()
+def trajectory_get(project: Project, external_id: str, max_tokens: int | None = None) -> Trajectory:
+    trajectory = _with_children(Trajectory.objects.filter(project=project, external_id=external_id), max_tokens).first()
     if trajectory is None:
         raise NotFound(f"no trajectory {external_id[:80]!r} in project {project.slug!r}",
                        "Check the id; it is the one your product sent (or the serving endpoint returned).")
     return trajectory
+
+
+def quarantine_recent(project: Project, limit: int = 10) -> list[Quarantine]:
+    """The items the project's queues set aside most recently (newest first)."""
+    return list(Quarantine.objects.filter(project=project).order_by("-last_at", "-id")[:limit])
+
+
+# --- dataset export --------------------------------------------------------------------------
+
+EXPORT_CHUNK = 500  # trajectories fetched (with their steps and events) per round trip
+
+
+def dataset_rows(project: Project, fmt: export.Format, **filters: Any) -> Iterator[dict[str, Any]]:
+    """Rows of `fmt` (see feedback/export.py), oldest first, streamed from a server-side cursor in
+    chunks of EXPORT_CHUNK trajectories: memory stays flat however big the project is.
+    `filters`: those of `trajectory_list` (since, until, policy_version, signal, task, source)."""
+    if fmt not in export.FORMATS:
+        raise BadRequest(f"unknown format {str(fmt)[:40]!r}", f"Use one of: {', '.join(export.FORMATS)}.")
+    queryset = trajectory_list(project, **filters)
+    if fmt == "preference":
+        return export.preference_rows(_groups(queryset))
+    rows = export.messages_rows if fmt == "messages" else export.kto_rows
+    return rows(queryset.order_by("occurred_at", "id").iterator(chunk_size=EXPORT_CHUNK))
+
+
+def _groups(queryset: QuerySet[Trajectory]) -> Iterator[list[Trajectory]]:
+    """Runs of trajectories answering one prompt: the same sampling `group`, else (no group) the
+    same prompt messages. The database sorts by that key so a group is contiguous in the stream."""
+    keyed = queryset.annotate(group_key=KT("extra__group"), prompt_key=Cast("prompt", TextField())).order_by(
+        F("group_key").asc(nulls_last=True), "prompt_key", "occurred_at", "id")
+    rows = keyed.iterator(chunk_size=EXPORT_CHUNK)
+    for _, run in groupby(rows, key=lambda t: ("g", t.group_key) if t.group_key is not None else ("p", t.prompt_key)):
+        yield list(run)

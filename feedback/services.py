@@ -6,6 +6,9 @@ webhook, the serving process and the simulators alike.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import json
 import logging
 import secrets
 from base64 import b64encode
@@ -14,10 +17,12 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
+from django.conf import settings
 from django.db import DataError, IntegrityError, connection, transaction
 from django.utils import timezone
 
 from core.errors import BadRequest, NotFound
+from core.metrics import ingest_counted
 from feedback.events import EventError, FeedbackRecord, TrajectoryRecord, event_identity, parse_event
 from feedback.models import ApiKey, Project, WebhookSecret
 
@@ -46,7 +51,7 @@ def project_create(name: str, slug: str | None = None) -> ProjectCredentials:
         raise BadRequest(f"a project with slug {slug!r} exists", "Choose another name or pass --slug.")
     with transaction.atomic():
         project = Project.objects.create(name=name, slug=slug)
-        raw_key = api_key_create(project, ["ingest", "read"], name="default")
+        raw_key = api_key_create(project, ["ingest", "read", "serve"], name="default")
         secret = webhook_secret_create(project)
     return ProjectCredentials(project=project, api_key=raw_key, webhook_secret=secret.secret)
 
@@ -72,8 +77,13 @@ def api_key_revoke(prefix: str) -> ApiKey:
 
 
 def webhook_secret_create(project: Project) -> WebhookSecret:
-    raw = b64encode(secrets.token_bytes(24)).decode()
-    return WebhookSecret.objects.create(project=project, secret=f"whsec_{raw}")
+    """A new signing secret, stored encrypted; the returned row's `.secret` is the only time the
+    clear value is handed out (show it to the person once)."""
+    raw = f"whsec_{b64encode(secrets.token_bytes(24)).decode()}"
+    row = WebhookSecret(project=project)
+    row.secret = raw
+    row.save()
+    return row
 
 
 def webhook_secret_rotate(project: Project, grace: timedelta = SECRET_ROTATION_GRACE) -> WebhookSecret:
@@ -93,6 +103,14 @@ def webhook_secret_rotate(project: Project, grace: timedelta = SECRET_ROTATION_G
 
 
 # --- ingest -------------------------------------------------------------------------------------
+
+
+def user_hash_key(project: Project) -> str:
+    """The HMAC key user ids of `project` are hashed with: the server's pepper (never stored in
+    the database nor sent anywhere), separated per project so one project's hashes do not match
+    another's."""
+    pepper = settings.FLYWHEEL_USER_PEPPER.encode()
+    return hmac.new(pepper, f"project:{project.pk}".encode(), hashlib.sha256).hexdigest()
 
 
 @dataclass(slots=True)
@@ -122,6 +140,13 @@ def feedback_ingest(
     Idempotent per event id (a unique constraint with ON CONFLICT DO NOTHING, so concurrent
     duplicate deliveries store one row), and per `webhook_id` when given. Returns only after
     the transaction committed: an acknowledged event is durable."""
+    results = _ingest(project, raw_events, webhook_id, on_commit)
+    ingest_counted(r.status for r in results)
+    return results
+
+
+def _ingest(project: Project, raw_events: list[Any], webhook_id: str | None,
+            on_commit: Callable[[dict[str, int]], None] | None) -> list[EventResult]:
     now = timezone.now()
     results, trajectories, feedback = _parse_batch(project, raw_events, now)
     with transaction.atomic():
@@ -148,7 +173,7 @@ def _parse_batch(project: Project, raw_events: list[Any], now: datetime):
     results: list[EventResult] = []
     trajectories: dict[str, TrajectoryRecord] = {}  # external id -> record (first one wins)
     feedback: dict[str, FeedbackRecord] = {}
-    salt = project.slug
+    salt = user_hash_key(project)
     for index, raw in enumerate(raw_events):
         kind, ident = event_identity(raw)
         result = EventResult(index=index, id=ident, type=kind, status="rejected")
@@ -373,3 +398,26 @@ def _settle(results: list[EventResult], new_ids: dict[str, int], new_feedback: s
                 result.status, result.reason = "duplicate", "an event with this id was stored before"
         counts[result.status] += 1
     return counts
+
+
+# --- quarantine ---------------------------------------------------------------------------------
+
+_QUARANTINE_UPSERT = """
+INSERT INTO feedback_quarantine (project_id, kind, item, trajectory_id, error, detail, failures, first_at, last_at)
+VALUES (%s, %s, %s, %s, %s, %s::jsonb, 1, now(), now())
+ON CONFLICT (project_id, kind, item) DO UPDATE
+    SET error = EXCLUDED.error, detail = EXCLUDED.detail, failures = feedback_quarantine.failures + 1,
+        last_at = now()
+"""
+
+
+def quarantine_record(project_id: int, kind: str, item: str, error: str, *, trajectory_id: int | None = None,
+                      detail: dict[str, Any] | None = None) -> None:
+    """Sets a bad item aside with its error so its queue goes on (rewards, training, rollups, the
+    serving recorder); shown under "last errors" on the project's overview. One row per item: a
+    repeat counts up. Call it outside the transaction that failed (that one is rolled back)."""
+    log.warning("quarantined %s item %r of project %s: %s", kind, item, project_id, error[:500])
+    text = json.dumps(detail or {}, default=str, ensure_ascii=True)
+    with connection.cursor() as cur:
+        cur.execute(_QUARANTINE_UPSERT, [project_id, kind, item[:255], trajectory_id,
+                                         error.replace("\x00", "")[:10_000], text])

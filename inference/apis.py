@@ -1,7 +1,11 @@
 """HTTP endpoints of the serving process (OpenAI subset + internal weight loading).
 
-Mounted by inference/urls.py, served by `manage.py serve_policy`. Errors use the OpenAI shape
-{"error": {"message", "type", "code", "fix"}}, which the `openai` client raises as APIError.
+Two listeners, served by `manage.py serve_policy`: the public one (inference/urls.py: /v1/* with a
+bearer key of scope `serve` of the served project) and the internal one on loopback
+(inference/internal_urls.py: /internal/load with FLYWHEEL_INTERNAL_TOKEN). Errors use the OpenAI
+shape {"error": {"message", "type", "code", "fix"}}, which the `openai` client raises as APIError.
+Every bound (body size, prompt characters, messages, n, max_tokens) is checked before the prompt
+reaches the tokenizer.
 """
 
 from __future__ import annotations
@@ -14,15 +18,26 @@ import uuid
 from typing import Any
 
 from django.conf import settings
-from django.http import HttpRequest, JsonResponse
+from django.core.exceptions import RequestDataTooBig
+from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_GET, require_POST
 
-from inference import serving
+from core.errors import ApplicationError
+from core.metrics import metrics_response
+from feedback.auth import Principal, api_key_principal, bearer_token
+from feedback.models import ApiKey
+from inference import metrics, serving
 from inference.engine import SamplingParams
 from inference.serving import CompletionRequest, Served, ServingError
 
 VERSION_HEADER = "Flywheel-Policy-Version"
+MAX_BODY_BYTES = 1024 * 1024
+ROLES = ("system", "user", "assistant")
+# A key checked once is trusted this long: a revocation reaches the serving process within it
+# (the request path then skips a database round trip).
+KEY_CACHE_S = 10.0
+_keys: dict[str, tuple[float, Principal]] = {}
 
 
 def _error(exc: ServingError) -> JsonResponse:
@@ -43,13 +58,69 @@ def _handles_errors(view):
 
 
 def _json_body(request: HttpRequest) -> dict[str, Any]:
+    declared = request.META.get("CONTENT_LENGTH") or "0"
+    if not declared.isdigit() or int(declared) > MAX_BODY_BYTES:
+        raise _too_big()
     try:
-        body = json.loads(request.body or b"{}")
-    except ValueError:
+        raw = request.body
+    except RequestDataTooBig:
+        raise _too_big() from None
+    if len(raw) > MAX_BODY_BYTES:
+        raise _too_big()
+    try:
+        body = json.loads(raw or b"{}")
+    except (ValueError, RecursionError):
         raise ServingError(400, "the body is not valid JSON", "Send a JSON object.") from None
     if not isinstance(body, dict):
         raise ServingError(400, "the body must be a JSON object", "Send {\"model\": ..., ...}.")
     return body
+
+
+def _too_big() -> ServingError:
+    return ServingError(413, f"the body is over {MAX_BODY_BYTES} bytes",
+                        "Send a shorter prompt: it must fit the model's context anyway.")
+
+
+def _serve_auth(request: HttpRequest) -> Principal:
+    """The caller's key: scope `serve` (or admin) of the project this process serves. A process
+    with no policy loaded says so first (503, as /healthz does): no key could be checked yet."""
+    server = serving.current()
+    token = bearer_token(request.headers.get("authorization", ""))
+    if token is None:
+        raise ServingError(401, "no API key was sent",
+                           "Send 'Authorization: Bearer fw_...' with a key of scope 'serve' "
+                           "(manage.py create_key SLUG --scopes serve).")
+    principal = _principal(token)
+    if principal.project.slug != server.project_slug:
+        raise ServingError(403, "this key belongs to another project",
+                           "Use a key of the project this serving process serves (GET /v1/models names it).")
+    if not principal.has_scope("serve"):
+        raise ServingError(403, "this API key lacks the 'serve' scope",
+                           "Create a key with scope 'serve' (manage.py create_key SLUG --scopes serve).")
+    return principal
+
+
+def _principal(token: str) -> Principal:
+    digest, now = ApiKey.hash_key(token), time.monotonic()
+    cached = _keys.get(digest)
+    if cached is not None and cached[0] > now:
+        return cached[1]
+    try:
+        principal = api_key_principal(token)
+    except ApplicationError as exc:
+        raise ServingError(exc.status_code, exc.message, exc.fix) from None
+    if len(_keys) > 10_000:
+        _keys.clear()
+    _keys[digest] = (now + KEY_CACHE_S, principal)
+    return principal
+
+
+def _check_prompt_size(texts: list[str]) -> None:
+    limit = serving.current().max_prompt_chars()
+    size = sum(len(t) for t in texts)
+    if size > limit:
+        raise ServingError(400, f"the prompt is {size} characters; this model's context holds at most {limit}",
+                           "Shorten the prompt (keep the end that matters) or split the request.")
 
 
 def _number(body: dict, name: str, default: float, low: float, high: float, integer: bool = False) -> Any:
@@ -57,9 +128,10 @@ def _number(body: dict, name: str, default: float, low: float, high: float, inte
     if value is None:
         value = default
     ok_type = type(value) is int if integer else isinstance(value, int | float) and not isinstance(value, bool)
-    if not ok_type or not math.isfinite(value) or not low <= value <= high:
+    # Compared before any float conversion: a 400-digit integer overflows float().
+    if not ok_type or (isinstance(value, float) and not math.isfinite(value)) or not low <= value <= high:
         kind = "an integer" if integer else "a number"
-        raise ServingError(400, f"'{name}' must be {kind} in [{low}, {high}], got {value!r}",
+        raise ServingError(400, f"'{name}' must be {kind} in [{low}, {high}], got {repr(value)[:40]}",
                            f"Send {name} between {low} and {high}.")
     return value
 
@@ -67,11 +139,12 @@ def _number(body: dict, name: str, default: float, low: float, high: float, inte
 def _sampling(body: dict) -> SamplingParams:
     stop = body.get("stop") or ()
     stop = (stop,) if isinstance(stop, str) else stop
-    if not isinstance(stop, list | tuple) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
-        raise ServingError(400, "'stop' must be a string or a list of at most 4 strings", "Fix 'stop'.")
+    if not isinstance(stop, list | tuple) or len(stop) > 4 or not all(isinstance(s, str) and 0 < len(s) <= 64 for s in stop):
+        raise ServingError(400, "'stop' must be a string or a list of at most 4 strings of 1 to 64 characters",
+                           "Fix 'stop'.")
     seed = body.get("seed")
-    if seed is not None and type(seed) is not int:
-        raise ServingError(400, "'seed' must be an integer", "Send an integer seed or none.")
+    if seed is not None and (type(seed) is not int or not 0 <= seed < 2**63):
+        raise ServingError(400, "'seed' must be an integer in [0, 2**63)", "Send a non-negative 64-bit seed or none.")
     return SamplingParams(
         max_tokens=_number(body, "max_tokens", 64, 1, serving.MAX_TOKENS, integer=True),
         temperature=float(_number(body, "temperature", 1.0, 0.0, 2.0)),
@@ -89,12 +162,15 @@ def _model(body: dict) -> str:
 
 def _messages(body: dict) -> list[dict[str, Any]]:
     messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise ServingError(400, "'messages' must be a non-empty list", 'Send [{"role": "user", "content": "..."}].')
+    if not isinstance(messages, list) or not messages or len(messages) > serving.MAX_MESSAGES:
+        raise ServingError(400, f"'messages' must be a list of 1 to {serving.MAX_MESSAGES} messages",
+                           'Send [{"role": "user", "content": "..."}].')
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            raise ServingError(400, f"messages[{i}] needs a string 'role' and 'content'", "Fix that message.")
-    return messages
+        if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
+            raise ServingError(400, f"messages[{i}] needs a 'role' of {list(ROLES)} and a string 'content'",
+                               "Fix that message.")
+    _check_prompt_size([m["content"] for m in messages])
+    return [{"role": m["role"], "content": m["content"]} for m in messages]
 
 
 def _task(body: dict) -> str:
@@ -116,12 +192,12 @@ def _usage(request: CompletionRequest, served: Served) -> dict[str, int]:
 
 
 def _serve(body: dict[str, Any], messages: list[dict[str, Any]], encode, want_logprobs: bool):
-    """Picks the engine once (a canary draw included), tokenises with it, generates, records."""
+    """Checks every bound, picks the engine once (a canary draw included), then tokenises with
+    it, generates, records."""
     server, model = serving.current(), _model(body)
+    n, sampling, task = _number(body, "n", 1, 1, serving.MAX_N, integer=True), _sampling(body), _task(body)
     engine = server.pick_engine(model)
-    req = CompletionRequest(model, encode(engine), messages,
-                            _number(body, "n", 1, 1, serving.MAX_N, integer=True), _sampling(body),
-                            want_logprobs, _task(body))
+    req = CompletionRequest(model, encode(engine), messages, n, sampling, want_logprobs, task)
     return server, engine, req, server.complete(req, engine)
 
 
@@ -142,6 +218,7 @@ def _pairs(served: Served):
 @require_POST
 @_handles_errors
 def chat_completions(request: HttpRequest) -> JsonResponse:
+    _serve_auth(request)
     body = _json_body(request)
     messages = _messages(body)
     server, engine, req, served = _serve(body, messages, lambda e: list(e.tokenizer.apply_chat_template(
@@ -162,10 +239,12 @@ def chat_completions(request: HttpRequest) -> JsonResponse:
 @require_POST
 @_handles_errors
 def completions(request: HttpRequest) -> JsonResponse:
+    _serve_auth(request)
     body = _json_body(request)
     prompt = body.get("prompt")
     if not isinstance(prompt, str) or not prompt:
         raise ServingError(400, "'prompt' must be a non-empty string", "Send the text to continue.")
+    _check_prompt_size([prompt])
     logprobs = body.get("logprobs")
     server, engine, req, served = _serve(body, [{"role": "user", "content": prompt}], lambda e: e.encode(prompt),
                                          logprobs is not None and logprobs is not False)
@@ -181,6 +260,7 @@ def completions(request: HttpRequest) -> JsonResponse:
 @require_GET
 @_handles_errors
 def models(request: HttpRequest) -> JsonResponse:
+    _serve_auth(request)
     server = serving.current()
     data = [{"id": name, "object": "model", "created": 0, "owned_by": "flywheel"} for name in server.model_names()]
     return JsonResponse({"object": "list", "data": data})
@@ -202,6 +282,19 @@ def _internal_auth(request: HttpRequest) -> None:
     sent = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
     if not hmac.compare_digest(sent.encode(), token.encode()):
         raise ServingError(401, "wrong internal token", "Send 'Authorization: Bearer $FLYWHEEL_INTERNAL_TOKEN'.")
+
+
+@require_GET
+def metrics_view(request: HttpRequest) -> HttpResponse:
+    """Prometheus text format (who may scrape: core/metrics.py)."""
+    server = serving.SERVER
+    if server is not None:
+        metrics.SERVING_VERSION.labels("production").set(server.engine.version)
+        metrics.SERVING_VERSION.labels("canary").set(server.canary.version if server.canary else 0)
+        metrics.SERVING_CANARY_SHARE.set(server.canary_share)
+        if server.recorder is not None:
+            metrics.RECORDER_QUEUE.set(server.recorder.pending())
+    return metrics_response(request)
 
 
 @require_GET

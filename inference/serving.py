@@ -23,12 +23,17 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from inference import metrics
 from inference.engine import Completion, Engine, EngineFactory, SamplingParams
 
 log = logging.getLogger(__name__)
 
 MAX_N = 16
 MAX_TOKENS = 512
+# Bounds checked before a prompt reaches the tokenizer: characters per token of a prompt that can
+# still fit the context (a byte-level BPE token rarely spans more), messages and stop strings.
+PROMPT_CHARS_PER_TOKEN = 16
+MAX_MESSAGES = 64
 
 
 class ServingError(Exception):
@@ -57,13 +62,24 @@ class Served:
     version: int
 
 
+def _always_transient(exc: Exception) -> bool:
+    return True
+
+
 @dataclass
 class Recorder:
-    """Writes served completions as trajectories in batches, off the request path."""
+    """Writes served completions as trajectories in batches, off the request path.
+
+    A write that fails with a transient error (`transient(exc)`: the database is restarting) is
+    retried, then the batch is queued again. Any other failure is a poison pill: the batch is
+    written event by event and each event that still fails goes to `quarantine(event, error)`,
+    so one bad completion never holds up the others."""
 
     write: Callable[[list[dict[str, Any]]], None]
     batch_size: int = 200
     interval_s: float = 0.25
+    quarantine: Callable[[dict[str, Any], str], None] | None = None
+    transient: Callable[[Exception], bool] = _always_transient
     _queue: queue.Queue = field(default_factory=queue.Queue)
     _thread: threading.Thread | None = None
     _stopping: threading.Event = field(default_factory=threading.Event)
@@ -75,6 +91,9 @@ class Recorder:
     def put(self, events: list[dict[str, Any]]) -> None:
         for event in events:
             self._queue.put(event)
+
+    def pending(self) -> int:
+        return self._queue.qsize()
 
     def flush(self) -> int:
         batch: list[dict[str, Any]] = []
@@ -106,18 +125,33 @@ class Recorder:
             try:
                 self.write(batch)
                 return
-            except Exception:  # noqa: BLE001 - the database may be restarting; retry, then keep the batch
+            except Exception as exc:  # noqa: BLE001 - sorted below: a restarting database or a poison pill
+                if self.quarantine is not None and not self.transient(exc):
+                    self._write_each(batch)
+                    return
                 log.warning("recording %d trajectories failed (attempt %d)", len(batch), attempt + 1, exc_info=True)
                 time.sleep(0.5 * 2**attempt)
         self.put(batch)
 
+    def _write_each(self, batch: list[dict[str, Any]]) -> None:
+        assert self.quarantine is not None
+        for event in batch:
+            try:
+                self.write([event])
+            except Exception as exc:  # noqa: BLE001 - this event is the poison pill, or the database went away
+                if self.transient(exc):
+                    self.put([event])
+                else:
+                    self.quarantine(event, f"{type(exc).__name__}: {exc}")
 
-# Version number -> a verified HF folder of its weights; raises ServingError (404 unknown, 409 not
-# on this machine). Handed in by whoever knows the versions (the serve_policy command).
-WeightsResolver = Callable[[int], Path]
+
+# (version number, role "production" | "canary") -> a verified HF folder of its weights; raises
+# ServingError (404 unknown, 409 not what the project should serve in that role, or not on this
+# machine). Handed in by whoever knows the versions (the serve_policy command).
+WeightsResolver = Callable[[int, str], Path]
 
 
-def _no_versions(number: int) -> Path:
+def _no_versions(number: int, role: str) -> Path:
     raise ServingError(409, "this serving process was started on a folder, not on the project's versions",
                        "Start it with `manage.py serve_policy --project SLUG` (without --model-dir).")
 
@@ -162,6 +196,10 @@ class PolicyServer:
                            f"Use one of {self.model_names()} (GET /v1/models lists them).")
 
     # --- requests ---------------------------------------------------------------------------
+    def max_prompt_chars(self) -> int:
+        """Longest prompt text (characters) worth tokenising: anything longer cannot fit."""
+        return self.max_model_len * PROMPT_CHARS_PER_TOKEN
+
     def complete(self, request: CompletionRequest, engine: Engine | None = None) -> Served:
         """Generates on `engine` (picked from request.model when not given) and records."""
         engine = engine or self.pick_engine(request.model)
@@ -170,12 +208,14 @@ class PolicyServer:
                 400, f"the prompt is {len(request.prompt_ids)} tokens and max_tokens is "
                 f"{request.sampling.max_tokens}; the context holds {self.max_model_len}",
                 "Shorten the prompt or lower max_tokens.")
+        start = time.perf_counter()
         try:
             completions = engine.generate([request.prompt_ids], n=request.n, sampling=request.sampling)
         except Exception as exc:
             log.exception("generation failed")
             raise ServingError(503, f"the engine failed: {type(exc).__name__}", "Retry; if it persists, "
                                "restart the serving process (manage.py serve_policy).") from exc
+        _observe(start, completions, engine.version)
         ids = [f"traj_{uuid.uuid4().hex}" for _ in completions]
         if self.recorder is not None:
             self.recorder.put([self._trajectory(request, c, t, engine.tokenizer)
@@ -213,7 +253,7 @@ class PolicyServer:
         drops it. Returns what is served now."""
         if "version" in body:
             number = _version_number(body["version"])
-            self.load_version(self.resolve(number), number)
+            self.load_version(self.resolve(number, "production"), number)
         if "canary" in body:
             if body["canary"] is None:
                 self.set_canary(None, 0.0)
@@ -222,7 +262,7 @@ class PolicyServer:
                 if not isinstance(share, int | float) or isinstance(share, bool) or not 0 < share < 1:
                     raise ServingError(400, "'share' must be a fraction in (0, 1)", "Send e.g. {\"share\": 0.1}.")
                 number = _version_number(body["canary"])
-                self.set_canary(self.engine_for(self.resolve(number), number), float(share))
+                self.set_canary(self.engine_for(self.resolve(number, "canary"), number), float(share))
         return {"version": self.engine.version, "canary": self.canary.version if self.canary else None,
                 "canary_share": self.canary_share}
 
@@ -239,6 +279,13 @@ class PolicyServer:
         self.engine.close()
         if self.canary is not None:
             self.canary.close()
+
+
+def _observe(start: float, completions: list[Completion], version: int) -> None:
+    elapsed = time.perf_counter() - start
+    metrics.SERVING_GENERATE.observe(elapsed)
+    metrics.SERVING_TTFT.observe(elapsed)
+    metrics.SERVING_TOKENS.labels(str(version)).inc(sum(len(c.token_ids) for c in completions))
 
 
 def _version_number(value: Any) -> int:

@@ -22,3 +22,9 @@ if not os.environ.get("REDIS_URL"):
     from core import embedded
 
     os.environ["REDIS_URL"] = embedded.redis_url() + "/4"
+
+# SECRET_KEY, FLYWHEEL_SECRETS_KEY, FLYWHEEL_USER_PEPPER: the settings require them (DEBUG is off
+# in tests); the development values under var/ serve here, as they do for the demo.
+from core import devsecrets  # noqa: E402
+
+devsecrets.setdefault_environ()

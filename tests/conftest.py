@@ -98,7 +98,7 @@ def celery_worker_process(django_db_setup):
          "-Q", "celery,ingest,rewards,train,rollouts,gate", "-n", f"test-{uuid.uuid4().hex[:6]}@%h"],
         cwd=ROOT, env=subprocess_env(), stdout=log, stderr=subprocess.STDOUT,
     )
-    deadline = time.monotonic() + 90
+    deadline = time.monotonic() + 300  # minutes on a busy machine
     while time.monotonic() < deadline:
         if app.control.ping(timeout=0.5):
             break
@@ -106,7 +106,7 @@ def celery_worker_process(django_db_setup):
             raise RuntimeError("the Celery worker exited during start-up; see var/test-celery-worker.log")
     else:
         proc.kill()
-        raise RuntimeError("the Celery worker did not answer a ping within 90 s")
+        raise RuntimeError("the Celery worker did not answer a ping within 300 s")
     yield proc
     proc.terminate()
     try:
@@ -139,6 +139,7 @@ def own_postgres(tmp_path_factory: pytest.TempPathFactory):
     pg = OwnPostgres(tmp_path_factory.mktemp("own-pg"))
     yield pg
     pg.down()
+    pg.redis_down()
 
 
 # --- tiny policies, built once per session (inference and training tests share them) ---------

@@ -57,8 +57,9 @@ def wait_http(url: str, proc, seconds: float = 90) -> None:
 
 
 class OwnPostgres:
-    """An embedded PostgreSQL of a test's own, under `var_dir` (core/embedded.py run as a command
-    with FLYWHEEL_VAR_DIR): stopped and started by the test without touching the suite's server."""
+    """An embedded PostgreSQL (and, on demand, Redis) of a test's own, under `var_dir`
+    (core/embedded.py run as a command with FLYWHEEL_VAR_DIR): stopped and started by the test
+    without touching the suite's servers."""
 
     def __init__(self, var_dir: Path) -> None:
         self.var_dir = var_dir
@@ -84,6 +85,14 @@ class OwnPostgres:
 
     def down(self) -> None:
         self._embedded("down", "postgres")
+
+    def redis_up(self) -> str:
+        """Starts its Redis (on the port it had before, when restarted); returns its REDIS_URL."""
+        out = self._embedded("up", "redis")
+        return next(line.split("=", 1)[1] for line in out.splitlines() if line.startswith("REDIS_URL="))
+
+    def redis_down(self) -> None:
+        self._embedded("down", "redis")
 
     def durable_url(self) -> str:
         """What a durable caller (the demo, a worker) gets: embedded.postgres_url() without the switch."""

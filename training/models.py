@@ -103,6 +103,8 @@ class TrainingRun(models.Model):
     progress = models.FloatField(default=0.0)
     created_at = models.DateTimeField(auto_now_add=True)
     started_at = models.DateTimeField(null=True, blank=True)
+    # Written every FLYWHEEL_TRAIN_HEARTBEAT_EVERY_S by the worker running it (also mid-step).
+    heartbeat_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:

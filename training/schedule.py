@@ -16,6 +16,7 @@ def training_schedule_install(
     projects: Iterable[Project] | None = None, rewards_every_s: int = 30, train_check_every_s: int = 60,
     min_new: int = 64, every_minutes: float = 60.0, *, steps: int | None = None, batch_size: int | None = None,
     rl: dict[str, Any] | None = None, group: dict[str, Any] | None = None, epochs: float | None = None,
+    outbox_every_s: int = 10, sweep_every_s: int = 60,
 ) -> list[Any]:
     """Creates or updates the beat entries (django-celery-beat, editable in the admin) per project:
     rewards every `rewards_every_s`, the train check every `train_check_every_s`. Idempotent.
@@ -66,8 +67,15 @@ def training_schedule_install(
                                      "kwargs": json.dumps(kwargs), "enabled": True},
             )
             out.append(entry)
-    canaries, _ = PeriodicTask.objects.update_or_create(
-        name="flywheel canaries", defaults={"task": "training.tasks.gate_canaries_check", "interval": every(60),
-                                            "args": "[]", "kwargs": "{}", "enabled": True},
-    )
-    return [*out, canaries]
+    shared = [
+        ("flywheel canaries", "training.tasks.gate_canaries_check", every(60)),
+        # The self-healing pipeline: undelivered hand-offs, then stuck work (training/runs/sweep.py).
+        ("flywheel outbox", "core.tasks.outbox_deliver", every(outbox_every_s)),
+        ("flywheel sweeper", "training.tasks.pipeline_sweep", every(sweep_every_s)),
+    ]
+    for name, task, interval in shared:
+        entry, _ = PeriodicTask.objects.update_or_create(
+            name=name, defaults={"task": task, "interval": interval, "args": "[]", "kwargs": "{}", "enabled": True},
+        )
+        out.append(entry)
+    return out

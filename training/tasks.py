@@ -8,7 +8,7 @@ settings.CELERY_TASK_ROUTES routes on them — so they stay as they were when th
 from training.gate.tasks import gate_run_enqueue, gate_run_task
 from training.promotion.tasks import gate_canaries_check_task
 from training.rewards.tasks import rewards_compute_pending
-from training.runs.tasks import rollout_and_train_task, train_maybe, train_policy_task
+from training.runs.tasks import pipeline_sweep_task, rollout_and_train_task, train_maybe, train_policy_task
 
-__all__ = ["gate_canaries_check_task", "gate_run_enqueue", "gate_run_task", "rewards_compute_pending",
-           "rollout_and_train_task", "train_maybe", "train_policy_task"]
+__all__ = ["gate_canaries_check_task", "gate_run_enqueue", "gate_run_task", "pipeline_sweep_task",
+           "rewards_compute_pending", "rollout_and_train_task", "train_maybe", "train_policy_task"]

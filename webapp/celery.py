@@ -11,6 +11,7 @@ from celery import Celery
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "webapp.settings")
 
-app = Celery("flywheel")
+# Every task retries with backoff while the database is down (core/retry.py).
+app = Celery("flywheel", task_cls="core.retry:StoreRetryTask")
 app.config_from_object("django.conf:settings", namespace="CELERY")
 app.autodiscover_tasks()

@@ -84,17 +84,21 @@ def token_colour(logprob: float | None) -> str:
     return f"hsl({round(120 * p)}, 75%, 82%)"
 
 
-def routing_figure(routing: Any, n_tokens: int) -> dict[str, Any] | None:
-    """Heatmap of the top-1 expert per layer (rows) per position (columns); hover shows the top-k."""
+def routing_figure(routing: Any, n_tokens: int, max_positions: int | None = None) -> dict[str, Any] | None:
+    """Heatmap of the top-1 expert per layer (rows) per position (columns); hover shows the top-k.
+    Past `max_positions` tokens only the first ones are drawn (the title says so)."""
     if not isinstance(routing, list) or not routing or not isinstance(routing[0], list):
         return None
     positions = routing[-n_tokens:] if n_tokens else routing
+    total = len(positions)
+    positions = positions[:max_positions] if max_positions else positions
+    title = "MoE routing (top-1 expert)" + (f", first {len(positions)} of {total} tokens" if len(positions) < total else "")
     layers = max(len(p) for p in positions)
     z = [[(p[layer][0] if layer < len(p) and p[layer] else None) for p in positions] for layer in range(layers)]
     text = [[str(p[layer]) if layer < len(p) else "" for p in positions] for layer in range(layers)]
     return {"data": [{"type": "heatmap", "z": z, "text": text, "hovertemplate": "pos %{x} layer %{y}: %{text}",
                       "colorscale": "Viridis", "colorbar": {"title": {"text": "expert"}}}],
-            "layout": {"title": {"text": "MoE routing (top-1 expert)"}, "margin": {"t": 40, "r": 10, "l": 40},
+            "layout": {"title": {"text": title}, "margin": {"t": 40, "r": 10, "l": 40},
                        "xaxis": {"title": {"text": "token"}}, "yaxis": {"title": {"text": "layer"}}}}
 
 

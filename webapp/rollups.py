@@ -5,6 +5,9 @@
 A refresh finds the units touched since the watermarks (feedback and trajectory hours, rubric
 project × version), deletes their rollup rows and recomputes them from the raw rows, in one
 transaction under an advisory lock: running it twice, or concurrently, gives the same tables.
+Each project is recomputed in a savepoint of its own: rows that break one project's SQL (say, a
+label of 1e308 stored before ingest refused it: its sums overflow) quarantine that project's
+refresh and the others go on.
 
 Watermarks on append-only tables are ids. A row whose transaction is still open at refresh time
 may have a lower id than a committed one, so a watermark only advances to the largest id of rows
@@ -17,9 +20,10 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from django.db import connection, transaction
+from django.db import DatabaseError, connection, transaction
 from django.utils import timezone
 
+from feedback.services import quarantine_record
 from webapp.models import RollupWatermark
 
 LAG = timedelta(minutes=5)
@@ -60,18 +64,21 @@ INSERT INTO rollup_versions
 """
 
 _FEEDBACK = """
-DELETE FROM webapp_feedbackhourly f USING rollup_fb_hours h WHERE f.project_id = h.project_id AND f.hour = h.hour;
+DELETE FROM webapp_feedbackhourly f USING rollup_fb_hours h
+    WHERE f.project_id = h.project_id AND f.hour = h.hour AND h.project_id = %(project)s;
 INSERT INTO webapp_feedbackhourly (project_id, policy_version, hour, signal, n)
 SELECT fe.project_id, t.policy_version, h.hour, fe.signal, count(*)
 FROM rollup_fb_hours h
 JOIN feedback_feedbackevent fe ON fe.project_id = h.project_id
     AND fe.occurred_at >= h.hour AND fe.occurred_at < h.hour + interval '1 hour'
 LEFT JOIN feedback_trajectory t ON t.id = fe.trajectory_id
+WHERE h.project_id = %(project)s
 GROUP BY 1, 2, 3, 4;
 """
 
 _TRAJECTORIES = """
-DELETE FROM webapp_trajectoryhourly f USING rollup_traj_hours h WHERE f.project_id = h.project_id AND f.hour = h.hour;
+DELETE FROM webapp_trajectoryhourly f USING rollup_traj_hours h
+    WHERE f.project_id = h.project_id AND f.hour = h.hour AND h.project_id = %(project)s;
 INSERT INTO webapp_trajectoryhourly (project_id, policy_version, hour, trajectories, rewarded, reward_sum)
 SELECT t.project_id, t.policy_version, h.hour, count(*), count(r.total), coalesce(sum(r.total), 0)
 FROM rollup_traj_hours h
@@ -81,6 +88,7 @@ LEFT JOIN LATERAL (
     SELECT r.total FROM training_reward r JOIN training_rewardspec s ON s.id = r.spec_id
     WHERE r.trajectory_id = t.id ORDER BY s.version DESC LIMIT 1
 ) r ON true
+WHERE h.project_id = %(project)s
 GROUP BY 1, 2, 3;
 """
 
@@ -93,6 +101,7 @@ scored AS (
     JOIN feedback_trajectory t ON t.project_id = v.project_id
         AND t.policy_version IS NOT DISTINCT FROM v.policy_version
     JOIN training_rubricscore rs ON rs.trajectory_id = t.id
+    WHERE v.project_id = %(project)s
     UNION ALL
     SELECT t.id, t.project_id, t.policy_version, t.task, t.tags, l.key, 'human', l.value::float
     FROM rollup_versions v
@@ -101,14 +110,17 @@ scored AS (
     JOIN feedback_feedbackevent fe ON fe.trajectory_id = t.id AND fe.aspect_labels IS NOT NULL
     CROSS JOIN LATERAL jsonb_each_text(
         CASE WHEN jsonb_typeof(fe.aspect_labels) = 'object' THEN fe.aspect_labels ELSE '{}'::jsonb END) l
+    WHERE v.project_id = %(project)s
 )
 """
 
 _RUBRIC = f"""
 DELETE FROM webapp_rubricrollup r USING rollup_versions v
-    WHERE r.project_id = v.project_id AND r.policy_version IS NOT DISTINCT FROM v.policy_version;
+    WHERE r.project_id = v.project_id AND r.policy_version IS NOT DISTINCT FROM v.policy_version
+        AND v.project_id = %(project)s;
 DELETE FROM webapp_agreementrollup r USING rollup_versions v
-    WHERE r.project_id = v.project_id AND r.policy_version IS NOT DISTINCT FROM v.policy_version;
+    WHERE r.project_id = v.project_id AND r.policy_version IS NOT DISTINCT FROM v.policy_version
+        AND v.project_id = %(project)s;
 WITH {_SCORES}
 INSERT INTO webapp_rubricrollup (project_id, policy_version, task, tag, aspect, source, bin, n, score_sum)
 SELECT s.project_id, s.policy_version, s.task, tg.tag, s.aspect, s.source,
@@ -156,9 +168,42 @@ def _count(cur: Any, table: str) -> int:
     return cur.fetchone()[0]
 
 
+_PROJECTS = """
+SELECT project_id FROM rollup_fb_hours UNION SELECT project_id FROM rollup_traj_hours
+UNION SELECT project_id FROM rollup_versions ORDER BY 1
+"""
+
+
+def _project_refresh(cur: Any, project_id: int) -> str | None:
+    """Recomputes one project's touched units in a savepoint; the error when its rows broke the
+    SQL (a label of 1e308 overflows the sums), so that project is skipped and the others go on."""
+    try:
+        with transaction.atomic():
+            for sql in (_FEEDBACK, _TRAJECTORIES, _RUBRIC):
+                cur.execute(sql, {"project": project_id})
+    except DatabaseError as exc:
+        return f"{type(exc).__name__}: {str(exc).strip()}"
+    return None
+
+
+def _units(cur: Any, project_id: int) -> dict[str, list[str]]:
+    out = {}
+    for name, sql in (("feedback_hours", "SELECT hour FROM rollup_fb_hours WHERE project_id = %s ORDER BY 1"),
+                      ("trajectory_hours", "SELECT hour FROM rollup_traj_hours WHERE project_id = %s ORDER BY 1"),
+                      ("versions", "SELECT policy_version FROM rollup_versions WHERE project_id = %s ORDER BY 1")):
+        cur.execute(sql, [project_id])
+        out[name] = [str(r[0]) for r in cur.fetchall()][:50]
+    return out
+
+
 def rollups_refresh() -> dict[str, int]:
-    """Recomputes the rollup rows touched since the last refresh; returns what it touched."""
+    """Recomputes the rollup rows touched since the last refresh; returns what it touched.
+
+    Each project is recomputed in its own savepoint: one whose rows break the SQL is quarantined
+    (kind "rollup", with the units it could not refresh) and skipped, never blocking the others.
+    Its units are not retried (the watermarks move on): fix the rows, then `rollups_rebuild()`."""
     start = timezone.now()
+    failed: list[tuple[int, str, dict[str, list[str]]]] = []
     with transaction.atomic(), connection.cursor() as cur:
         cur.execute("SELECT pg_advisory_xact_lock(%s)", [_LOCK_KEY])
         marks = _watermarks()
@@ -166,9 +211,15 @@ def rollups_refresh() -> dict[str, int]:
         touched = {"feedback_hours": _count(cur, "rollup_fb_hours"),
                    "trajectory_hours": _count(cur, "rollup_traj_hours"),
                    "rubric_versions": _count(cur, "rollup_versions")}
-        for sql in (_FEEDBACK, _TRAJECTORIES, _RUBRIC):
-            cur.execute(sql)
+        cur.execute(_PROJECTS)
+        for (project_id,) in cur.fetchall():
+            error = _project_refresh(cur, project_id)
+            if error is not None:
+                failed.append((project_id, error, _units(cur, project_id)))
         _advance(cur, marks, start)
+    for project_id, error, units in failed:
+        quarantine_record(project_id, "rollup", "rollup refresh", error, detail={"at": start.isoformat(), **units})
+    touched["projects_failed"] = len(failed)
     return touched
 
 

@@ -13,12 +13,13 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from django.conf import settings
-from django.db.models import Count, Exists, F, Max, OuterRef, Prefetch, Q, QuerySet, Sum
+from django.db.models import Avg, Count, Exists, F, Max, OuterRef, Prefetch, Q, QuerySet, Sum
 from django.db.models.functions import Coalesce, TruncMinute
 from django.utils import timezone
 
 from core.errors import Forbidden, NotFound
 from feedback.models import FeedbackEvent, Project, Step, Trajectory
+from feedback.selectors import quarantine_recent
 from training.models import (
     AuditLog,
     GateReport,
@@ -210,7 +211,7 @@ def errors_recent(project: Project) -> dict[str, Any]:
     failed = list(TrainingRun.objects.filter(project=project, state="failed").order_by("-created_at")
                   .values("id", "error", "finished_at", "created_at")[:5])
     judge = RubricRollup.objects.filter(project=project, tag="", bin=-1).aggregate(n=Sum("n"))["n"] or 0
-    return {"runs": failed, "judge_failures": judge}
+    return {"runs": failed, "judge_failures": judge, "quarantined": quarantine_recent(project)}
 
 
 # --- training runs ------------------------------------------------------------------------------
@@ -414,10 +415,16 @@ class StepView:
     step: Step
     tokens: list[dict[str, Any]] = field(default_factory=list)
     routing: dict[str, Any] | None = None
+    hidden: int = 0  # tokens past REPLAY_MAX_TOKENS, summarised as a count
+    total: int = 0
 
 
 def _step_view(step: Step) -> StepView:
-    ids = step.token_ids or []
+    # A page draws one span per token and one heatmap column per token: past a size, the first
+    # REPLAY_MAX_TOKENS are drawn and the rest is a count (the read API pages through them).
+    limit = int(settings.REPLAY_MAX_TOKENS)
+    all_ids = step.token_ids if isinstance(step.token_ids, list) else []
+    ids = all_ids[:limit]
     logprobs = step.logprobs or []
     texts = (step.extra or {}).get("tokens") or []
     advantages = (step.extra or {}).get("advantages") or []
@@ -428,7 +435,8 @@ def _step_view(step: Step) -> StepView:
         adv = advantages[i] if i < len(advantages) else None
         tokens.append({"id": tid, "text": text, "logprob": lp, "colour": charts.token_colour(lp), "advantage": adv,
                        "title": f"id {tid} · logprob {lp}" + (f" · advantage {adv}" if adv is not None else "")})
-    return StepView(step=step, tokens=tokens, routing=charts.routing_figure(step.routing, len(ids)))
+    return StepView(step=step, tokens=tokens, routing=charts.routing_figure(step.routing, len(all_ids), limit),
+                    hidden=len(all_ids) - len(ids), total=len(all_ids))
 
 
 def rollout_replay(project: Project, trajectory_id: int, flt: RolloutFilter) -> dict[str, Any]:
@@ -479,3 +487,31 @@ def audit_log(project: Project, limit: int = 50) -> list[AuditLog]:
 def feedback_counts(project: Project) -> dict[str, int]:
     return dict(FeedbackHourly.objects.filter(project=project).values_list("signal").annotate(n=Sum("n")))
 
+
+
+# --- figures for /metrics (read at scrape time; each one query) --------------------------------
+
+REWARD_WINDOW = timedelta(hours=24)
+
+
+def metrics_versions_by_state() -> list[dict[str, Any]]:
+    return list(PolicyVersion.objects.values("project__slug", "state").annotate(n=Count("id"))
+                .order_by("project__slug", "state"))
+
+
+def metrics_reward_means() -> list[dict[str, Any]]:
+    """Mean reward of the trajectories each version served, over rewards computed in the last 24 h."""
+    since = timezone.now() - REWARD_WINDOW
+    return list(Reward.objects.filter(computed_at__gte=since, trajectory__policy_version__isnull=False)
+                .values("trajectory__project__slug", "trajectory__policy_version")
+                .annotate(mean=Avg("total"), n=Count("id")).order_by())
+
+
+def metrics_training_latest() -> list[dict[str, Any]]:
+    """Each project's newest optimiser step (of its newest run that logged one)."""
+    return list(TrainingStep.objects.order_by("run__project_id", "-run__created_at", "-step")
+                .distinct("run__project_id").values("run__project__slug", "step", "tokens_per_s"))
+
+
+def metrics_dropped_stale() -> list[dict[str, Any]]:
+    return list(TrainingStep.objects.values("run__project__slug").annotate(n=Sum("dropped_stale")).order_by())

@@ -14,10 +14,57 @@ from core.env import ConfigError, env_bool, env_float, env_int, env_list, env_st
 BASE_DIR = Path(__file__).resolve().parent.parent
 VAR_DIR = Path(env_str("FLYWHEEL_VAR_DIR", str(BASE_DIR / "var")))
 
-SECRET_KEY = env_str("SECRET_KEY", "flywheel-dev-only-secret-key-change-me-in-production-0123456789")
 DEBUG = env_bool("DEBUG", False)
+
+
+def _secrets() -> dict[str, str]:
+    """SECRET_KEY, FLYWHEEL_SECRETS_KEY (Fernet keys for secrets at rest) and FLYWHEEL_USER_PEPPER
+    (the HMAC key of user ids) come from the environment; with DEBUG on, missing ones are
+    development values kept in var/dev-secrets.json (core.devsecrets)."""
+    from core import devsecrets
+
+    values = {name: env_str(name, "") for name in devsecrets.NAMES}
+    missing = [name for name, value in values.items() if not value]
+    if missing and not DEBUG:
+        raise ConfigError(
+            f"{', '.join(missing)} must be set when DEBUG is off (each a long random value; "
+            "FLYWHEEL_SECRETS_KEY a Fernet key: python -c 'from cryptography.fernet import Fernet; "
+            "print(Fernet.generate_key().decode())'). On a development machine: "
+            "eval $(.venv/bin/python -m core.devsecrets), or DEBUG=1.")
+    if missing:
+        values.update({name: devsecrets.dev_secrets()[name] for name in missing})
+    from core.secretbox import parse_keys
+
+    try:
+        parse_keys(values["FLYWHEEL_SECRETS_KEY"])
+    except ValueError as exc:
+        raise ConfigError(f"FLYWHEEL_SECRETS_KEY is {exc}") from None
+    return values
+
+
+_SECRETS = _secrets()
+SECRET_KEY = _SECRETS["SECRET_KEY"]
+FLYWHEEL_SECRETS_KEY = _SECRETS["FLYWHEEL_SECRETS_KEY"]
+FLYWHEEL_USER_PEPPER = _SECRETS["FLYWHEEL_USER_PEPPER"]
 ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", ["localhost", "127.0.0.1", "[::1]", "testserver"])
 CSRF_TRUSTED_ORIGINS = env_list("CSRF_TRUSTED_ORIGINS", [])
+
+# Behind TLS (FLYWHEEL_HTTPS=1, production): cookies only over HTTPS, HSTS, redirects to HTTPS.
+# `manage.py check --deploy` is clean with it on (tests/webapp/test_security_settings.py).
+FLYWHEEL_HTTPS = env_bool("FLYWHEEL_HTTPS", False)
+SESSION_COOKIE_SECURE = CSRF_COOKIE_SECURE = SECURE_SSL_REDIRECT = FLYWHEEL_HTTPS
+SECURE_HSTS_SECONDS = env_int("SECURE_HSTS_SECONDS", 31_536_000) if FLYWHEEL_HTTPS else 0
+SECURE_HSTS_INCLUDE_SUBDOMAINS = SECURE_HSTS_PRELOAD = FLYWHEEL_HTTPS
+# A TLS-terminating proxy in front says so in this header (set only when the proxy strips it).
+if env_bool("FLYWHEEL_TRUST_X_FORWARDED_PROTO", False):
+    SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
+SESSION_COOKIE_HTTPONLY = True
+X_FRAME_OPTIONS = "DENY"
+SECURE_REFERRER_POLICY = "same-origin"
+# Password sign-ins (dashboard and admin): this many failures per account or per address within
+# the window lock further tries out for the rest of it (webapp/throttle.py).
+LOGIN_FAILURES_MAX = env_int("LOGIN_FAILURES_MAX", 5)
+LOGIN_FAILURE_WINDOW_S = env_int("LOGIN_FAILURE_WINDOW_S", 900)
 
 
 def _database_from_url(url: str) -> dict:
@@ -34,7 +81,8 @@ def _database_from_url(url: str) -> dict:
         "HOST": host,
         "PORT": str(parsed.port or ""),
         "CONN_MAX_AGE": env_int("DB_CONN_MAX_AGE", 0),
-        "OPTIONS": {},
+        # A database that does not answer fails a request in seconds (503), never hangs it.
+        "OPTIONS": {"connect_timeout": env_int("DB_CONNECT_TIMEOUT_S", 5)},
         "TEST": {"NAME": env_str("TEST_DATABASE_NAME", "") or None},
     }
 
@@ -83,6 +131,7 @@ INSTALLED_APPS = [
     "drf_spectacular",
     "channels",
     "django_celery_beat",
+    "core",
     "feedback",
     "training",
     "webapp",
@@ -90,6 +139,7 @@ INSTALLED_APPS = [
 ]
 
 MIDDLEWARE = [
+    "core.metrics.RequestMetricsMiddleware",
     "django.middleware.security.SecurityMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
@@ -147,12 +197,20 @@ INGEST_MAX_BODY_BYTES = 5 * 1024 * 1024
 INGEST_MAX_EVENTS = 1000
 DATA_UPLOAD_MAX_MEMORY_SIZE = INGEST_MAX_BODY_BYTES
 INGEST_STATEMENT_TIMEOUT_MS = env_int("INGEST_STATEMENT_TIMEOUT_MS", 15_000)
+# What one read may cost: a page of the read API holds at most this much JSON (and `limit` rows),
+# a step's token ids, log-probs and routing at most this many items there (the first ones), and
+# the replay page shows at most this many tokens and heatmap columns per step.
+READ_PAGE_MAX_BYTES = env_int("READ_PAGE_MAX_BYTES", 2 * 1024 * 1024)
+READ_MAX_TOKENS_PER_STEP = env_int("READ_MAX_TOKENS_PER_STEP", 4096)
+REPLAY_MAX_TOKENS = env_int("REPLAY_MAX_TOKENS", 2000)
 
 CACHES = {
     "default": {
         "BACKEND": "django.core.cache.backends.redis.RedisCache",
         "LOCATION": _redis_db(REDIS_BASE_URL, 2),
         "KEY_PREFIX": env_str("CACHE_KEY_PREFIX", "flywheel"),
+        # The cache is optional (a rate counter): a Redis that does not answer costs a second, not a hang.
+        "OPTIONS": {"socket_connect_timeout": 1, "socket_timeout": 1},
     }
 }
 
@@ -166,10 +224,20 @@ CHANNEL_LAYERS = {
 CELERY_BROKER_URL = _redis_db(REDIS_BASE_URL, 0)
 CELERY_RESULT_BACKEND = _redis_db(REDIS_BASE_URL, 1)
 # Separate key spaces on one Redis (e.g. concurrent test sessions, several deployments).
+# A broker that is down or hung fails a publish in seconds (the outbox keeps the message).
+CELERY_BROKER_TRANSPORT_OPTIONS = {"socket_connect_timeout": 3, "socket_timeout": 10}
 if env_str("CELERY_KEY_PREFIX", ""):
-    CELERY_BROKER_TRANSPORT_OPTIONS = {"global_keyprefix": env_str("CELERY_KEY_PREFIX", "")}
+    CELERY_BROKER_TRANSPORT_OPTIONS["global_keyprefix"] = env_str("CELERY_KEY_PREFIX", "")
 CELERY_TASK_ALWAYS_EAGER = env_bool("CELERY_TASK_ALWAYS_EAGER", False)
+# A task is acknowledged when it finished; a worker that dies under it gives it back to the queue
+# (a killed solo worker's unacked message comes back after the visibility timeout; the sweeper,
+# core of the self-healing pipeline, does not wait that long: training/runs/sweep.py).
 CELERY_TASK_ACKS_LATE = True
+CELERY_TASK_REJECT_ON_WORKER_LOST = True
+# Every task is bounded: the soft limit raises inside the task (it fails its work cleanly), the
+# hard one kills the child. The gate and training tasks set their own (FLYWHEEL_*_TIME_LIMIT_S).
+CELERY_TASK_TIME_LIMIT = env_int("CELERY_TASK_TIME_LIMIT", 900)
+CELERY_TASK_SOFT_TIME_LIMIT = env_int("CELERY_TASK_SOFT_TIME_LIMIT", 840)
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_TASK_DEFAULT_QUEUE = "celery"
 CELERY_TASK_ROUTES = {
@@ -202,13 +270,36 @@ SPECTACULAR_SETTINGS = {
 
 FLYWHEEL_CHECKPOINT_DIR = Path(env_str("FLYWHEEL_CHECKPOINT_DIR", str(VAR_DIR / "checkpoints")))
 FLYWHEEL_INFERENCE_URL = env_str("FLYWHEEL_INFERENCE_URL", "")
+
+
+def _internal_url(public: str) -> str:
+    # serve_policy's internal listener: loopback, the public port + 1 unless told otherwise.
+    if not public:
+        return ""
+    parsed = urlparse(public)
+    return f"http://127.0.0.1:{(parsed.port or 80) + 1}"
+
+
+# Where promotions reach the serving process's /internal/load (its loopback-only listener).
+FLYWHEEL_INFERENCE_INTERNAL_URL = env_str("FLYWHEEL_INFERENCE_INTERNAL_URL", "") or _internal_url(FLYWHEEL_INFERENCE_URL)
 # How a promotion reaches the serving process: "http" (its /internal/load) or "record" (a notice only).
 FLYWHEEL_DEPLOY_TRANSPORT = env_str("FLYWHEEL_DEPLOY_TRANSPORT", "http" if FLYWHEEL_INFERENCE_URL else "record")
 FLYWHEEL_GATE_ENGINE = env_str("FLYWHEEL_GATE_ENGINE", "torch")
-# A running training run with no step for this long (or queued for this long) is presumed dead.
-FLYWHEEL_TRAIN_HEARTBEAT_TIMEOUT_S = env_int("FLYWHEEL_TRAIN_HEARTBEAT_TIMEOUT_S", 900)
+# A running training run beats every FLYWHEEL_TRAIN_HEARTBEAT_EVERY_S; one silent for the timeout
+# (or queued for the queue timeout) is presumed dead.
+FLYWHEEL_TRAIN_HEARTBEAT_EVERY_S = env_float("FLYWHEEL_TRAIN_HEARTBEAT_EVERY_S", 30.0)
+FLYWHEEL_TRAIN_HEARTBEAT_TIMEOUT_S = env_int("FLYWHEEL_TRAIN_HEARTBEAT_TIMEOUT_S", 300)
 FLYWHEEL_TRAIN_QUEUE_TIMEOUT_S = env_int("FLYWHEEL_TRAIN_QUEUE_TIMEOUT_S", 3600)
+# Hard time limits of the training and gate tasks (the soft limit is 60 s earlier). The sweeper
+# knows a gate older than its limit has no live task, wherever its worker ran.
+FLYWHEEL_TRAIN_TIME_LIMIT_S = env_int("FLYWHEEL_TRAIN_TIME_LIMIT_S", 4 * 3600)
+FLYWHEEL_GATE_TIME_LIMIT_S = env_int("FLYWHEEL_GATE_TIME_LIMIT_S", 1800)
+# The sweeper (beat): work waiting this long without a worker is queued again, at most this often.
+FLYWHEEL_SWEEP_REQUEUE_AFTER_S = env_int("FLYWHEEL_SWEEP_REQUEUE_AFTER_S", 300)
+FLYWHEEL_SWEEP_MAX_ATTEMPTS = env_int("FLYWHEEL_SWEEP_MAX_ATTEMPTS", 3)
 FLYWHEEL_INTERNAL_TOKEN = env_str("FLYWHEEL_INTERNAL_TOKEN", "")
+# Who may read /metrics (web app and serving process): bearers of this token; unset, loopback only.
+FLYWHEEL_METRICS_TOKEN = env_str("FLYWHEEL_METRICS_TOKEN", "")
 # Train/inference agreement: on data sampled by the very weights being trained, the behaviour and
 # recomputed log-probs agree (~0 nats in fp32). A run above this is flagged and not gated.
 FLYWHEEL_MISMATCH_KL_MAX = env_float("FLYWHEEL_MISMATCH_KL_MAX", 0.01)

@@ -3,11 +3,16 @@ from django.contrib.auth import views as auth_views
 from django.urls import include, path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
-from feedback.apis import IngestApi, TrajectoryDetailApi, TrajectoryListApi
+from feedback.apis import DatasetExportApi, IngestApi, TrajectoryDetailApi, TrajectoryListApi
 from webapp import views
+from webapp.metrics import metrics_view
+from webapp.throttle import ThrottledAdminAuthenticationForm, ThrottledAuthenticationForm
+
+admin.site.login_form = ThrottledAdminAuthenticationForm
 
 api_v1 = [
     path("api/v1/events", IngestApi.as_view(), name="api-events"),
+    path("api/v1/export", DatasetExportApi.as_view(), name="api-export"),
     path("api/v1/trajectories", TrajectoryListApi.as_view(), name="api-trajectories"),
     path("api/v1/trajectories/<path:external_id>", TrajectoryDetailApi.as_view(), name="api-trajectory"),
 ]
@@ -17,9 +22,10 @@ urlpatterns = [
     path("api/schema/", SpectacularAPIView.as_view(), name="api-schema"),
     path("api/docs/", SpectacularSwaggerView.as_view(url_name="api-schema"), name="api-docs"),
     path("admin/", admin.site.urls),
-    path("accounts/login/", auth_views.LoginView.as_view(), name="login"),
+    path("accounts/login/", auth_views.LoginView.as_view(authentication_form=ThrottledAuthenticationForm), name="login"),
     path("accounts/logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("healthz", views.healthz, name="healthz"),
+    path("metrics", metrics_view, name="metrics"),
     path("api/v1/", include("training.urls")),
     path("", include("webapp.dashboard_urls")),
 ]

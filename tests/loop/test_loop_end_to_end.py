@@ -46,14 +46,16 @@ def loop(creds, tmp_path, monkeypatch):
 
     call_command("bootstrap_policy", "--project", creds.project.slug, "--steps", PRETRAIN_STEPS)
     _demo_loop_config(creds.project)
-    web, serving = free_port(), free_port()
+    web, serving, internal = free_port(), free_port(), free_port()
     env = subprocess_env(
         FLYWHEEL_INFERENCE_URL=f"http://127.0.0.1:{serving}", FLYWHEEL_INTERNAL_TOKEN=uuid.uuid4().hex,
+        FLYWHEEL_INFERENCE_INTERNAL_URL=f"http://127.0.0.1:{internal}",
         FLYWHEEL_CHECKPOINT_DIR=str(settings.FLYWHEEL_CHECKPOINT_DIR),
         # this test's own queues: no other test's worker takes its tasks
         CELERY_KEY_PREFIX=f"loop-{os.getpid()}-{uuid.uuid4().hex[:6]}:",
     )
-    monkeypatch.setenv("FLYWHEEL_INFERENCE_URL", env["FLYWHEEL_INFERENCE_URL"])  # demo_processes reads it
+    for name in ("FLYWHEEL_INFERENCE_URL", "FLYWHEEL_INFERENCE_INTERNAL_URL"):  # demo_processes reads them
+        monkeypatch.setenv(name, env[name])
     procs = []
     logs = ROOT / "var" / "test-loop"
     logs.mkdir(parents=True, exist_ok=True)
@@ -64,7 +66,7 @@ def loop(creds, tmp_path, monkeypatch):
         procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
     try:
         wait_http(f"http://127.0.0.1:{web}/healthz", procs[0], 120)
-        wait_http(f"http://127.0.0.1:{serving}/v1/models", procs[3], 300)
+        wait_http(f"http://127.0.0.1:{serving}/healthz", procs[3], 300)
         yield {"web": f"http://127.0.0.1:{web}", "serving": f"http://127.0.0.1:{serving}"}
     finally:
         for p in procs:
@@ -76,18 +78,22 @@ def loop(creds, tmp_path, monkeypatch):
                 p.kill()
 
 
+def _serve_key(creds) -> dict[str, str]:
+    return {"Authorization": f"Bearer {creds.api_key}"}  # the project's default key has scope serve
+
+
 def _users(loop: dict, creds, stop: threading.Event) -> list[threading.Thread]:
     from webapp.demo.simulator import auto_approve, run_users
 
     lines = stdlib_corpus(max_lines=20_000)
     sender = FlywheelClient(loop["web"], creds.webhook_secret, project=creds.project.slug)
-    model = httpx.get(loop["serving"] + "/v1/models").json()["data"][0]["id"]
+    model = httpx.get(loop["serving"] + "/v1/models", headers=_serve_key(creds)).json()["data"][0]["id"]
 
     def population() -> None:
         seed = SEED
         while not stop.is_set():  # bounded rounds, so the stop is seen between them
-            run_users(loop["serving"], sender, model, lines, requests=40, pause_s=0.1, seed=seed, users=USERS,
-                      taste=TASTE)
+            run_users(loop["serving"], sender, model, lines, serve_key=creds.api_key, requests=40, pause_s=0.1,
+                      seed=seed, users=USERS, taste=TASTE)
             seed += 1
 
     key = api_key_create(creds.project, ["admin", "read"], "auto-approver")
@@ -120,7 +126,7 @@ def test_users_feedback_trains_a_version_that_is_gated_approved_served_and_bette
     assert approve.actor == f"api_key:{creds.project.slug}:auto-approver"
     assert new.gate_reports.filter(passed=True).exists()
     # the serving process hot-swapped: the next completion names the new version
-    body = httpx.post(loop["serving"] + "/v1/completions", timeout=120,
+    body = httpx.post(loop["serving"] + "/v1/completions", timeout=120, headers=_serve_key(creds),
                       json={"model": creds.project.slug, "prompt": "total = (a", "max_tokens": 8}).json()
     assert body["model"].endswith(f"v{new.number}"), body["model"]
     served = _recorded(creds.project, body["choices"][0]["trajectory_id"])  # the recorder writes in batches

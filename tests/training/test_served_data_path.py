@@ -46,8 +46,8 @@ def served(request, creds, dense_dir, ckpt_settings):
     server.close()
 
 
-def _ask(client, path: str, body: dict) -> dict:
-    response = client.post(path, body, content_type="application/json")
+def _ask(client, path: str, body: dict, key: str) -> dict:
+    response = client.post(path, body, content_type="application/json", headers={"Authorization": f"Bearer {key}"})
     assert response.status_code == 200, response.content
     return response.json()
 
@@ -55,8 +55,8 @@ def _ask(client, path: str, body: dict) -> dict:
 def test_served_completions_are_scored_by_the_trainer_in_the_context_they_were_sampled(client, creds, served):
     kind, server, events, folder = served
     model = "acme"
-    _ask(client, "/v1/completions", {"model": model, "prompt": RAW, "max_tokens": 8, "n": 3, "seed": 1})
-    _ask(client, "/v1/chat/completions", {"model": model, "messages": CHAT, "max_tokens": 8, "n": 3, "seed": 2})
+    _ask(client, "/v1/completions", {"model": model, "prompt": RAW, "max_tokens": 8, "n": 3, "seed": 1}, creds.api_key)
+    _ask(client, "/v1/chat/completions", {"model": model, "messages": CHAT, "max_tokens": 8, "n": 3, "seed": 2}, creds.api_key)
     server.recorder.close()
     assert [r.status for r in feedback_ingest(creds.project, events)] == ["accepted"] * 6
 

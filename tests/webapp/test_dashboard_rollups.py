@@ -53,3 +53,27 @@ def test_the_celery_task_runs_the_refresh(creds, post_events):
     post_events([trajectory("t-1"), feedback("fb-1", "t-1")])
     assert task.apply().get()["feedback_hours"] == 1
     assert FeedbackHourly.objects.get().n == 1
+
+
+def test_a_project_whose_labels_overflow_is_quarantined_and_the_other_projects_refresh(
+    creds, other_creds, post_events, client, alice
+):
+    from feedback.models import Quarantine
+
+    post_events([trajectory("t-1"), feedback("fb-1", "t-1", aspect_labels={"style": 0.5})])
+    post_events([trajectory("t-1"), feedback("fb-1", "t-1", aspect_labels={"style": 0.5})],
+                secret=other_creds.webhook_secret, project=other_creds.project.slug)
+    # A label stored before ingest checked the scale: its rubric bin (score * 10) overflows.
+    FeedbackEvent.objects.filter(project=creds.project).update(aspect_labels={"style": 1e308})
+
+    assert rollups_refresh()["projects_failed"] == 1
+    assert FeedbackHourly.objects.get(project=other_creds.project).n == 1
+    assert RubricRollup.objects.filter(project=other_creds.project, source="human").exists()
+    assert not FeedbackHourly.objects.filter(project=creds.project).exists()
+    quarantined = Quarantine.objects.get()
+    assert (quarantined.project, quarantined.kind) == (creds.project, "rollup")
+    assert "out of range" in quarantined.error and quarantined.detail["feedback_hours"]
+
+    client.force_login(alice)
+    page = client.get(f"/p/{creds.project.slug}/").content.decode()
+    assert 'data-quarantine="rollup"' in page and "out of range" in page

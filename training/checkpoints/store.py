@@ -55,6 +55,10 @@ class CheckpointMissing(CheckpointCorrupt):
     """An object of the chain (manifest, blob or file) is not in the storage."""
 
 
+class CheckpointWriteError(OSError):
+    """The storage could not take an object (a full disk, a read-only mount); nothing was kept."""
+
+
 # --- storage --------------------------------------------------------------------------------
 
 
@@ -92,11 +96,20 @@ class LocalStorage(Storage):
         path = self._path(key)
         if path.exists():
             return key
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)  # readers never see a half-written object
+        tmp = None
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())  # a crash after the rename never leaves a short object
+            os.replace(tmp, path)  # readers never see a half-written object
+        except OSError as exc:
+            if tmp is not None:
+                Path(tmp).unlink(missing_ok=True)
+            raise CheckpointWriteError(exc.errno, f"could not write a {len(data)}-byte checkpoint object to "
+                                       f"{self.root}: {exc.strerror or exc}") from exc
         return key
 
     def get(self, key: str) -> bytes:
@@ -210,6 +223,19 @@ class CheckpointStore:
             if len(chain) > 10_000:
                 raise CheckpointCorrupt("delta chain does not end in a full snapshot")
         return chain[::-1]
+
+    def verify(self, manifest_hash: str) -> dict[str, Any]:
+        """Checks that every object of the version's chain is present and holds the bytes its hash
+        names (manifests, links, blobs, side files) without decoding any tensor; returns the
+        manifest. CheckpointCorrupt / CheckpointMissing say which object is wrong."""
+        chain = self._chain(manifest_hash)
+        for manifest in chain:
+            blob = self.storage.get(manifest["blob"])
+            if _blob_checkpoint_hash(blob) != manifest["checkpoint_hash"]:
+                raise CheckpointCorrupt("blob does not hold the checkpoint its manifest names")
+            for key in manifest["files"].values():
+                self.storage.get(key)
+        return chain[-1]
 
     def load_state_dict(self, manifest_hash: str) -> dict[str, torch.Tensor]:
         """Walk the chain, verifying every blob, tensor and link; returns the state dict."""

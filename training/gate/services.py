@@ -9,20 +9,29 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from datetime import datetime
 from typing import Any
 
 from django.conf import settings
 from django.db import transaction
+from django.utils import timezone
 
 from core.errors import Conflict
+from core.workers import WorkerRef
 from feedback.models import Project
 from training.gate.config import GateThresholds, SuiteSpec
 from training.gate.runner import CheckRow, SuiteSamples, evaluate, suite_collect
-from training.models import EvalSuite, GatePolicy, GateReport, PolicyVersion
+from training.models import AuditLog, EvalSuite, GatePolicy, GateReport, PolicyVersion
 from training.promotion.selectors import gate_policy_active, gate_policy_json
 from training.rewards.services import accept_predicted
 from training.versions.selectors import policy_production
-from training.versions.services import Actor, policy_folder, version_locked, version_transition
+from training.versions.services import (
+    Actor,
+    policy_folder,
+    version_checkpoint_refuse,
+    version_locked,
+    version_transition,
+)
 
 EngineFactory = Callable[[PolicyVersion], Any]
 
@@ -52,9 +61,12 @@ def default_engine_factory(version: PolicyVersion) -> Any:
 
 
 def gate_run(version_id: int, *, actor: Actor = "system:gate", suite: str = "default",
-             engine_factory: EngineFactory | None = None) -> GateReport:
-    """Evaluate a candidate against production; passes → awaiting_approval, fails → rejected."""
-    version, baseline = _gate_claim(version_id, actor)
+             engine_factory: EngineFactory | None = None, worker: WorkerRef | None = None) -> GateReport:
+    """Evaluate a candidate against production; passes → awaiting_approval, fails → rejected.
+
+    The claim records `worker` in the gate_start audit row: a gate whose worker is gone (or that
+    outlived the gate task's time limit) is lost, and is claimed again (see `gate_lost_reason`)."""
+    version, baseline = _gate_claim(version_id, actor, worker or WorkerRef.here())
     policy = gate_policy_active(version.project)
     try:
         rows, suite_info = _gate_rows(version, baseline, policy, suite, engine_factory or default_engine_factory)
@@ -64,15 +76,34 @@ def gate_run(version_id: int, *, actor: Actor = "system:gate", suite: str = "def
     return _gate_finish(version.id, baseline, policy, rows, suite_info, actor)
 
 
-def _gate_claim(version_id: int, actor: Actor) -> tuple[PolicyVersion, PolicyVersion | None]:
+def _gate_claim(version_id: int, actor: Actor, worker: WorkerRef) -> tuple[PolicyVersion, PolicyVersion | None]:
     with transaction.atomic():
         version = version_locked(version_id)
+        lost = gate_lost_reason(version) if version.state == "gated" else None
+        if lost:  # a redelivered task whose first worker died under it
+            version_transition(version, "candidate", actor, "gate_lost", lost)
         if version.state != "candidate":
             raise Conflict(f"policy v{version.number} is {version.state}, not a candidate",
                            "Only a candidate is gated; a rejected version needs a new training run.")
-        version_transition(version, "gated", actor, "gate_start")
+        version_transition(version, "gated", actor, "gate_start", worker=str(worker))
         baseline = policy_production(version.project_id)
     return version, baseline
+
+
+def gate_lost_reason(version: PolicyVersion, now: datetime | None = None) -> str | None:
+    """Why a version in `gated` has no live gate task: its worker process is gone, or the gate
+    started longer ago than the gate task's hard time limit (no task lives past it)."""
+    start = (AuditLog.objects.filter(target=f"policy_version:{version.id}", action="gate_start")
+             .order_by("-at", "-id").first())
+    if start is None:
+        return "gated without a gate_start record"
+    ref = WorkerRef.parse((start.after or {}).get("worker", ""))
+    gone = ref.gone() if ref is not None else None
+    if gone:
+        return gone
+    age = ((now or timezone.now()) - start.at).total_seconds()
+    limit = float(settings.FLYWHEEL_GATE_TIME_LIMIT_S)
+    return f"the gate started {age:.0f} s ago, past its time limit of {limit:g} s" if age > limit + 60 else None
 
 
 def _gate_rows(version: PolicyVersion, baseline: PolicyVersion | None, policy: GatePolicy, suite_name: str,
@@ -104,6 +135,13 @@ def _accept_on_suite(project: Project, spec: SuiteSpec, samples: SuiteSamples) -
 
 
 def _gate_abort(version_id: int, actor: Actor, exc: Exception) -> None:
+    # Imported here: kernels.delta imports torch, which the web process never needs.
+    from kernels.delta import CheckpointCorrupt
+
+    if isinstance(exc, CheckpointCorrupt):  # its bytes are bad: gating it again cannot help
+        version = PolicyVersion.objects.get(pk=version_id)
+        version_checkpoint_refuse(version_id, actor, f"policy v{version.number}'s checkpoint is refused: {exc}")
+        return
     with transaction.atomic():
         version = version_locked(version_id)
         if version.state == "gated":

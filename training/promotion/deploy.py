@@ -5,7 +5,8 @@ what a project should serve. The desired state is always in the database (the Po
 states; `serving_target` reads it), so a transport only has to *announce* it:
 
 - "http" (the default when FLYWHEEL_INFERENCE_URL is set): POST the serving process's
-  /internal/load, which verifies and hot-swaps the weights (HttpTransport below).
+  /internal/load (FLYWHEEL_INFERENCE_INTERNAL_URL, its loopback listener), which checks the numbers
+  against the database, verifies and hot-swaps the weights (HttpTransport below).
 - "record": push a `deploy` notice to the dashboard only; `serve_policy` picks the production
   version up when it (re)starts.
 Transports register with `@register_transport(name)`; settings.FLYWHEEL_DEPLOY_TRANSPORT chooses.
@@ -89,7 +90,7 @@ class HttpTransport(DeployTransport):
     loads and verifies the weights and swaps between requests."""
 
     def send(self, target: DeployTarget) -> None:
-        url = settings.FLYWHEEL_INFERENCE_URL.rstrip("/") + "/internal/load"
+        url = settings.FLYWHEEL_INFERENCE_INTERNAL_URL.rstrip("/") + "/internal/load"
         body: dict[str, Any] = {"canary": target.canary}
         if target.production is not None:
             body["version"] = target.production

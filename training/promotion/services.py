@@ -29,6 +29,8 @@ from training.versions.services import (
     Actor,
     actor_name,
     version_audit,
+    version_checkpoint_refuse,
+    version_checkpoint_verify,
     version_locked,
     version_snapshot,
     version_transition,
@@ -115,10 +117,25 @@ def candidate_promote(version: PolicyVersion | int, actor: Actor, action: Action
         raise BadRequest("a reason is required", "Say in a sentence why (it is kept in the audit log).")
     if action == "approve":
         _two_person_check(current, actor, reason)
+        _checkpoint_check(current)
     with transaction.atomic():
         locked = version_locked(version_id)
         _ACTIONS[action](locked, actor, reason.strip())
     return PolicyVersion.objects.get(id=version_id)
+
+
+def _checkpoint_check(version: PolicyVersion) -> None:
+    """A version whose checkpoint does not read back whole never reaches production: it is marked
+    failed (rejected, audited) and the approval refused; production keeps serving."""
+    problem = version_checkpoint_verify(version)
+    if problem is None:
+        return
+    version_checkpoint_refuse(version.id, "system:checkpoint", problem)
+    production = policy_production(version.project_id)
+    serving = f"v{production.number} stays in production" if production else "nothing was put in production"
+    raise Conflict(f"{problem}; v{version.number} was marked rejected and {serving}",
+                   "Train a new candidate (the store lost or altered this one's bytes: check the disk under "
+                   "FLYWHEEL_CHECKPOINT_DIR).")
 
 
 def _trainer_of(version: PolicyVersion) -> Any:

@@ -8,7 +8,7 @@ from datetime import datetime, timedelta
 from django.db.models import DateTimeField, Exists, F, Max, OuterRef, Prefetch, Q, QuerySet, Subquery
 from django.db.models.functions import Coalesce, Greatest
 
-from feedback.models import FeedbackEvent, Project, Step, Trajectory
+from feedback.models import FeedbackEvent, Project, Quarantine, Step, Trajectory
 from training.models import Reward, RewardSpec, RubricScore
 from training.rewards.calibration import Agreement, aspect_agreement
 from training.rewards.reward_model import Labelled
@@ -23,12 +23,15 @@ def reward_list(project: Project, spec: RewardSpec | None = None) -> QuerySet[Re
 
 def trajectories_reward_pending(project: Project, spec: RewardSpec, now: datetime) -> QuerySet[Trajectory]:
     """Trajectories whose feedback has settled and whose reward under `spec` is missing or older
-    than their newest feedback (late feedback makes a reward stale)."""
+    than their newest feedback (late feedback makes a reward stale). Quarantined ones are left
+    out: scoring them raised, and retrying the oldest item forever would stall the queue."""
+    quarantined = Quarantine.objects.filter(trajectory=OuterRef("pk"), kind="reward")
     rewarded_at = Reward.objects.filter(trajectory=OuterRef("pk"), spec=spec).values("computed_at")[:1]
     settled_before = now - timedelta(seconds=spec.settle_seconds)
     return (
         Trajectory.objects.filter(project=project)
         .exclude(source="eval")
+        .exclude(Exists(quarantined))
         .annotate(last_feedback=Max("feedback_events__received_at"))
         .annotate(
             last_activity=Greatest(Coalesce("last_feedback", "received_at"), "received_at"),

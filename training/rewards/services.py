@@ -17,9 +17,10 @@ from django.utils import timezone
 from core.errors import BadRequest
 from core.notify import project_event
 from feedback.models import FeedbackEvent, Project, Step, Trajectory
+from feedback.services import quarantine_record
 from training.models import Reward, RewardSpec, RubricScore
 from training.rewards import selectors
-from training.rewards.checks import CheckResult, check_from_config
+from training.rewards.checks import CheckConfigError, CheckResult, SandboxUnavailable, check_from_config
 from training.rewards.judges import AspectScore, Judge, make_judge
 from training.rewards.reward_model import Labelled, RewardModel, expected_signal_reward, fit_reward_model
 from training.rewards.spec import DEFAULT_SIGNAL_REWARDS, RewardSpecData, compute_reward
@@ -119,6 +120,38 @@ def checks_run_many(checks: Sequence[dict[str, Any]], items: Sequence[tuple[str,
     return out
 
 
+def checks_try_many(checks: Sequence[dict[str, Any]], items: Sequence[tuple[str, dict[str, Any]]]
+                    ) -> tuple[list[dict[str, CheckResult]], dict[int, str]]:
+    """`checks_run_many`, except that an item a check raises on costs only that item: returns the
+    results and {item index: error}. A batch that raises is rerun item by item to find the culprit.
+    A missing sandbox still raises: that is the deployment's fault, not any item's."""
+    out: list[dict[str, CheckResult]] = [{} for _ in items]
+    errors: dict[int, str] = {}
+    for check in checks:
+        runner = check_from_config(check)
+        try:
+            results: list[CheckResult | Exception] = list(runner.run_many(list(items)))
+        except SandboxUnavailable:
+            raise
+        except Exception:  # noqa: BLE001 - one item's inputs broke the batch; find which
+            results = [_check_one(runner, item) for item in items]
+        for i, result in enumerate(results):
+            if isinstance(result, Exception):
+                errors.setdefault(i, f"check {check['name']!r} raised {type(result).__name__}: {result}")
+            else:
+                out[i][check["name"]] = result
+    return out, errors
+
+
+def _check_one(runner: Any, item: tuple[str, dict[str, Any]]) -> CheckResult | Exception:
+    try:
+        return runner.run_many([item])[0]
+    except SandboxUnavailable:
+        raise
+    except Exception as exc:  # noqa: BLE001 - returned, and the item is quarantined by the caller
+        return exc
+
+
 def _rubric_save(trajectory: Trajectory, judge_id: str, scores: dict[str, AspectScore]) -> None:
     for aspect, s in scores.items():
         RubricScore.objects.update_or_create(
@@ -148,6 +181,8 @@ def _reward_one(trajectory: Trajectory, spec: RewardSpec, data: RewardSpecData, 
 def rewards_compute(trajectory_ids: Iterable[int], spec: RewardSpec) -> list[Reward]:
     """Reward (total + components) and RubricScore rows for each trajectory under `spec`.
 
+    A trajectory whose checks, judge or reward raise is quarantined (kind "reward": not offered
+    again until its Quarantine row is deleted) and the others are scored.
     A failed judge aspect is stored with score NULL and its error and left out of the total.
     Recomputing replaces the trajectory's Reward for this spec (computed_at moves on)."""
     data = RewardSpecData.from_json(spec.signal_rewards, spec.checks, spec.aspects)
@@ -157,12 +192,25 @@ def rewards_compute(trajectory_ids: Iterable[int], spec: RewardSpec) -> list[Rew
         Prefetch("feedback_events", queryset=FeedbackEvent.objects.order_by("occurred_at", "id")),
     )
     trajectories = list(trajectories)
-    results = checks_run_many(spec.checks, [_check_inputs(t) for t in trajectories])
+    results, failed = checks_try_many(spec.checks, [_check_inputs(t) for t in trajectories])
     rewards = []
-    for trajectory, checks in zip(trajectories, results, strict=True):
-        with transaction.atomic():
-            rewards.append(_reward_one(trajectory, spec, data, judge, checks))
+    for i, (trajectory, checks) in enumerate(zip(trajectories, results, strict=True)):
+        try:
+            if i in failed:
+                raise CheckConfigError(failed[i])
+            with transaction.atomic():
+                rewards.append(_reward_one(trajectory, spec, data, judge, checks))
+        except SandboxUnavailable:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a poison pill costs its trajectory, never the queue
+            _quarantine(trajectory, spec, exc)
     return rewards
+
+
+def _quarantine(trajectory: Trajectory, spec: RewardSpec, exc: Exception) -> None:
+    error = str(exc) if isinstance(exc, CheckConfigError) else f"{type(exc).__name__}: {exc}"
+    quarantine_record(trajectory.project_id, "reward", f"trajectory {trajectory.external_id}", error,
+                      trajectory_id=trajectory.pk, detail={"spec": spec.version})
 
 
 def rewards_compute_pending(project: Project, limit: int = 1000, now: datetime | None = None) -> int:

@@ -32,9 +32,9 @@ def training_step_list(run: TrainingRun) -> QuerySet[TrainingStep]:
 
 
 def training_run_heartbeat(run: TrainingRun) -> datetime:
-    """The newest sign of life of a run: its last step row, else its start (or creation)."""
+    """The newest sign of life of a run: its heartbeat or last step row, else its start (or creation)."""
     last_step = TrainingStep.objects.filter(run=run).aggregate(at=Max("created_at"))["at"]
-    return last_step or run.started_at or run.created_at
+    return max((t for t in (run.heartbeat_at, last_step, run.started_at) if t is not None), default=run.created_at)
 
 
 def training_head(project: Project, max_ahead: int) -> PolicyVersion | None:

@@ -10,24 +10,22 @@ this module owns the run's state around it.
 from __future__ import annotations
 
 import logging
-import os
 import shutil
-import socket
 import tempfile
+import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 from django.conf import settings
-from django.db import transaction
+from django.db import connection, transaction
 from django.utils import timezone
 
-from core.embedded import pid_alive
 from core.errors import BadRequest, Conflict
 from core.notify import project_event
 from core.tasks import enqueue_after_commit
+from core.workers import WorkerRef
 from feedback.models import Project
 from training.gate.tasks import gate_run_enqueue
 from training.models import PolicyVersion, TrainingRun, TrainingStep
@@ -48,31 +46,6 @@ def _setting(name: str) -> float:
     return float(getattr(settings, name))
 
 
-@dataclass(frozen=True)
-class WorkerRef:
-    """Who executes a run: `kind|node|host|pid|task_id` in TrainingRun.worker."""
-
-    kind: str  # celery | local
-    node: str
-    host: str
-    pid: int
-    task_id: str = ""
-
-    def __str__(self) -> str:
-        return "|".join([self.kind, self.node, self.host, str(self.pid), self.task_id])[:200]
-
-    @classmethod
-    def parse(cls, text: str) -> WorkerRef | None:
-        parts = text.split("|")
-        if len(parts) != 5 or not parts[3].isdigit():
-            return None
-        return cls(parts[0], parts[1], parts[2], int(parts[3]), parts[4])
-
-    @classmethod
-    def here(cls, kind: str = "local", node: str = "", task_id: str = "") -> WorkerRef:
-        return cls(kind, node or kind, socket.gethostname(), os.getpid(), task_id)
-
-
 def training_run_lost_reason(run: TrainingRun, now: datetime | None = None) -> str | None:
     """Why an active run is presumed dead (its worker process is gone, or it stopped beating)."""
     now = now or timezone.now()
@@ -81,8 +54,9 @@ def training_run_lost_reason(run: TrainingRun, now: datetime | None = None) -> s
         limit = _setting("FLYWHEEL_TRAIN_QUEUE_TIMEOUT_S")
         return f"no worker picked the run up within {limit:g} s" if waited > limit else None
     ref = WorkerRef.parse(run.worker)
-    if ref is not None and ref.host == socket.gethostname() and not pid_alive(ref.pid):
-        return f"worker process {ref.pid} on {ref.host} ({ref.node}) is gone"
+    gone = ref.gone() if ref is not None else None
+    if gone:
+        return gone
     silent = (now - selectors.training_run_heartbeat(run)).total_seconds()
     limit = _setting("FLYWHEEL_TRAIN_HEARTBEAT_TIMEOUT_S")
     return f"no heartbeat for {silent:.0f} s (limit {limit:g} s)" if silent > limit else None
@@ -160,8 +134,9 @@ def run_group_validate(group: dict[str, Any] | None) -> dict[str, int] | None:
 
 def _run_claim(run_id: int, worker: WorkerRef) -> TrainingRun | None:
     """queued -> running for exactly one worker; a redelivered or duplicate task gets None."""
+    now = timezone.now()
     claimed = TrainingRun.objects.filter(pk=run_id, state="queued").update(
-        state="running", worker=str(worker), started_at=timezone.now()
+        state="running", worker=str(worker), started_at=now, heartbeat_at=now
     )
     return TrainingRun.objects.select_related("project", "base_version").get(pk=run_id) if claimed else None
 
@@ -175,6 +150,7 @@ def train_policy(run_id: int, worker: WorkerRef | None = None) -> TrainingRun:
         return TrainingRun.objects.get(pk=run_id)
     project_event(run.project_id, {"type": "training_started", "run": run.pk, "worker": run.worker})
     folder = staging_dir(run)
+    beating = training_run_heartbeat_start(run.pk)
     try:
         extra = job.run(run, folder, on_step=lambda step, metrics: training_step_record(run, step, metrics, job.steps_of(run)))
         training_run_finish(run, folder, extra)
@@ -182,8 +158,28 @@ def train_policy(run_id: int, worker: WorkerRef | None = None) -> TrainingRun:
         log.exception("training run %s failed", run_id)
         training_run_fail(run.pk, f"{type(exc).__name__}: {exc}")
     finally:
+        beating.set()
         staging_drop(folder)
     return TrainingRun.objects.get(pk=run_id)
+
+
+def training_run_heartbeat_start(run_id: int) -> threading.Event:
+    """Beats for the running run from a thread (a step may outlast the heartbeat timeout);
+    setting the returned event stops it. The sweeper fails a run that stopped beating."""
+    stop = threading.Event()
+    every = _setting("FLYWHEEL_TRAIN_HEARTBEAT_EVERY_S")
+
+    def beat() -> None:
+        try:
+            while not stop.wait(every):
+                TrainingRun.objects.filter(pk=run_id, state="running").update(heartbeat_at=timezone.now())
+        except Exception:  # noqa: BLE001 - a missed beat is the sweeper's signal, not a crash
+            log.warning("training run %s: heartbeat failed", run_id, exc_info=True)
+        finally:
+            connection.close()  # the thread's own connection
+
+    threading.Thread(target=beat, name=f"run-{run_id}-heartbeat", daemon=True).start()
+    return stop
 
 
 def training_step_record(run: TrainingRun, step: int, metrics: dict[str, Any], steps_total: int) -> None:

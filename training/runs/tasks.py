@@ -6,14 +6,17 @@ from __future__ import annotations
 from typing import Any
 
 from celery import shared_task
+from django.conf import settings
 
+from core.workers import WorkerRef
 from feedback.models import Project
-from training.runs import rollouts, services
+from training.runs import rollouts, services, sweep
 
 
-@shared_task(name="training.tasks.train_policy", bind=True)
+@shared_task(name="training.tasks.train_policy", bind=True, time_limit=settings.FLYWHEEL_TRAIN_TIME_LIMIT_S,
+             soft_time_limit=max(settings.FLYWHEEL_TRAIN_TIME_LIMIT_S - 60, 1))
 def train_policy_task(self: Any, run_id: int) -> str:
-    worker = services.WorkerRef.here("celery", node=self.request.hostname or "", task_id=self.request.id or "")
+    worker = WorkerRef.here("celery", node=self.request.hostname or "", task_id=self.request.id or "")
     return services.train_policy(run_id, worker).state
 
 
@@ -27,10 +30,17 @@ def train_maybe(project_id: int, min_new: int = 64, every_minutes: float = 60.0,
     return run.pk if run is not None else None
 
 
-@shared_task(name="training.tasks.rollout_and_train")
+@shared_task(name="training.tasks.rollout_and_train", time_limit=settings.FLYWHEEL_TRAIN_TIME_LIMIT_S,
+             soft_time_limit=max(settings.FLYWHEEL_TRAIN_TIME_LIMIT_S - 60, 1))
 def rollout_and_train_task(project_id: int, prompts: list[Any], G: int = 16, steps: int = 1,
                            max_tokens: int = 24, seed: int = 0) -> int:
     """Rollouts here (queue rollouts); the training itself is queued for the train workers."""
     run, _ = rollouts.rollout_and_train(Project.objects.get(pk=project_id), prompts, G, steps=steps,
                                         max_tokens=max_tokens, seed=seed, inline=False)
     return run.pk
+
+
+@shared_task(name=sweep.PIPELINE_SWEEP, ignore_result=True)
+def pipeline_sweep_task() -> dict[str, int]:
+    """Beat: requeue or fail work stuck in an intermediate state (training/runs/sweep.py)."""
+    return sweep.pipeline_sweep().counts()

@@ -70,6 +70,38 @@ def checkpoint_store() -> Any:
     return CheckpointStore(make_storage(settings.FLYWHEEL_CHECKPOINT_DIR))
 
 
+CHECKPOINT_REFUSED = "checkpoint_refused"
+
+
+def version_checkpoint_refuse(version_id: int, actor: Actor, problem: str) -> None:
+    """Marks a version whose checkpoint is corrupt, truncated or missing a link as failed
+    (rejected, audited) in a transaction of its own: the refusal stays on record although the
+    request that found it fails. A version in production or retired is left as it is (what is
+    served does not change under a person's feet); the serving process refuses to load it anyway."""
+    with transaction.atomic():
+        version = version_locked(version_id)
+        if version.state in ("candidate", "gated", "awaiting_approval", "canary"):
+            version_transition(version, "rejected", actor, CHECKPOINT_REFUSED, problem[:2000])
+
+
+def version_checkpoint_verify(version: PolicyVersion) -> str | None:
+    """What is wrong with the version's checkpoint (every object of its chain read back and
+    checked against its hash), or None when it is whole, or when this machine's store does not
+    hold the version at all (a folder-only version, or a store elsewhere): the serving process
+    verifies again before it loads anything."""
+    # Imported here: the checkpoint modules import torch, which only this check needs.
+    from kernels.delta import CheckpointCorrupt
+
+    store = checkpoint_store()
+    if not version.manifest_hash or not store.storage.exists(version.manifest_hash):
+        return None
+    try:
+        store.verify(version.manifest_hash)
+    except CheckpointCorrupt as exc:
+        return f"policy v{version.number}'s checkpoint is refused: {exc}"
+    return None
+
+
 def policy_folder(version: PolicyVersion) -> Path:
     """An HF folder with `version`'s weights (materialised from the store, verified, if needed)."""
     if version.manifest_hash:

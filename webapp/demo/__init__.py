@@ -38,7 +38,7 @@ def _port(preferred: int) -> int:
 def _environment() -> dict[str, str]:
     # Imported here, like every project import below: `python -m webapp.demo` runs before Django
     # is set up (`_prepare` does it), and models cannot be imported until then.
-    from core import embedded
+    from core import devsecrets, embedded
     from core.env import ConfigError
 
     if embedded.undurable_requested():
@@ -50,10 +50,17 @@ def _environment() -> dict[str, str]:
     if not env.get("REDIS_URL"):
         env["REDIS_URL"] = embedded.redis_url()
     env["DJANGO_SETTINGS_MODULE"] = "webapp.settings"
+    # The demo runs with development secrets (SECRET_KEY, the Fernet key of secrets at rest, the
+    # user-id pepper): random values kept in var/dev-secrets.json, never for production.
+    if devsecrets.setdefault_environ(env):
+        print("Using development secrets from var/dev-secrets.json (set SECRET_KEY, FLYWHEEL_SECRETS_KEY and "
+              "FLYWHEEL_USER_PEPPER in production).", flush=True)
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     # The web app tells the serving process to hot-swap on promotion through this endpoint.
     env.setdefault("FLYWHEEL_INFERENCE_URL", f"http://127.0.0.1:{_port(8001)}")
+    # ... at its loopback-only listener (serve_policy --internal-port).
+    env.setdefault("FLYWHEEL_INFERENCE_INTERNAL_URL", f"http://127.0.0.1:{_port(8101)}")
     env.setdefault("FLYWHEEL_INTERNAL_TOKEN", _internal_token())
     return env
 
@@ -100,6 +107,11 @@ def _demo_state() -> dict:
     if not Project.objects.filter(slug="demo").exists():
         creds = project_create("Demo coding assistant", "demo")
         state.update(project=creds.project.slug, api_key=creds.api_key, webhook_secret=creds.webhook_secret)
+    if "serve_key" not in state:  # the simulated users ask the serving process with it
+        # after django.setup() (see _environment)
+        from feedback.services import api_key_create
+
+        state["serve_key"] = api_key_create(Project.objects.get(slug="demo"), ["serve"], "simulated-users")
     if "webhook_secret" not in state:  # var/demo.json was lost: issue a fresh secret
         # after django.setup() (see _environment)
         from feedback.services import webhook_secret_rotate
@@ -217,11 +229,13 @@ def demo_processes(port: int, state: dict, simulate: bool) -> list[tuple[str, li
 
 
 def _loop_processes(port: int, state: dict, simulate: bool) -> list[tuple[str, list[str]]]:
-    """The inference server and the simulated users (their webhook secret comes by environment)."""
+    """The inference server and the simulated users (their webhook secret and serve key come by
+    environment)."""
     py, manage = sys.executable, str(ROOT / "manage.py")
     serving = os.environ["FLYWHEEL_INFERENCE_URL"]
+    internal = os.environ.get("FLYWHEEL_INFERENCE_INTERNAL_URL") or f"http://127.0.0.1:{int(serving.rsplit(':', 1)[1]) + 1}"
     procs = [("inference", [py, manage, "serve_policy", "--project", state["project"],
-                            "--port", serving.rsplit(":", 1)[1]])]
+                            "--port", serving.rsplit(":", 1)[1], "--internal-port", internal.rsplit(":", 1)[1]])]
     if simulate:
         users = [py, manage, "simulate_users", "--project", state["project"],
                  "--web", f"http://127.0.0.1:{port}", "--serving", serving, "--users", "6", "--pause", "0.25"]
@@ -239,6 +253,7 @@ def main() -> int:
     env = _environment()
     state = _prepare(env)
     env["FLYWHEEL_DEMO_SECRET"] = state["webhook_secret"]
+    env["FLYWHEEL_SERVE_KEY"] = state["serve_key"]
     if state.get("approver_key"):
         env["FLYWHEEL_APPROVER_KEY"] = state["approver_key"]
     port = _port(args.port)

@@ -100,6 +100,7 @@ def run_users(
     model: str,
     lines: Sequence[str],
     *,
+    serve_key: str,
     requests: int | None = None,
     pause_s: float = 0.5,
     max_tokens: int = 16,
@@ -110,7 +111,8 @@ def run_users(
 ) -> int:
     """Asks for completions and sends reactions; returns the number of completions served.
 
-    `users` simulated users work concurrently (the server batches their requests)."""
+    `users` simulated users work concurrently (the server batches their requests); they ask with
+    `serve_key`, an API key of scope `serve`."""
     served = [0]
     lock = threading.Lock()
 
@@ -127,7 +129,7 @@ def run_users(
 
     def user(index: int) -> None:
         rng = random.Random(seed + 1000 * index)
-        with httpx.Client(base_url=serving_url, timeout=120) as http:
+        with httpx.Client(base_url=serving_url, timeout=120, headers={"Authorization": f"Bearer {serve_key}"}) as http:
             for prompt in prompts_from(lines, rng):
                 if not claim():
                     break

@@ -7,7 +7,7 @@ from feedback.services import api_key_create
 
 
 class Command(BaseCommand):
-    help = "Create an API key for a project with the given scopes (ingest, read, admin)."
+    help = "Create an API key for a project with the given scopes (ingest, read, serve, admin)."
 
     def add_arguments(self, parser):
         parser.add_argument("project")

@@ -1,8 +1,12 @@
-"""python manage.py serve_policy --project SLUG [--port 8001] [--engine vllm|torch] [--model-dir DIR]
+"""python manage.py serve_policy --project SLUG [--port 8001] [--internal-port 8002] [--engine vllm|torch]
+    [--model-dir DIR]
 
 Serves what the project should serve (`serving_target`: production, and its canary on a share of
-traffic) in the foreground over an OpenAI-compatible HTTP API; every completion is recorded as a
-trajectory. Ctrl-C flushes and stops.
+traffic) in the foreground over an OpenAI-compatible HTTP API (bearer keys of scope `serve`);
+every completion is recorded as a trajectory. Ctrl-C flushes and stops.
+
+/internal/load listens on its own port on loopback (default: the public port + 1) and loads only
+what the database says the project serves: production, or the running canary.
 
 It lives in `training` because it knows both sides: the versions (which weights, verified from
 the checkpoint store) and the serving process (`inference.serving`), which is handed folders and
@@ -11,24 +15,24 @@ never reads versions itself.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import signal
 from pathlib import Path
+from typing import Any
 
-import uvicorn
-from django.conf import settings
-from django.core.asgi import get_asgi_application
 from django.core.management.base import BaseCommand, CommandError
-from django.db import close_old_connections
-from django.urls import clear_url_caches
+from django.db import InterfaceError, OperationalError, close_old_connections
 
 from core.errors import NotFound
 from feedback.models import Project
-from feedback.services import feedback_ingest
-from inference import serving
+from feedback.services import feedback_ingest, quarantine_record
+from inference import metrics, serving
 from inference.engine import EngineFactory
+from inference.listeners import serve_both
 from inference.serving import PolicyServer, Recorder, ServingError
+from kernels.delta import CheckpointCorrupt
 from training.versions.selectors import policy_get, serving_target
 from training.versions.services import policy_folder
 
@@ -42,6 +46,8 @@ class Command(BaseCommand):
         parser.add_argument("--project", required=True)
         parser.add_argument("--host", default="127.0.0.1")
         parser.add_argument("--port", type=int, default=8001)
+        parser.add_argument("--internal-port", type=int, default=None,
+                            help="loopback port of /internal/load (default: --port + 1)")
         parser.add_argument("--engine", choices=["vllm", "torch"], default=os.environ.get("FLYWHEEL_ENGINE", "vllm"))
         parser.add_argument("--model-dir", default=None, help="serve this HF folder instead of the production version")
         parser.add_argument("--policy-version", type=int, default=None, help="serve this version, not production")
@@ -51,17 +57,16 @@ class Command(BaseCommand):
     def handle(self, *args, **opts):
         server = self._server(opts)
         serving.SERVER = server
-        # This process serves the inference URLs only (the dashboard runs in the web process).
-        settings.ROOT_URLCONF = "inference.urls"
-        clear_url_caches()
+        internal_port = opts["internal_port"] or opts["port"] + 1
         self.stdout.write(f"serving {server.model_name(server.engine.version)} ({opts['engine']}) on "
-                          f"http://{opts['host']}:{opts['port']}/v1", ending="\n")
+                          f"http://{opts['host']}:{opts['port']}/v1 (internal: 127.0.0.1:{internal_port})",
+                          ending="\n")
         self.stdout.flush()
         # uvicorn re-raises SIGTERM after its graceful shutdown; with the default action the process
         # would die before the recorder flushes. Raising SystemExit runs the `finally` below.
         signal.signal(signal.SIGTERM, _exit_on_signal)
         try:
-            uvicorn.run(get_asgi_application(), host=opts["host"], port=opts["port"], log_level="warning")
+            asyncio.run(serve_both(opts["host"], opts["port"], "127.0.0.1", internal_port))
         finally:
             server.close()
             serving.SERVER = None
@@ -81,10 +86,11 @@ class Command(BaseCommand):
                 if number is None:
                     raise ServingError(409, f"project {project.slug!r} has no production policy",
                                        "Create one with `manage.py bootstrap_policy --project SLUG`.")
-                folder = resolve(number)
-            recorder = None if opts["no_record"] else Recorder(write=_writer(project))
+                folder = resolve(number, "start")
+            recorder = None if opts["no_record"] else recorder_for(project)
             server = PolicyServer(project.slug, engines(folder, number), recorder,
-                                  max_model_len=opts["max_model_len"], engines=engines, resolve=resolve)
+                                  max_model_len=opts["max_model_len"], engines=engines,
+                                  resolve=_servable(project, resolve))
             if opts["model_dir"] is None and opts["policy_version"] is None and target.canary is not None:
                 server.load({"canary": target.canary, "share": target.canary_share})
         except ServingError as exc:
@@ -95,7 +101,7 @@ class Command(BaseCommand):
 
 
 def _resolver(project: Project):
-    def resolve(number: int) -> Path:
+    def resolve(number: int, role: str) -> Path:
         close_old_connections()
         version = policy_get(project, number)
         if version is None:
@@ -104,19 +110,60 @@ def _resolver(project: Project):
             return policy_folder(version)
         except NotFound as exc:
             raise ServingError(409, exc.message, exc.fix) from None
+        except CheckpointCorrupt as exc:  # nothing was loaded: the served version stays
+            raise ServingError(409, f"policy v{number}'s checkpoint is refused: {exc}",
+                               "Nothing was swapped; train a new candidate or restore the store's files.") from None
+        except OSError as exc:  # e.g. no space left to materialise it
+            raise ServingError(507, f"policy v{number} could not be written out for loading: {exc}",
+                               "Nothing was swapped; free space under FLYWHEEL_VAR_DIR and send the load again.") from None
 
     return resolve
+
+
+def _servable(project: Project, resolve):
+    """The resolver /internal/load goes through: only the version the database says the project
+    serves in that role (production, or the running canary) is loaded, whatever the caller asks."""
+
+    def servable(number: int, role: str) -> Path:
+        close_old_connections()
+        target = serving_target(project.pk)
+        wanted = target.production if role == "production" else target.canary
+        if number != wanted:
+            version = policy_get(project, number)
+            state = version.state if version is not None else "unknown"
+            raise ServingError(409, f"v{number} is {state}, not the project's {role} (that is v{wanted})",
+                               "Promote it or start its canary first (dashboard or the versions API); the "
+                               "deploy then loads it.")
+        return resolve(number, role)
+
+    return servable
 
 
 def _exit_on_signal(signum, frame) -> None:
     raise SystemExit(0)
 
 
-def _writer(project: Project):
-    def write(events):
+def recorder_for(project: Project) -> Recorder:
+    """The serving process's recorder: writes through `feedback_ingest`; a completion that is
+    rejected, or whose write raises for any reason but the database being away, is quarantined."""
+
+    def quarantine(event: dict[str, Any], error: str) -> None:
+        ident = event.get("id") if isinstance(event, dict) else None
+        quarantine_record(project.pk, "serving", f"trajectory {str(ident)[:200]}", error,
+                          detail={"policy_version": event.get("policy_version") if isinstance(event, dict) else None})
+
+    def write(events: list[dict[str, Any]]) -> None:
         close_old_connections()
         for result in feedback_ingest(project, events):
             if result.status == "rejected":
+                metrics.TRAJECTORIES_DROPPED.inc()
                 log.error("served completion %s was not recorded: %s", result.id, result.reason)
+                quarantine(events[result.index], f"rejected by ingest: {result.reason}")
+            else:
+                metrics.TRAJECTORIES_RECORDED.inc()
 
-    return write
+    return Recorder(write=write, quarantine=quarantine, transient=_database_away)
+
+
+def _database_away(exc: Exception) -> bool:
+    return isinstance(exc, OperationalError | InterfaceError)

@@ -1,4 +1,5 @@
-"""python manage.py simulate_users --project demo --web http://127.0.0.1:8000 [--serving URL] [--requests N]
+"""python manage.py simulate_users --project demo --web http://127.0.0.1:8000 [--serving URL] [--serve-key fw_...]
+    [--requests N]
     [--taste compiles|one-statement|short-compiles] [--corpus DIR] [--noise 0.05] [--approve]
 
 Simulated users of the demo product (see webapp/demo/simulator.py): they ask the OpenAI-compatible
@@ -29,6 +30,8 @@ class Command(BaseCommand):
         parser.add_argument("--web", default="http://127.0.0.1:8000", help="the Flywheel web app (webhook)")
         parser.add_argument("--serving", default=os.environ.get("FLYWHEEL_INFERENCE_URL", "http://127.0.0.1:8001"))
         parser.add_argument("--secret", default=os.environ.get("FLYWHEEL_DEMO_SECRET", ""))
+        parser.add_argument("--serve-key", default=os.environ.get("FLYWHEEL_SERVE_KEY", ""),
+                            help="an API key with scope 'serve' (or FLYWHEEL_SERVE_KEY)")
         parser.add_argument("--requests", type=int, default=None)
         parser.add_argument("--pause", type=float, default=0.5)
         parser.add_argument("--users", type=int, default=4)
@@ -43,6 +46,9 @@ class Command(BaseCommand):
     def handle(self, *args, **opts):
         if not opts["secret"]:
             raise CommandError("pass --secret whsec_... (the project's webhook secret) or set FLYWHEEL_DEMO_SECRET")
+        if not opts["serve_key"]:
+            raise CommandError("pass --serve-key fw_... (a key with scope 'serve': manage.py create_key SLUG "
+                               "--scopes serve) or set FLYWHEEL_SERVE_KEY")
         if opts["approve"] and not opts["api_key"]:
             raise CommandError("--approve needs an admin-scope key: --api-key or FLYWHEEL_APPROVER_KEY "
                                "(manage.py create_key SLUG --scopes admin,read --name auto-approver)")
@@ -56,7 +62,8 @@ class Command(BaseCommand):
         if opts["approve"]:
             threading.Thread(target=auto_approve, args=(opts["web"], opts["api_key"], stop), daemon=True).start()
         sender = FlywheelClient(opts["web"], opts["secret"], project=opts["project"])
-        served = run_users(opts["serving"], sender, opts["project"], lines, requests=opts["requests"],
+        served = run_users(opts["serving"], sender, opts["project"], lines, serve_key=opts["serve_key"],
+                           requests=opts["requests"],
                            pause_s=opts["pause"], seed=opts["seed"], users=opts["users"], taste=opts["taste"],
                            noise=opts["noise"])
         stop.set()

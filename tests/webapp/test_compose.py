@@ -1,0 +1,76 @@
+"""compose.yaml: every Flywheel service takes its settings from the environment, and names only
+variables that Flywheel reads (a typo would silently leave a setting at its default)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+COMPOSE = yaml.safe_load((ROOT / "compose.yaml").read_text())
+QUEUES = {"celery", "ingest", "rewards", "train", "rollouts", "gate"}
+# ${NAME}, ${NAME:-default}, ${NAME:?message}: the value comes from the environment.
+FROM_ENV = re.compile(r"\$\{([A-Z_][A-Z0-9_]*)(?::?[-?].*)?\}")
+
+
+def _read_by_flywheel() -> set[str]:
+    """Variables the settings module reads through core/env.py, and those the commands read."""
+    from core.devsecrets import NAMES  # the secrets settings.py reads by name (required with DEBUG off)
+
+    names = set(re.findall(r'env_\w+\(\s*"([A-Z_][A-Z0-9_]*)"', (ROOT / "webapp" / "settings.py").read_text()))
+    names |= set(NAMES)
+    for command in ROOT.glob("*/management/commands/*.py"):
+        names |= set(re.findall(r'os\.environ\.get\(\s*"([A-Z_][A-Z0-9_]*)"', command.read_text()))
+    return names
+
+
+def _flywheel_services() -> dict[str, dict]:
+    return {name: s for name, s in COMPOSE["services"].items() if s.get("build")}
+
+
+def test_every_flywheel_service_takes_each_setting_from_the_environment():
+    services = _flywheel_services()
+    assert {"web", "beat", "migrate", "serving", "serving-gpu"} <= set(services)
+    for name, service in services.items():
+        environment = service["environment"]
+        assert environment, name
+        for key, value in environment.items():
+            assert FROM_ENV.fullmatch(str(value)), f"{name}: {key}={value!r} is not read from the environment"
+            assert FROM_ENV.fullmatch(str(value)).group(1) == key, f"{name}: {key} is read from another variable"
+
+
+def test_the_variables_are_the_ones_the_settings_module_reads():
+    read = _read_by_flywheel()
+    assert {"DATABASE_URL", "REDIS_URL", "SECRET_KEY", "FLYWHEEL_SECRETS_KEY", "FLYWHEEL_USER_PEPPER",
+            "FLYWHEEL_METRICS_TOKEN"} <= read
+    for name, service in _flywheel_services().items():
+        unknown = set(service["environment"]) - read
+        assert not unknown, f"{name} sets {sorted(unknown)}, which Flywheel never reads"
+    # Every setting that matters in production is passed on (test-only ones need not be).
+    missing = read - set(COMPOSE["services"]["web"]["environment"]) - {
+        "TEST_DATABASE_NAME", "CELERY_TASK_ALWAYS_EAGER", "CACHE_KEY_PREFIX", "CHANNELS_PREFIX",
+        "FLYWHEEL_DEMO_SECRET", "FLYWHEEL_DEMO_TASTE", "FLYWHEEL_DEMO_CORPUS", "FLYWHEEL_APPROVER_KEY",
+        "FLYWHEEL_SERVE_KEY"}
+    assert not missing, f"compose.yaml does not pass {sorted(missing)}"
+
+
+def test_the_secrets_have_no_default():
+    web = COMPOSE["services"]["web"]["environment"]
+    for key in ("SECRET_KEY", "FLYWHEEL_INTERNAL_TOKEN", "FLYWHEEL_METRICS_TOKEN"):
+        assert ":?" in web[key], f"{key} must be required (${{{key}:?…}}), never defaulted"
+
+
+def test_one_worker_per_queue_one_beat_and_serving_with_a_gpu_profile():
+    services = COMPOSE["services"]
+    served = {}
+    for name, service in services.items():
+        command = service.get("command") or []
+        if command[:4] == ["celery", "-A", "webapp", "worker"]:
+            served[name] = command[command.index("-Q") + 1]
+    assert sorted(served.values()) == sorted(QUEUES), served
+    assert sum(1 for s in services.values() if (s.get("command") or [])[3:4] == ["beat"]) == 1
+    assert {"postgres", "redis"} <= set(services)
+    gpu = services["serving-gpu"]["deploy"]["resources"]["reservations"]["devices"][0]
+    assert gpu["capabilities"] == ["gpu"] and "vllm" in services["serving-gpu"]["command"]
