@@ -1,9 +1,12 @@
 """python manage.py bootstrap_policy --project SLUG [--task tab-completion] [--steps 1000 | --seconds 60]
     [--kind dense|moe]
+python manage.py bootstrap_policy --project SLUG --from PATH     # any local HF causal LM folder
 
 Builds the demo's base policy offline (a byte-level BPE tokenizer and a tiny causal LM, trained on
 lines of this machine's Python standard library), pretrains it with a progress bar, and registers
-it as the project's first policy version, in production. `--steps` bounds pretraining by optimiser
+it as the project's first policy version, in production. With `--from PATH`, a local Hugging Face
+folder (Qwen2/Qwen3/Qwen3-MoE/Llama, safetensors, its own tokenizer and chat template; see
+training/checkpoints/hf_folder.py) is registered instead, through the same checkpoint store. `--steps` bounds pretraining by optimiser
 steps (the same base on every machine, however busy); `--seconds` by wall time.
 """
 
@@ -18,6 +21,7 @@ from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
 from feedback.models import Project
+from training.checkpoints.hf_folder import FolderRefused, hf_folder_check
 from training.models import PolicyVersion
 from training.pretrain import PolicyConfig, build_policy, pretrain, stdlib_corpus
 from training.promotion.services import base_policy_install
@@ -35,6 +39,8 @@ class Command(BaseCommand):
                             help="pretrain for this many optimiser steps (wins over --seconds)")
         parser.add_argument("--kind", choices=["dense", "moe"], default="dense")
         parser.add_argument("--force", action="store_true", help="replace an existing production policy")
+        parser.add_argument("--from", dest="source", default=None,
+                            help="register this local Hugging Face model folder instead of pretraining")
         parser.add_argument("--no-cache", action="store_true", help="pretrain again even if var/ holds this base")
 
     def handle(self, *args, **opts):
@@ -46,6 +52,9 @@ class Command(BaseCommand):
         if existing is not None and not opts["force"]:
             self.stdout.write(f"{project.slug} already has policy v{existing.number} ({existing.state}); "
                               "use --force to build a new base")
+            return
+        if opts["source"]:
+            self._from_folder(project, Path(opts["source"]), opts)
             return
         folder = Path(settings.VAR_DIR) / "policies" / project.slug / f"base-{opts['kind']}"
         steps = opts["steps"]
@@ -70,6 +79,20 @@ class Command(BaseCommand):
         version = _register(project, folder, opts, stats, budget)
         self.stdout.write(f"registered {project.slug} v{version.number} in production "
                           f"({int(stats['step'])} steps, loss {stats['loss']:.3f})")
+
+
+    def _from_folder(self, project, folder: Path, opts: dict) -> None:
+        try:
+            config = hf_folder_check(folder)
+        except FolderRefused as exc:
+            raise CommandError(f"{exc.message}. {exc.fix}") from None
+        kind = "moe" if config["model_type"] == "qwen3_moe" else "dense"
+        version = policy_register(project, folder, parent=None, state="candidate",
+                                  config={"task": opts["task"], "kind": kind, "source": str(folder.resolve()),
+                                          "model_type": config["model_type"]})
+        version = base_policy_install(version, "system:bootstrap_policy", f"base policy from {folder.resolve()}")
+        self.stdout.write(f"registered {project.slug} v{version.number} in production from {folder} "
+                          f"({config['model_type']})")
 
 
 def _progress_bar(seconds: float, steps: int | None = None):
