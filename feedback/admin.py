@@ -21,9 +21,14 @@ class ProjectAdmin(admin.ModelAdmin):
 
 @admin.register(ApiKey)
 class ApiKeyAdmin(admin.ModelAdmin):
-    list_display = ("prefix", "project", "name", "scopes", "created_at", "revoked_at")
+    list_display = ("prefix", "project", "name", "owner", "scopes", "created_at", "revoked_at")
     list_filter = ("project",)
-    readonly_fields = ("key_hash", "prefix")
+    raw_id_fields = ("owner",)
+
+    def get_readonly_fields(self, request, obj=None):
+        # Whom a key acts as is fixed when it is made (manage.py create_key --owner): rebinding
+        # it would hand its decisions to someone else. Revoke it and create another instead.
+        return ("key_hash", "prefix", "project", "owner") if obj is not None else ("key_hash", "prefix")
 
 
 @admin.register(WebhookSecret)

@@ -241,7 +241,8 @@ def _project_of(request):
     slug = request.GET.get("project")
     if not slug:
         raise BadRequest("which project?", "Pass ?project=<slug> when reading with a logged-in session.")
-    return selectors.project_get(slug)
+    # A project the account is no member of answers 404, like one that does not exist.
+    return selectors.project_for_member(request.user, slug)[0]
 
 
 class TrajectoryListApi(APIView):

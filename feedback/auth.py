@@ -9,7 +9,7 @@ import base64
 import binascii
 import re
 from dataclasses import dataclass, field
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from django.db.models import Q
 from django.utils import timezone
@@ -38,7 +38,9 @@ class Principal:
     project: Project
     scopes: frozenset[str] = field(default_factory=frozenset)
     via: str = "api_key"  # or "webhook"
-    name: str = "default"  # the key's name: a person or service account it is issued to
+    name: str = "default"  # the key's name
+    owner: Any = None  # the user (person or service account) the key acts as; None: nobody
+    key_id: int | None = None
 
     is_authenticated = True
 
@@ -47,12 +49,16 @@ class Principal:
 
 
 def api_key_principal(raw: str) -> Principal:
-    key = ApiKey.objects.select_related("project").filter(key_hash=ApiKey.hash_key(raw)).first()
+    key = ApiKey.objects.select_related("project", "owner").filter(key_hash=ApiKey.hash_key(raw)).first()
     if key is None:
         raise Unauthorized("the API key is not known", "Check the key; create one with `manage.py create_project`.")
     if key.revoked_at is not None:
         raise Unauthorized("the API key was revoked", "Use a current key of this project.")
-    return Principal(project=key.project, scopes=frozenset(key.scopes), via="api_key", name=key.name)
+    if key.owner is not None and not key.owner.is_active:
+        raise Unauthorized(f"the API key acts as {key.owner.get_username()!r}, whose account is deactivated",
+                           "Use a key of an active account (manage.py create_key --owner USERNAME).")
+    return Principal(project=key.project, scopes=frozenset(key.scopes), via="api_key", name=key.name,
+                     owner=key.owner, key_id=key.pk)
 
 
 def bearer_token(authorization: str) -> str | None:
@@ -97,7 +103,9 @@ def _scope_permission(scope: str) -> type[BasePermission]:
                         f"Create a key with scope '{scope}' (manage.py create_key --scopes {scope}).",
                     )
                 return True
-            return bool(principal and principal.is_authenticated and principal.is_staff)
+            # A session: which projects it may read is decided where the project is resolved
+            # (feedback.selectors.project_for_member: a project it is no member of is a 404).
+            return bool(principal and principal.is_authenticated and principal.is_active)
 
     HasScope.__name__ = f"HasScope_{scope}"
     return HasScope

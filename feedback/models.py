@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 
+from django.conf import settings
 from django.db import models
 from django.db.models import Q
 
@@ -22,11 +23,46 @@ class Project(models.Model):
         return self.slug
 
 
+# A service account is a user whose name starts with this (the admin's user forms refuse ':' in
+# a username, so no person can take one); it has no password and acts only through its keys.
+SERVICE_ACCOUNT_PREFIX = "service:"
+
+
+class Membership(models.Model):
+    """A person's or service account's role in one project: what they see and may decide there.
+
+    viewer: the project's dashboard pages, read API and live pushes. approver: also approves,
+    rejects and rolls back its policy versions. admin: an approver who also manages the
+    project's members and keys (granted in the admin; every change is audited)."""
+
+    ROLES = [("viewer", "viewer"), ("approver", "approver"), ("admin", "admin")]
+    RANK = {"viewer": 0, "approver": 1, "admin": 2}
+
+    project = models.ForeignKey(Project, on_delete=models.CASCADE, related_name="memberships")
+    user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="memberships")
+    role = models.CharField(max_length=16, choices=ROLES, default="viewer")
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["project", "user"], name="uniq_membership"),
+            models.CheckConstraint(condition=Q(role__in=["viewer", "approver", "admin"]), name="membership_role_known"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.user} is {self.role} of {self.project.slug}"
+
+
 class ApiKey(models.Model):
     SCOPES = ("ingest", "read", "serve", "admin")  # serve: /v1/* of the serving process
 
     project = models.ForeignKey(Project, on_delete=models.CASCADE, related_name="api_keys")
     name = models.CharField(max_length=100, default="default")
+    # The person or service account the key acts as: a decision made with the key is theirs
+    # (their role in the project, the two-person rule). A key bound to nobody (a product's
+    # ingest key) reads and writes data but decides nothing.
+    owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.PROTECT, null=True, blank=True,
+                              related_name="api_keys")
     prefix = models.CharField(max_length=16, db_index=True)  # shown in lists; the rest is hashed
     key_hash = models.CharField(max_length=64, unique=True)
     scopes = models.JSONField(default=list)

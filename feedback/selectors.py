@@ -14,7 +14,8 @@ from django.db.models.functions import Cast
 
 from core.errors import BadRequest, NotFound
 from feedback import export
-from feedback.models import FeedbackEvent, Project, Quarantine, Step, Trajectory
+from feedback.auth import Principal
+from feedback.models import FeedbackEvent, Membership, Project, Quarantine, Step, Trajectory
 
 
 def project_get(slug: str) -> Project:
@@ -22,6 +23,64 @@ def project_get(slug: str) -> Project:
     if project is None:
         raise NotFound(f"no project {slug!r}", "Check the slug (see the admin's project list).")
     return project
+
+
+# --- who may see and decide what (per-project membership) ----------------------------------------
+
+
+def principal_user(principal: Any) -> Any:
+    """The account a caller acts as: a logged-in user, or the owner an API key is bound to
+    (None for a key bound to nobody, a webhook, or a system actor)."""
+    if isinstance(principal, Principal):
+        return principal.owner
+    if isinstance(principal, str) or principal is None or not getattr(principal, "is_authenticated", False):
+        return None
+    return principal
+
+
+def member_role(user: Any, project_id: int) -> str | None:
+    """`user`'s role in the project, or None. Inactive accounts have none; a superuser is a
+    member only where a Membership row says so (docs/architecture.md, "Who sees what")."""
+    if user is None or not getattr(user, "is_authenticated", False) or not user.is_active:
+        return None
+    return Membership.objects.filter(project_id=project_id, user_id=user.pk).values_list("role", flat=True).first()
+
+
+def role_at_least(role: str | None, needed: str) -> bool:
+    return role is not None and Membership.RANK[role] >= Membership.RANK[needed]
+
+
+def principal_role(principal: Any, project_id: int) -> str | None:
+    """The role a caller holds in the project: a key counts as its owner, and only in its own
+    project (a key bound to nobody is a viewer of its project: it reads what its scopes allow)."""
+    if isinstance(principal, Principal):
+        if principal.project.id != project_id:
+            return None
+        return member_role(principal.owner, project_id) if principal.owner is not None else "viewer"
+    return member_role(principal_user(principal), project_id)
+
+
+def project_not_found(slug: str) -> NotFound:
+    # The same answer for a project that does not exist and one the caller is no member of.
+    return NotFound(f"there is no project {slug!r} you are a member of",
+                    "Pick one of your projects on the dashboard's front page, or ask the project's admin to add you.")
+
+
+def project_for_member(principal: Any, slug: str) -> tuple[Project, str]:
+    """The project `slug` and the caller's role in it; NotFound when it does not exist or the
+    caller is no member of it (another project's existence is not disclosed)."""
+    project = Project.objects.filter(slug=slug).first() if isinstance(slug, str) else None
+    role = principal_role(principal, project.id) if project is not None else None
+    if project is None or role is None:
+        raise project_not_found(slug)
+    return project, role
+
+
+def projects_of(user: Any) -> QuerySet[Project]:
+    """The projects `user` is a member of, by slug."""
+    if user is None or not getattr(user, "is_authenticated", False) or not user.is_active:
+        return Project.objects.none()
+    return Project.objects.filter(memberships__user_id=user.pk).order_by("slug")
 
 
 # A step's per-token arrays: what a read summarises past `max_tokens`.

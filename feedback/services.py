@@ -18,13 +18,14 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from django.conf import settings
+from django.contrib.auth import get_user_model
 from django.db import DataError, IntegrityError, connection, transaction
 from django.utils import timezone
 
 from core.errors import BadRequest, NotFound
 from core.metrics import ingest_counted
 from feedback.events import EventError, FeedbackRecord, TrajectoryRecord, event_identity, parse_event
-from feedback.models import ApiKey, Project, WebhookSecret
+from feedback.models import SERVICE_ACCOUNT_PREFIX, ApiKey, Membership, Project, WebhookSecret
 
 SECRET_ROTATION_GRACE = timedelta(hours=24)
 
@@ -56,15 +57,52 @@ def project_create(name: str, slug: str | None = None) -> ProjectCredentials:
     return ProjectCredentials(project=project, api_key=raw_key, webhook_secret=secret.secret)
 
 
-def api_key_create(project: Project, scopes: Iterable[str], name: str = "default") -> str:
-    """Creates a key and returns it in clear: the only time it is shown (only its hash is kept)."""
+def api_key_create(project: Project, scopes: Iterable[str], name: str = "default", owner: Any = None) -> str:
+    """Creates a key and returns it in clear: the only time it is shown (only its hash is kept).
+
+    `owner`: the person or service account the key acts as (decisions made with it are theirs:
+    their role in the project, the two-person rule); None for a key that decides nothing."""
     scopes = sorted(set(scopes))
     unknown = set(scopes) - set(ApiKey.SCOPES)
     if unknown:
         raise BadRequest(f"unknown scopes {sorted(unknown)}", f"Use any of {list(ApiKey.SCOPES)}.")
     raw = f"fw_{secrets.token_urlsafe(32)}"
-    ApiKey.objects.create(project=project, name=name, prefix=raw[:11], key_hash=ApiKey.hash_key(raw), scopes=scopes)
+    ApiKey.objects.create(project=project, name=name, prefix=raw[:11], key_hash=ApiKey.hash_key(raw), scopes=scopes,
+                          owner=owner)
     return raw
+
+
+def service_account_get(name: str) -> Any:
+    """The service account `service:<name>` (created on first use): a user with no password that
+    acts only through keys bound to it, or as the named starter of what the system starts
+    (`service:scheduler` starts the beat's training runs)."""
+    if not name or len(name) > 100 or not all(c.isalnum() or c in "-_." for c in name):
+        raise BadRequest(f"service account name {name!r} is not valid", "Use letters, digits, '-', '_' or '.'.")
+    user, created = get_user_model().objects.get_or_create(username=f"{SERVICE_ACCOUNT_PREFIX}{name}")
+    if created:
+        user.set_unusable_password()
+        user.save(update_fields=["password"])
+    return user
+
+
+def membership_set(project: Project, user: Any, role: str | None) -> str | None:
+    """Gives `user` `role` in `project` (None removes them); returns the role they had before.
+    Callers that act for a person go through training.promotion.services.membership_grant, which
+    also writes the audit row."""
+    if role is not None and role not in Membership.RANK:
+        raise BadRequest(f"unknown role {role!r}", f"Use one of {list(Membership.RANK)}.")
+    with transaction.atomic():
+        row = Membership.objects.select_for_update().filter(project=project, user=user).first()
+        before = row.role if row else None
+        if role is None:
+            if row is not None:
+                row.delete()
+        elif row is None:
+            Membership.objects.create(project=project, user=user, role=role)
+        elif row.role != role:
+            row.role = role
+            row.save(update_fields=["role"])
+    return before
 
 
 def api_key_revoke(prefix: str) -> ApiKey:

@@ -1,5 +1,6 @@
-"""Shared fixtures: users (alice owns and approves, bob views, charlie is an outsider), a project
-with credentials, signed requests, and a real ASGI server on the test database.
+"""Shared fixtures: users (alice approves and bob views the project `acme`, charlie is a member of
+no project), a project with credentials, signed requests, and a real ASGI server on the test
+database.
 
 The database is real PostgreSQL (embedded under var/ unless DATABASE_URL is set) and the cache,
 broker and channel layer are real Redis (embedded unless REDIS_URL is set).
@@ -17,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from tests.factories import as_django_headers, sign
+from tests.factories import as_django_headers, member, sign
 from tests.processes import ROOT, SESSION_KEY_PREFIX, OwnPostgres, free_port, subprocess_env, wait_http
 from training.pretrain import PolicyConfig, build_policy, stdlib_corpus
 
@@ -34,17 +35,16 @@ def _isolated_cache_keys():
 
 
 @pytest.fixture
-def alice(django_user_model):
-    from django.contrib.auth.models import Permission
-
-    user = django_user_model.objects.create_user("alice", password="alice-password-1", is_staff=True)
-    user.user_permissions.add(Permission.objects.get(codename="approve_promotion"))
-    return user
+def alice(django_user_model, creds):
+    """An approver of acme (and of nothing else)."""
+    return member(django_user_model.objects.create_user("alice", password="alice-password-1"), creds.project,
+                  "approver")
 
 
 @pytest.fixture
-def bob(django_user_model):
-    return django_user_model.objects.create_user("bob", password="bob-password-1", is_staff=True)
+def bob(django_user_model, creds):
+    """A viewer of acme."""
+    return member(django_user_model.objects.create_user("bob", password="bob-password-1"), creds.project, "viewer")
 
 
 @pytest.fixture

@@ -24,6 +24,14 @@ def as_django_headers(headers: dict[str, str]) -> dict[str, str]:
     return {"HTTP_" + k.upper().replace("-", "_"): v for k, v in headers.items()}
 
 
+def member(user: Any, project: Any, role: str) -> Any:
+    """Gives `user` `role` (viewer | approver | admin) in `project` and returns the user."""
+    from feedback.services import membership_set  # Django is set up by the time a test calls this
+
+    membership_set(project, user, role)
+    return user
+
+
 def trajectory(ident: str = "traj-1", **fields: Any) -> dict[str, Any]:
     event = {
         "type": "trajectory", "id": ident, "policy_version": 1, "task": "tab-completion",

@@ -1,5 +1,8 @@
 from django.contrib import admin
+from django.core.exceptions import PermissionDenied
 
+from core.errors import ApplicationError
+from feedback.models import Membership
 from training.models import (
     AuditLog,
     CanaryRun,
@@ -13,7 +16,7 @@ from training.models import (
     TrainingRun,
     TrainingStep,
 )
-from training.promotion.services import gate_policy_update
+from training.promotion.services import gate_policy_update, membership_grant
 from training.rewards.services import SPEC_FIELDS, reward_spec_update
 
 
@@ -48,8 +51,26 @@ class RubricScoreAdmin(admin.ModelAdmin):
     raw_id_fields = ("trajectory",)
 
 
+class ReadOnlyAdmin(admin.ModelAdmin):
+    """Shown, never written: no add, change or delete for anyone, superusers included. These rows
+    change only through their services (a version's state through
+    training.versions.services.version_transition, audited in the same transaction)."""
+
+    def has_add_permission(self, request, obj=None) -> bool:
+        return False
+
+    def has_change_permission(self, request, obj=None) -> bool:
+        return False
+
+    def has_delete_permission(self, request, obj=None) -> bool:
+        return False
+
+
 @admin.register(PolicyVersion)
-class PolicyVersionAdmin(admin.ModelAdmin):
+class PolicyVersionAdmin(ReadOnlyAdmin):
+    """State changes go through the promotion service (approve, reject, roll back from the
+    dashboard or the API): gate, approval, audit row and deploy, never a form field."""
+
     list_display = ("project", "number", "state", "parent", "delta_ratio", "created_at")
     list_filter = ("project", "state")
 
@@ -58,29 +79,68 @@ class TrainingStepInline(admin.TabularInline):
     model = TrainingStep
     extra = 0
 
-
-@admin.register(TrainingRun)
-class TrainingRunAdmin(admin.ModelAdmin):
-    list_display = ("id", "project", "base_version", "candidate", "state", "progress", "created_at")
-    list_filter = ("project", "state")
-    inlines = [TrainingStepInline]
-
-
-@admin.register(GateReport)
-class GateReportAdmin(admin.ModelAdmin):
-    list_display = ("version", "baseline", "passed", "created_at")
-
-
-@admin.register(AuditLog)
-class AuditLogAdmin(admin.ModelAdmin):
-    list_display = ("at", "project", "actor", "action", "target", "reason")
-    list_filter = ("project", "action")
+    def has_add_permission(self, request, obj=None) -> bool:
+        return False
 
     def has_change_permission(self, request, obj=None) -> bool:
         return False
 
     def has_delete_permission(self, request, obj=None) -> bool:
         return False
+
+
+@admin.register(TrainingRun)
+class TrainingRunAdmin(ReadOnlyAdmin):
+    """Read-only: `started_by` is what the two-person rule checks, `candidate` what it checks it for."""
+
+    list_display = ("id", "project", "base_version", "candidate", "state", "started_by", "progress", "created_at")
+    list_filter = ("project", "state")
+    inlines = [TrainingStepInline]
+
+
+@admin.register(GateReport)
+class GateReportAdmin(ReadOnlyAdmin):
+    list_display = ("version", "baseline", "passed", "created_at")
+
+
+@admin.register(AuditLog)
+class AuditLogAdmin(ReadOnlyAdmin):
+    """Append-only, and only the services append: no row is added, edited or deleted here."""
+
+    list_display = ("at", "project", "actor", "action", "target", "reason")
+    list_filter = ("project", "action")
+
+
+@admin.register(Membership)
+class MembershipAdmin(admin.ModelAdmin):
+    """Who sees and decides for which project. Saving or deleting goes through
+    training.promotion.services.membership_grant: audited, and only by a superuser or an admin
+    of the project."""
+
+    list_display = ("project", "user", "role", "created_at")
+    list_filter = ("project", "role")
+    raw_id_fields = ("user",)
+
+    def get_readonly_fields(self, request, obj=None):
+        return ("project", "user") if obj is not None else ()
+
+    def save_model(self, request, obj, form, change) -> None:
+        self._grant(request, obj, obj.role)
+        obj.pk = Membership.objects.get(project=obj.project, user=obj.user).pk
+
+    def delete_model(self, request, obj) -> None:
+        self._grant(request, obj, None)
+
+    @staticmethod
+    def _grant(request, obj, role) -> None:
+        try:
+            membership_grant(obj.project, obj.user, role, request.user, reason="admin")
+        except ApplicationError as exc:
+            raise PermissionDenied(f"{exc.message}. {exc.fix}") from exc
+
+    def delete_queryset(self, request, queryset) -> None:
+        for obj in queryset.select_related("project", "user"):
+            self.delete_model(request, obj)
 
 
 # --- gated promotion ---------------------------------------------------------------------------
@@ -124,6 +184,5 @@ class EvalSuiteAdmin(admin.ModelAdmin):
 
 
 @admin.register(CanaryRun)
-class CanaryRunAdmin(admin.ModelAdmin):
+class CanaryRunAdmin(ReadOnlyAdmin):
     list_display = ("version", "baseline", "share", "started_at", "decided_at", "outcome")
-    readonly_fields = ("version", "baseline", "share", "rule", "started_at", "decided_at", "outcome", "verdict")

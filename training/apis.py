@@ -2,7 +2,8 @@
 or roll back one. Thin views over training.promotion and training.versions.
 
 Approve/reject/rollback accept any authenticated caller on purpose: the service decides, so a
-refusal (403) is recorded in the audit log instead of stopping at a permission class.
+refusal (403) is recorded in the audit log instead of stopping at a permission class; another
+project's version is a 404 (nothing recorded), and refusals past a rate are 429s.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from rest_framework.views import APIView
 
 from core.errors import BadRequest
 from feedback.auth import HasReadScope, Principal
-from feedback.selectors import project_get
+from feedback.selectors import project_for_member
 from training.models import PolicyVersion
 from training.promotion.services import Action, candidate_promote
 from training.versions.selectors import latest_report, version_get, version_list
@@ -27,7 +28,8 @@ def _project_of(request):
     slug = request.GET.get("project")
     if not slug:
         raise BadRequest("which project?", "Pass ?project=<slug> when reading with a logged-in session.")
-    return project_get(slug)
+    # A project the account is no member of answers 404, like one that does not exist.
+    return project_for_member(request.user, slug)[0]
 
 
 class GateReportOutput(serializers.Serializer):
@@ -94,8 +96,8 @@ class _PromoteApi(APIView):
     def post(self, request, version_id: int) -> Response:
         data = self.InputSerializer(data=request.data)
         data.is_valid(raise_exception=True)
-        if isinstance(request.user, Principal):
-            version_get(version_id, request.user.project)  # a key sees its own project only
+        # The service answers 404 for a version of a project the caller is no member of (a key:
+        # not its own project), before anything is recorded.
         version = candidate_promote(version_id, request.user, self.action, data.validated_data["reason"])
         return Response(VersionOutput(version_get(version.id)).data)
 

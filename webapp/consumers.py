@@ -9,17 +9,16 @@ from core.notify import project_group
 
 
 class ProjectConsumer(AsyncJsonWebsocketConsumer):
-    """ws/projects/<slug>/: live events of one project for a logged-in user."""
+    """ws/projects/<slug>/: live events of one project for a logged-in member of it."""
 
     async def connect(self) -> None:
         user = self.scope.get("user")
         if user is None or not user.is_authenticated:
             await self.close(code=4401)
             return
-        if not (user.is_staff or user.is_superuser):  # the dashboard's rule (webapp.selectors.access_check)
-            await self.close(code=4403)
-            return
-        project_id = await self._project_id(self.scope["url_route"]["kwargs"]["slug"])
+        # The dashboard's rule (webapp.selectors.project_access): members of the project only; a
+        # project one is no member of is refused like one that does not exist.
+        project_id = await self._member_project_id(user, self.scope["url_route"]["kwargs"]["slug"])
         if project_id is None:
             await self.close(code=4404)
             return
@@ -35,8 +34,12 @@ class ProjectConsumer(AsyncJsonWebsocketConsumer):
         await self.send_json(message["payload"])
 
     @database_sync_to_async
-    def _project_id(self, slug: str) -> int | None:
+    def _member_project_id(self, user, slug: str) -> int | None:
         # Imported here: webapp.routing imports this module before Django's apps are ready.
-        from feedback.models import Project
+        from core.errors import NotFound
+        from feedback.selectors import project_for_member
 
-        return Project.objects.filter(slug=slug).values_list("id", flat=True).first()
+        try:
+            return project_for_member(user, slug)[0].id
+        except NotFound:
+            return None

@@ -17,9 +17,9 @@ from django.db.models import Avg, Count, Exists, F, Max, OuterRef, Prefetch, Q, 
 from django.db.models.functions import Coalesce, TruncMinute
 from django.utils import timezone
 
-from core.errors import Forbidden, NotFound
+from core.errors import NotFound
 from feedback.models import FeedbackEvent, Project, Step, Trajectory
-from feedback.selectors import quarantine_recent
+from feedback.selectors import project_for_member, projects_of, quarantine_recent, role_at_least
 from training.models import (
     AuditLog,
     GateReport,
@@ -46,29 +46,26 @@ PAGE_SIZE = 50
 
 @dataclass(frozen=True)
 class Access:
+    role: str  # viewer | approver | admin (feedback.models.Membership)
     can_approve: bool
 
 
-def access_check(user: Any) -> Access:
-    """Staff see the dashboard; approvers also hold training.approve_promotion."""
-    if not (user.is_staff or user.is_superuser):
-        raise Forbidden("your account has no access to the dashboard",
-                        "Ask an administrator to give your account staff status.")
-    return Access(can_approve=user.has_perm("training.approve_promotion"))
+def project_access(user: Any, slug: str) -> tuple[Project, Access]:
+    """The project and what `user` may do in it: members see it (any role), approvers and admins
+    also decide. Not a member, or no such project: 404 (another project's existence is not told)."""
+    project, role = project_for_member(user, slug)
+    return project, Access(role=role, can_approve=role_at_least(role, "approver"))
 
 
-def project_get(slug: str) -> Project:
-    project = Project.objects.filter(slug=slug).first()
-    if project is None:
-        raise NotFound(f"there is no project {slug!r}", "Pick a project on the dashboard's front page.")
-    return project
-
-
-def project_list() -> list[dict[str, Any]]:
-    feedback = dict(FeedbackHourly.objects.values_list("project").annotate(n=Sum("n")))
-    trajectories = dict(TrajectoryHourly.objects.values_list("project").annotate(n=Sum("trajectories")))
+def project_list(user: Any) -> list[dict[str, Any]]:
+    """The projects `user` is a member of, with their totals."""
+    projects = list(projects_of(user))
+    ids = [p.id for p in projects]
+    feedback = dict(FeedbackHourly.objects.filter(project_id__in=ids).values_list("project").annotate(n=Sum("n")))
+    trajectories = dict(TrajectoryHourly.objects.filter(project_id__in=ids).values_list("project")
+                        .annotate(n=Sum("trajectories")))
     return [{"slug": p.slug, "name": p.name, "feedback": feedback.get(p.id, 0), "trajectories": trajectories.get(p.id, 0)}
-            for p in Project.objects.order_by("slug")]
+            for p in projects]
 
 
 # --- overview -----------------------------------------------------------------------------------

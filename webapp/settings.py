@@ -65,6 +65,10 @@ SECURE_REFERRER_POLICY = "same-origin"
 # the window lock further tries out for the rest of it (webapp/throttle.py).
 LOGIN_FAILURES_MAX = env_int("LOGIN_FAILURES_MAX", 5)
 LOGIN_FAILURE_WINDOW_S = env_int("LOGIN_FAILURE_WINDOW_S", 900)
+# Refused approve/reject/rollback attempts written to the audit log per principal and window;
+# past it the caller gets 429 with Retry-After (training.promotion.services.refusal_rate_check).
+FLYWHEEL_REFUSALS_MAX = env_int("FLYWHEEL_REFUSALS_MAX", 5)
+FLYWHEEL_REFUSAL_WINDOW_S = env_int("FLYWHEEL_REFUSAL_WINDOW_S", 600)
 
 
 def _database_from_url(url: str) -> dict:

@@ -41,13 +41,16 @@ def plotly_js(request: HttpRequest) -> FileResponse:
 
 
 def page(view: View) -> View:
-    """Login required (else redirect), dashboard access required (else 403), errors as pages."""
+    """Login required (else redirect); a project page needs membership of that project (else the
+    same 404 as a project that does not exist); errors as pages."""
 
     @login_required
     @wraps(view)
     def wrapper(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
         try:
-            request.access = selectors.access_check(request.user)  # type: ignore[attr-defined]
+            if "slug" in kwargs:
+                request.project, request.access = selectors.project_access(  # type: ignore[attr-defined]
+                    request.user, kwargs["slug"])
             return view(request, *args, **kwargs)
         except ApplicationError as exc:
             return html_error_response(request, exc)
@@ -69,12 +72,12 @@ def _ctx(request: HttpRequest, project: Any, tab: str, **extra: Any) -> dict[str
 
 @page
 def index(request: HttpRequest) -> HttpResponse:
-    return render(request, "dashboard/index.html", {"projects": selectors.project_list()})
+    return render(request, "dashboard/index.html", {"projects": selectors.project_list(request.user)})
 
 
 @page
 def overview(request: HttpRequest, slug: str) -> HttpResponse:
-    project = selectors.project_get(slug)
+    project = request.project  # type: ignore[attr-defined]
     days = _int(request.GET.get("days"), 14, 1, 90)
     charts = selectors.overview_charts(project, days)
     return render(request, "dashboard/overview.html", _ctx(
@@ -86,7 +89,7 @@ def overview(request: HttpRequest, slug: str) -> HttpResponse:
 
 @page
 def runs(request: HttpRequest, slug: str) -> HttpResponse:
-    project = selectors.project_get(slug)
+    project = request.project  # type: ignore[attr-defined]
     run_list = selectors.run_list(project)
     run = selectors.run_get(project, _int(request.GET.get("run"), None), run_list)
     compare_id = _int(request.GET.get("compare"), None)
@@ -99,7 +102,7 @@ def runs(request: HttpRequest, slug: str) -> HttpResponse:
 
 @page
 def rubrics(request: HttpRequest, slug: str) -> HttpResponse:
-    project = selectors.project_get(slug)
+    project = request.project  # type: ignore[attr-defined]
     task, tag = request.GET.get("task", ""), request.GET.get("tag", "")
     view = selectors.rubric_view(project, task, tag)
     figures = {**view["figures"], "strip": selectors.rubric_strip(project, task, tag)}
@@ -111,7 +114,7 @@ def rubrics(request: HttpRequest, slug: str) -> HttpResponse:
 
 @page
 def rollouts(request: HttpRequest, slug: str) -> HttpResponse:
-    project = selectors.project_get(slug)
+    project = request.project  # type: ignore[attr-defined]
     flt = selectors.RolloutFilter.from_query(request.GET)
     return render(request, "dashboard/rollouts.html", _ctx(
         request, project, "rollouts", flt=flt, rollouts=selectors.rollout_list(project, flt),
@@ -120,7 +123,7 @@ def rollouts(request: HttpRequest, slug: str) -> HttpResponse:
 
 @page
 def replay(request: HttpRequest, slug: str, trajectory_id: int) -> HttpResponse:
-    project = selectors.project_get(slug)
+    project = request.project  # type: ignore[attr-defined]
     flt = selectors.RolloutFilter.from_query(request.GET)
     data = selectors.rollout_replay(project, trajectory_id, flt)
     figures = {"timeline": data["timeline"]}
@@ -130,7 +133,7 @@ def replay(request: HttpRequest, slug: str, trajectory_id: int) -> HttpResponse:
 
 @page
 def registry(request: HttpRequest, slug: str) -> HttpResponse:
-    project = selectors.project_get(slug)
+    project = request.project  # type: ignore[attr-defined]
     at_raw = request.GET.get("at", "")
     at = _when(at_raw) if at_raw else None
     return render(request, "dashboard/registry.html", _ctx(
@@ -148,10 +151,10 @@ def _when(raw: str) -> datetime:
 @require_POST
 @page
 def registry_action(request: HttpRequest, slug: str, number: int, action: str) -> HttpResponse:
+    project = request.project  # type: ignore[attr-defined]
     if not request.access.can_approve:  # type: ignore[attr-defined]
-        raise Forbidden("only approvers can approve, reject or roll back versions",
-                        "Ask an administrator for the 'approve promotion' permission.")
-    project = selectors.project_get(slug)
+        raise Forbidden(f"only approvers of {project.slug} can approve, reject or roll back its versions",
+                        "Ask the project's admin for the approver role.")
     version = services.version_decide(policy_by_number(project, number), request.user, action,
                                       request.POST.get("reason", ""))
     messages.success(request, f"v{version.number}: {action} done, now {version.state}.")

@@ -26,7 +26,8 @@ from django.core.management import call_command
 
 from feedback.client import FlywheelClient
 from feedback.models import Trajectory
-from feedback.services import api_key_create
+from feedback.services import api_key_create, service_account_get
+from tests.factories import member
 from tests.processes import ROOT, free_port, subprocess_env, wait_http
 from training.models import AuditLog, PolicyVersion, TrainingRun
 from training.pretrain import sample_lines, stdlib_corpus
@@ -96,7 +97,8 @@ def _users(loop: dict, creds, stop: threading.Event) -> list[threading.Thread]:
                       seed=seed, users=USERS, taste=TASTE)
             seed += 1
 
-    key = api_key_create(creds.project, ["admin", "read"], "auto-approver")
+    approver = member(service_account_get("auto-approver"), creds.project, "approver")
+    key = api_key_create(creds.project, ["admin", "read"], "auto-approver", owner=approver)
     return [threading.Thread(target=population, daemon=True),
             threading.Thread(target=auto_approve, args=(loop["web"], key, stop, 2.0), daemon=True)]
 
@@ -123,7 +125,7 @@ def test_users_feedback_trains_a_version_that_is_gated_approved_served_and_bette
 
     # approved through the versions API by the service account, audited, after the gate passed it
     approve = AuditLog.objects.get(project=creds.project, action="approve", after__number=new.number)
-    assert approve.actor == f"api_key:{creds.project.slug}:auto-approver"
+    assert approve.actor == f"service:auto-approver via api_key:{creds.project.slug}:auto-approver"
     assert new.gate_reports.filter(passed=True).exists()
     # the serving process hot-swapped: the next completion names the new version
     body = httpx.post(loop["serving"] + "/v1/completions", timeout=120, headers=_serve_key(creds),

@@ -7,7 +7,8 @@ import pytest
 from django.middleware.csrf import _get_new_csrf_string
 from django.test import Client
 
-from feedback.services import api_key_create
+from feedback.services import api_key_create, service_account_get
+from tests.factories import member
 from training.models import AuditLog, GateReport, PolicyVersion
 
 pytestmark = pytest.mark.django_db
@@ -25,7 +26,9 @@ def versions(creds):
 
 @pytest.fixture
 def admin_key(creds) -> str:
-    return api_key_create(creds.project, ["admin"], name="ops")
+    """An admin key bound to a service account that is an approver of acme."""
+    return api_key_create(creds.project, ["admin"], name="ops",
+                          owner=member(service_account_get("ops"), creds.project, "approver"))
 
 
 def bearer(key: str) -> dict[str, str]:
@@ -52,7 +55,7 @@ def test_an_admin_key_approves(client, admin_key, versions):
     response = post(client, v2, "approve", **bearer(admin_key))
     assert response.status_code == 200, response.json()
     assert response.json()["state"] == "production"
-    assert AuditLog.objects.filter(action="approve", actor="api_key:acme:ops").exists()  # the key's holder
+    assert AuditLog.objects.filter(action="approve", actor="service:ops via api_key:acme:ops").exists()  # its owner
 
 
 def test_a_key_without_admin_scope_is_refused_on_record(client, creds, versions):
@@ -83,13 +86,19 @@ def test_a_session_without_csrf_is_refused(alice, versions):
     assert PolicyVersion.objects.get(id=versions[1].id).state == "awaiting_approval"
 
 
-@pytest.mark.parametrize("who", ["bob", "charlie"])
-def test_a_viewer_or_outsider_gets_403_and_an_audit_row(request, who, versions):
-    client, csrf = session(request.getfixturevalue(who))
+def test_a_viewer_gets_403_and_an_audit_row(bob, versions):
+    client, csrf = session(bob)
     response = post(client, versions[1], "approve", **csrf)
     assert response.status_code == 403
-    assert "approve_promotion" in response.json()["error"]["fix"]
-    assert AuditLog.objects.filter(action="approve_refused", actor=who).count() == 1
+    assert "approver role" in response.json()["error"]["fix"]
+    assert AuditLog.objects.filter(action="approve_refused", actor="bob").count() == 1
+
+
+def test_an_outsider_gets_404_and_nothing_is_recorded(charlie, versions):
+    client, csrf = session(charlie)
+    response = post(client, versions[1], "approve", **csrf)
+    assert response.status_code == 404 and response.json()["error"]["fix"]
+    assert not AuditLog.objects.exists()
 
 
 def test_a_missing_reason_is_a_400_that_says_so(alice, versions):

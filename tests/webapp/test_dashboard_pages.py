@@ -42,7 +42,7 @@ def _client(user) -> Client:
 
 
 @pytest.mark.parametrize("page", PAGES)
-def test_staff_see_every_page(page, loaded, alice, bob):
+def test_members_see_every_page(page, loaded, alice, bob):
     for user in (alice, bob):
         response = _client(user).get(_url(page, loaded.slug))
         assert response.status_code == 200, (page, user)
@@ -50,10 +50,14 @@ def test_staff_see_every_page(page, loaded, alice, bob):
 
 
 @pytest.mark.parametrize("page", [*PAGES, "index"])
-def test_an_outsider_gets_403_and_anonymous_a_login_redirect(page, loaded, charlie):
+def test_an_outsider_gets_404_and_anonymous_a_login_redirect(page, loaded, charlie):
     url = "/" if page == "index" else _url(page, loaded.slug)
     response = _client(charlie).get(url)
-    assert response.status_code == 403 and b"staff status" in response.content
+    if page == "index":  # the front page lists only one's own projects: none
+        assert response.status_code == 200 and b"acme" not in response.content
+        assert b"member of no project" in response.content
+    else:  # the same page as for a project that does not exist
+        assert response.status_code == 404 and b"there is no project" in response.content.lower()
     anonymous = Client().get(url)
     assert anonymous.status_code == 302 and anonymous["Location"].startswith("/accounts/login/")
 
@@ -177,7 +181,7 @@ async def test_an_outsider_cannot_subscribe_to_live_events(charlie, creds):
         application, f"/ws/projects/{creds.project.slug}/",
         headers=[(b"cookie", f"sessionid={client.cookies['sessionid'].value}".encode()), (b"origin", b"http://localhost")])
     connected, code = await communicator.connect()
-    assert not connected and code == 4403
+    assert not connected and code == 4404
 
 
 def test_the_rubric_page_shows_the_users_reward_model_per_run(creds, bob):

@@ -8,7 +8,7 @@ from datetime import timedelta
 from django.utils import timezone
 
 from feedback.services import feedback_ingest
-from tests.factories import feedback, trajectory
+from tests.factories import feedback, member, trajectory
 from training.models import AuditLog, GateReport, PolicyVersion
 from webapp import selectors
 
@@ -52,7 +52,7 @@ def test_the_rollouts_list_tells_prompt_completion_signals_and_reward_and_filter
     for ext, total in (("good", 0.75), ("bad", -0.25)):
         Reward.objects.create(trajectory=creds.project.trajectories.get(external_id=ext), spec=spec, total=total,
                               components={})
-    client.force_login(get_user_model().objects.create_user("viewer", is_staff=True))
+    client.force_login(member(get_user_model().objects.create_user("viewer"), creds.project, "viewer"))
     body = client.get(f"/p/{creds.project.slug}/rollouts/").content.decode()
     assert "def add(a, b):" in body and "return a -" in body and "0.750" in body and "reject" in body
     only = client.get(f"/p/{creds.project.slug}/rollouts/?signal=reject").content.decode()

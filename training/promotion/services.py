@@ -6,18 +6,25 @@ policy's install and the gate policy's versions.
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any, Literal
 
+from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
+from django.core.cache import cache
 from django.db import transaction
 from django.db.models import Q
 from django.utils import timezone
+from redis.exceptions import RedisError
 
-from core.errors import BadRequest, Conflict, Forbidden, NotFound
+from core.errors import BadRequest, Conflict, Forbidden, NotFound, RateLimited
 from feedback.auth import Principal
 from feedback.models import Project
+from feedback.selectors import member_role, principal_role, principal_user, role_at_least
+from feedback.services import membership_set
 from training.gate.config import GateThresholds
 from training.models import AuditLog, CanaryRun, GatePolicy, PolicyVersion, TrainingRun
 from training.promotion import sequential
@@ -36,8 +43,9 @@ from training.versions.services import (
     version_transition,
 )
 
+log = logging.getLogger(__name__)
+
 Action = Literal["approve", "reject", "rollback"]
-APPROVE_PERMISSION = "training.approve_promotion"
 
 
 def base_policy_install(version: PolicyVersion, actor: Actor, reason: str) -> PolicyVersion:
@@ -86,19 +94,71 @@ def _validate_policy(policy: GatePolicy) -> None:
         raise BadRequest(f"canary_share {policy.canary_share} is outside [0, 1)", "Use 0 for no canary, e.g. 0.1 for 10%.")
 
 
-def _may_approve(actor: Actor, project_id: int) -> bool:
-    if isinstance(actor, Principal):
-        return actor.project.id == project_id and "admin" in actor.scopes
+def _sees(actor: Actor, project_id: int) -> bool:
+    """Whether the project's versions exist for `actor` at all (else: 404, nothing recorded)."""
     if isinstance(actor, str):
-        return False
-    return bool(actor.is_authenticated and actor.is_active and actor.has_perm(APPROVE_PERMISSION))
+        return True  # a system actor (its decisions are refused below, on record)
+    if isinstance(actor, Principal):
+        return actor.project.id == project_id  # a key sees its own project only
+    return principal_role(actor, project_id) is not None
+
+
+def _may_decide(actor: Actor, project_id: int) -> tuple[str, str] | None:
+    """None when `actor` may approve, reject and roll back the project's versions; else what is
+    missing and how to get it. A key decides as its owner, and only with the 'admin' scope."""
+    if isinstance(actor, str):
+        return f"{actor} may not decide on policy versions", "Decisions are made by an approver of the project."
+    if isinstance(actor, Principal):
+        if "admin" not in actor.scopes:
+            return (f"{actor_name(actor)} lacks the 'admin' scope",
+                    "Use a key with scope 'admin' bound to an approver (manage.py create_key --scopes admin --owner U).")
+        if actor.owner is None:
+            return (f"{actor_name(actor)} is bound to no person or service account, so it decides nothing",
+                    "Create a key bound to an approver of the project (manage.py create_key --owner USERNAME).")
+    if not role_at_least(principal_role(actor, project_id), "approver"):
+        return (f"{actor_name(actor)} is not an approver of this project",
+                "Ask the project's admin for the approver role (or let an approver decide).")
+    return None
 
 
 def _refuse(version: PolicyVersion, actor: Actor, action: str, message: str, fix: str, reason: str) -> Forbidden:
+    refusal_rate_check(actor)
     # Recorded in its own transaction: the refusal must stay on record although the request fails.
     with transaction.atomic():
         version_audit(version, actor, f"{action}_refused", version_snapshot(version), reason, refused=message)
     return Forbidden(message, fix)
+
+
+def _refusal_counter(actor: Actor) -> str:
+    user = principal_user(actor)
+    if user is not None:
+        return f"user:{user.pk}"
+    if isinstance(actor, Principal):
+        return f"key:{actor.key_id}:{actor.project.id}:{actor.name}"
+    return f"actor:{actor_name(actor)}"
+
+
+def refusal_rate_check(actor: Actor) -> None:
+    """At most FLYWHEEL_REFUSALS_MAX refused decisions per principal per FLYWHEEL_REFUSAL_WINDOW_S
+    (a fixed window counted in Redis) are written to the audit log; past that the caller gets
+    429 with Retry-After and nothing is written. Redis unreachable: the row is written (logged)."""
+    window_s = max(1, int(settings.FLYWHEEL_REFUSAL_WINDOW_S))
+    window = int(time.time() // window_s)
+    key = f"promotion-refusals:{_refusal_counter(actor)}:{window}"
+    try:
+        cache.add(key, 0, timeout=window_s * 2)
+        used = cache.incr(key)
+    except (RedisError, OSError):
+        log.warning("refusal limit not applied to %s: Redis is unreachable", actor_name(actor), exc_info=True)
+        return
+    if used > settings.FLYWHEEL_REFUSALS_MAX:
+        retry = window_s - int(time.time() % window_s)
+        raise RateLimited(
+            f"too many refused decisions from {actor_name(actor)}: more than {settings.FLYWHEEL_REFUSALS_MAX} "
+            f"in {window_s} s (they were refused and recorded; this one was not)",
+            f"Retry after {retry} s, as an approver of the project (the earlier refusals say what was missing).",
+            headers={"Retry-After": str(retry)},
+        )
 
 
 def candidate_promote(version: PolicyVersion | int, actor: Actor, action: Action, reason: str) -> PolicyVersion:
@@ -107,11 +167,13 @@ def candidate_promote(version: PolicyVersion | int, actor: Actor, action: Action
     current = PolicyVersion.objects.filter(id=version_id).first()
     if current is None:
         raise NotFound(f"no policy version {version_id}", "Check the id (GET /api/v1/versions lists them).")
+    if not _sees(actor, current.project_id):  # another project's version: as if it did not exist
+        raise NotFound(f"no policy version {version_id}", "Check the id (GET /api/v1/versions lists them).")
     if action not in _ACTIONS:
         raise BadRequest(f"unknown action {action!r}", "Use approve, reject or rollback.")
-    if not _may_approve(actor, current.project_id):
-        raise _refuse(current, actor, action, f"{actor_name(actor)} may not {action} policy versions",
-                      "Ask someone with the permission 'training.approve_promotion' (or use an admin key of this project).",
+    refused = _may_decide(actor, current.project_id)
+    if refused is not None:
+        raise _refuse(current, actor, action, f"{refused[0]}: it may not {action} policy versions", refused[1],
                       reason or "")
     if not (reason or "").strip():
         raise BadRequest("a reason is required", "Say in a sentence why (it is kept in the audit log).")
@@ -138,18 +200,42 @@ def _checkpoint_check(version: PolicyVersion) -> None:
                    "FLYWHEEL_CHECKPOINT_DIR).")
 
 
-def _trainer_of(version: PolicyVersion) -> Any:
-    run = TrainingRun.objects.filter(candidate=version).select_related("started_by").order_by("-created_at").first()
-    return run.started_by if run else None
-
-
 def _two_person_check(version: PolicyVersion, actor: Actor, reason: str) -> None:
+    """With the project's two-person rule on, whoever started the run that trained `version`
+    (a person or service account, directly or through a key bound to them) cannot approve it;
+    a version whose starter is not on record cannot be approved at all."""
     if not gate_policy_active(version.project).two_person_rule:
         return
-    trainer = _trainer_of(version)
-    if trainer is not None and isinstance(actor, AbstractBaseUser) and trainer.pk == actor.pk:
-        raise _refuse(version, actor, "approve", f"{actor_name(actor)} started the run that trained v{version.number}",
-                      "The two-person rule is on: another person with the approval permission must approve.", reason)
+    run = TrainingRun.objects.filter(candidate=version).select_related("started_by").order_by("-created_at").first()
+    if run is None or run.started_by_id is None:
+        raise _refuse(version, actor, "approve",
+                      f"v{version.number} has no recorded starter, so the two-person rule cannot be checked",
+                      "Train the candidate through a run (the beat and train_now record who started it), or turn "
+                      "the project's two-person rule off in its gate policy.", reason)
+    approver = principal_user(actor)
+    if approver is not None and approver.pk == run.started_by_id:
+        via = " (through a key bound to them)" if isinstance(actor, Principal) else ""
+        raise _refuse(version, actor, "approve",
+                      f"{approver.get_username()}{via} started run {run.pk}, which trained v{version.number}",
+                      "The two-person rule is on: another approver of the project must approve it.", reason)
+
+
+def membership_grant(project: Project, user: AbstractBaseUser, role: str | None, actor: Actor,
+                     reason: str = "") -> str | None:
+    """Gives `user` `role` in `project` (None: removes them), audited; `actor` must be an admin
+    of the project, a superuser, or a system actor (the command line). Returns the role before."""
+    if not isinstance(actor, str) and not (getattr(actor, "is_superuser", False) and actor.is_active) \
+            and not role_at_least(member_role(principal_user(actor), project.id), "admin"):
+        raise Forbidden(f"{actor_name(actor)} may not change the members of {project.slug}",
+                        "Ask an admin of the project (or a superuser) to do it.")
+    with transaction.atomic():
+        before = membership_set(project, user, role)
+        if before != role:
+            AuditLog.objects.create(project=project, actor=actor_name(actor),
+                                    action="membership_revoke" if role is None else "membership_grant",
+                                    target=f"user:{user.get_username()}"[:200], before={"role": before},
+                                    after={"role": role}, reason=reason)
+    return before
 
 
 def _approve(version: PolicyVersion, actor: Actor, reason: str) -> None:

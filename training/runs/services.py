@@ -27,6 +27,7 @@ from core.notify import project_event
 from core.tasks import enqueue_after_commit
 from core.workers import WorkerRef
 from feedback.models import Project
+from feedback.services import service_account_get
 from training.gate.tasks import gate_run_enqueue
 from training.models import PolicyVersion, TrainingRun, TrainingStep
 from training.rewards.selectors import rewarded_trajectories_since
@@ -40,6 +41,9 @@ log = logging.getLogger(__name__)
 
 DEFAULT_TRAIN_STEPS = 4
 DEFAULT_BATCH_SIZE = 32
+# The service account that starts the runs nobody else starts (the beat's train_maybe, the
+# rollout task): the two-person rule counts it as the starter, so it can never approve them.
+SCHEDULER_ACCOUNT = "scheduler"
 
 
 def _setting(name: str) -> float:
@@ -81,8 +85,13 @@ def training_run_start(
     """Claims the project's lineage: returns (new run, True), or (the active run, False) when one
     is alive. An active run whose worker died is marked failed first, then the new run starts.
 
+    `started_by`: the person or service account starting it (recorded for the two-person rule);
+    None means the scheduler's service account (`service:scheduler`).
+
     The project row lock serialises concurrent starts: the second sees the first's run and leaves."""
     cfg = RLConfig.from_dict(rl or {})
+    if started_by is None:
+        started_by = service_account_get(SCHEDULER_ACCOUNT)
     with transaction.atomic():
         Project.objects.select_for_update().get(pk=project.pk)
         active = selectors.training_run_active(project)
@@ -251,7 +260,7 @@ def train_maybe(
     due = last is not None and timezone.now() - last.created_at >= timedelta(minutes=every_minutes)
     if new >= min_new or (due and new > 0):
         run, created = training_run_start(project, steps=steps, batch_size=batch_size, rl=rl, group=group,
-                                          epochs=epochs)
+                                          epochs=epochs, started_by=service_account_get(SCHEDULER_ACCOUNT))
         return run if created else None
     return None
 

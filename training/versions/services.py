@@ -26,10 +26,11 @@ def actor_name(actor: Actor) -> str:
     if isinstance(actor, str):
         return actor
     if isinstance(actor, Principal):
-        # A key issued to a named person or service account acts as them (one actor each).
+        # A key bound to a person or service account acts as them: the row names both.
         suffix = "" if actor.name == "default" else f":{actor.name}"
-        return f"api_key:{actor.project.slug}{suffix}"
-    return actor.get_username() or "anonymous"
+        key = f"api_key:{actor.project.slug}{suffix}"
+        return key if actor.owner is None else f"{actor.owner.get_username()} via {key}"[:150]
+    return (actor.get_username() or "anonymous")[:150]
 
 
 

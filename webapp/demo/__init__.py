@@ -95,9 +95,18 @@ def auto_approval() -> bool:
     return os.environ.get("AUTO_APPROVE", "").strip().lower() in ("1", "true", "yes", "on")
 
 
+def _bound_key(raw: str | None) -> bool:
+    """Whether `raw` is a live key bound to a person or service account (a var/demo.json from
+    before keys were bound holds one that may decide nothing: it is replaced)."""
+    # after django.setup() (see _environment)
+    from feedback.models import ApiKey
+
+    return bool(raw) and ApiKey.objects.filter(key_hash=ApiKey.hash_key(raw), owner__isnull=False,
+                                               revoked_at__isnull=True).exists()
+
+
 def _demo_state() -> dict:
     from django.contrib.auth import get_user_model
-    from django.contrib.auth.models import Permission
 
     # after django.setup() (see _environment)
     from feedback.models import Project
@@ -117,18 +126,27 @@ def _demo_state() -> dict:
         from feedback.services import webhook_secret_rotate
 
         state.update(project="demo", webhook_secret=webhook_secret_rotate(Project.objects.get(slug="demo")).secret)
+    # after django.setup() (see _environment)
+    from training.promotion.services import membership_grant
+
+    demo = Project.objects.get(slug="demo")
     users = get_user_model()
     if not users.objects.filter(username="admin").exists():
         state["admin_password"] = secrets.token_urlsafe(12)
-        admin = users.objects.create_superuser("admin", "admin@localhost", state["admin_password"])
-        admin.user_permissions.add(Permission.objects.get(codename="approve_promotion"))
-    if auto_approval() and "approver_key" not in state:
+        users.objects.create_superuser("admin", "admin@localhost", state["admin_password"])
+    # The person who signs in: an admin of the demo project (sees it, approves, manages members).
+    membership_grant(demo, users.objects.get(username="admin"), "admin", "system:demo", "the demo's operator")
+    if auto_approval() and not _bound_key(state.get("approver_key")):
         # A service account approves what passes the gate, through the same audited service as a
-        # person; the audit log names it (api_key:demo:auto-approver).
+        # person: an approver of the project, acting through a key bound to it; the audit log
+        # names it ("service:auto-approver via api_key:demo:auto-approver"). The runs are started
+        # by another one (service:scheduler), so the two-person rule lets it approve them.
         # after django.setup() (see _environment)
-        from feedback.services import api_key_create
+        from feedback.services import api_key_create, service_account_get
 
-        state["approver_key"] = api_key_create(Project.objects.get(slug="demo"), ["admin", "read"], "auto-approver")
+        approver = service_account_get("auto-approver")
+        membership_grant(demo, approver, "approver", "system:demo", "make demo AUTO_APPROVE=1")
+        state["approver_key"] = api_key_create(demo, ["admin", "read"], "auto-approver", owner=approver)
     _demo_loop_config(Project.objects.get(slug="demo"))
     DEMO_FILE.parent.mkdir(parents=True, exist_ok=True)
     DEMO_FILE.write_text(json.dumps(state, indent=2))
@@ -210,9 +228,12 @@ def _demo_loop_config(project) -> None:
         reward_spec_update(project, settle_seconds=10, checks=DEMO_CHECKS, signal_rewards=signals)
     training_schedule_install([project], **DEMO_TRAINING)
     gate = gate_policy_active(project)
-    if any(gate.thresholds.get(k) != v for k, v in DEMO_GATE_THRESHOLDS.items()):
-        gate_policy_update(project, "system:demo", "the demo's drift bounds (webapp/demo DEMO_GATE_THRESHOLDS)",
-                           thresholds={**gate.thresholds, **DEMO_GATE_THRESHOLDS})
+    if any(gate.thresholds.get(k) != v for k, v in DEMO_GATE_THRESHOLDS.items()) or not gate.two_person_rule:
+        # Two people: the scheduler's service account starts the runs, a person (or the
+        # auto-approver's service account) approves them.
+        gate_policy_update(project, "system:demo", "the demo's drift bounds (webapp/demo DEMO_GATE_THRESHOLDS); "
+                           "the two-person rule", thresholds={**gate.thresholds, **DEMO_GATE_THRESHOLDS},
+                           two_person_rule=True)
 
 
 def demo_processes(port: int, state: dict, simulate: bool) -> list[tuple[str, list[str]]]:

@@ -1,4 +1,4 @@
-"""python manage.py train_now --project SLUG [--steps 4] [--batch-size 32] [--lr 1e-5] [--queue]
+"""python manage.py train_now --project SLUG [--steps 4] [--batch-size 32] [--lr 1e-5] [--queue] [--as USERNAME]
 
 Starts a training run for the project's lineage and waits for it: in this process by default,
 or queued for the Celery train workers with --queue. Prints one line per optimiser step.
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 
+from django.contrib.auth import get_user_model
 from django.core.management.base import BaseCommand, CommandError
 
 from feedback.models import Project
@@ -26,6 +27,9 @@ class Command(BaseCommand):
         parser.add_argument("--lr", type=float, default=None)
         parser.add_argument("--queue", action="store_true", help="run on a Celery train worker, wait here")
         parser.add_argument("--timeout", type=float, default=3600.0)
+        parser.add_argument("--as", dest="as_user", default=None, metavar="USERNAME",
+                            help="who starts the run (recorded: under the two-person rule they cannot approve "
+                                 "its candidate); default the scheduler's service account")
 
     def handle(self, *args, **opts):
 
@@ -33,8 +37,13 @@ class Command(BaseCommand):
         if project is None:
             raise CommandError(f"no project {opts['project']!r}")
         rl = {"lr": opts["lr"]} if opts["lr"] is not None else None
+        starter = None
+        if opts["as_user"]:
+            starter = get_user_model().objects.filter(username=opts["as_user"], is_active=True).first()
+            if starter is None:
+                raise CommandError(f"no active account {opts['as_user']!r}")
         run, created = training_run_start(project, steps=opts["steps"], rl=rl, batch_size=opts["batch_size"],
-                                          enqueue=opts["queue"])
+                                          enqueue=opts["queue"], started_by=starter)
         if not created:
             raise CommandError(f"run {run.pk} is already {run.state} for {project.slug}; wait for it to end")
         self.stdout.write(f"run {run.pk}: training from v{run.base_version.number}")
