@@ -4,9 +4,14 @@ their keys, and refused attempts are rate-limited."""
 
 from __future__ import annotations
 
+from io import StringIO
+
 import pytest
+from django.core.management import call_command
 from django.test import Client
 
+from core.errors import Forbidden
+from feedback.models import ApiKey
 from feedback.services import api_key_create, service_account_get
 from tests.factories import member
 from training.models import AuditLog, GateReport, PolicyVersion, TrainingRun
@@ -199,8 +204,6 @@ def test_refused_attempts_are_rate_limited_with_retry_after(creds, bob, v2, sett
 
 
 def test_granting_a_role_is_audited_and_only_admins_or_superusers_may(creds, alice, charlie, root):
-    from core.errors import Forbidden
-
     with pytest.raises(Forbidden, match="may not change the members"):
         membership_grant(creds.project, charlie, "approver", alice, "alice is only an approver")
     membership_grant(creds.project, charlie, "approver", root, "on call this week")
@@ -208,3 +211,16 @@ def test_granting_a_role_is_audited_and_only_admins_or_superusers_may(creds, ali
     rows = list(AuditLog.objects.values_list("actor", "action", "target", "before", "after"))
     assert rows == [("root", "membership_grant", "user:charlie", {"role": None}, {"role": "approver"}),
                     ("root", "membership_revoke", "user:charlie", {"role": "approver"}, {"role": None})]
+
+
+def test_the_command_line_grants_roles_and_binds_keys(creds, charlie):
+    out = StringIO()
+    call_command("member", "acme", "charlie", "approver", "--reason", "on call", stdout=out)
+    assert "charlie in acme: none -> approver" in out.getvalue()
+    call_command("member", "acme", "service:nightly", "viewer", stdout=StringIO())
+    assert list(AuditLog.objects.values_list("actor", "target", "after")) == [
+        ("system:cli", "user:charlie", {"role": "approver"}), ("system:cli", "user:service:nightly", {"role": "viewer"})]
+    raw = StringIO()
+    call_command("create_key", "acme", "--scopes", "admin", "--service-account", "nightly", stdout=raw)
+    key = ApiKey.objects.get(key_hash=ApiKey.hash_key(raw.getvalue().strip()))
+    assert key.owner.username == "service:nightly"

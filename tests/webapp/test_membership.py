@@ -39,7 +39,7 @@ def test_pages_of_another_project_are_404_like_a_missing_one(alice, other):
                 f"/p/other/rollouts/{other['trajectory'].pk}/"):
         response = client.get(url)
         assert response.status_code == 404, url
-        assert b"there is no project &#x27;other&#x27; you are a member of" in response.content
+        assert b"no project &#x27;other&#x27; you are a member of" in response.content
         assert b"OTHER-SECRET" not in response.content
     missing = client.get("/p/nope/")
     assert missing.status_code == 404
