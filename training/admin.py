@@ -3,6 +3,7 @@ from django.core.exceptions import PermissionDenied
 
 from core.errors import ApplicationError
 from feedback.models import Membership
+from feedback.selectors import member_role, role_at_least
 from training.models import (
     AuditLog,
     CanaryRun,
@@ -156,7 +157,10 @@ class GatePolicyAdmin(admin.ModelAdmin):
     readonly_fields = ("version", "created_by", "created_at")
 
     def save_model(self, request, obj, form, change) -> None:
-
+        # The gate policy holds the two-person rule: only a superuser or an admin of the project
+        # changes it (model permissions alone are global).
+        if not request.user.is_superuser and not role_at_least(member_role(request.user, obj.project_id), "admin"):
+            raise PermissionDenied(f"only an admin of {obj.project.slug} (or a superuser) may change its gate policy")
         fields = {f: getattr(obj, f) for f in ("thresholds", "two_person_rule", "canary_share",
                                                "canary_min_events", "canary_max_events", "canary_confidence")}
         new = gate_policy_update(obj.project, request.user, reason=obj.note, **fields)

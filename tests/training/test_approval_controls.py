@@ -7,6 +7,7 @@ from __future__ import annotations
 from io import StringIO
 
 import pytest
+from django.contrib.auth.models import Permission
 from django.core.management import call_command
 from django.test import Client
 
@@ -15,6 +16,7 @@ from feedback.models import ApiKey
 from feedback.services import api_key_create, service_account_get
 from tests.factories import member
 from training.models import AuditLog, GateReport, PolicyVersion, TrainingRun
+from training.promotion.selectors import gate_policy_active
 from training.promotion.services import gate_policy_update, membership_grant
 from training.runs.services import training_run_start
 
@@ -224,3 +226,19 @@ def test_the_command_line_grants_roles_and_binds_keys(creds, charlie):
     call_command("create_key", "acme", "--scopes", "admin", "--service-account", "nightly", stdout=raw)
     key = ApiKey.objects.get(key_hash=ApiKey.hash_key(raw.getvalue().strip()))
     assert key.owner.username == "service:nightly"
+
+
+def test_only_a_project_admin_or_superuser_changes_the_gate_policy_in_the_admin(creds, django_user_model):
+    staff = django_user_model.objects.create_user("staffer", password="staffer-password-1", is_staff=True)
+    staff.user_permissions.add(*Permission.objects.filter(codename__in=["change_gatepolicy", "view_gatepolicy"]))
+    member(staff, creds.project, "approver")
+    form = {"project": creds.project.pk, "thresholds": "{}", "canary_share": 0, "canary_min_events": 100,
+            "canary_max_events": 20000, "canary_confidence": 0.95, "note": "rule off"}  # two_person_rule unticked
+    gate_policy_update(creds.project, "system:test", "rule on", two_person_rule=True)
+    policy = gate_policy_active(creds.project)
+    response = _admin(staff).post(f"/admin/training/gatepolicy/{policy.pk}/change/", form)
+    assert response.status_code == 403
+    assert gate_policy_active(creds.project).two_person_rule is True
+    member(staff, creds.project, "admin")
+    assert _admin(staff).post(f"/admin/training/gatepolicy/{policy.pk}/change/", form).status_code == 302
+    assert gate_policy_active(creds.project).two_person_rule is False

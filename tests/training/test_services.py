@@ -288,6 +288,7 @@ def test_train_maybe_starts_a_run_only_with_enough_new_rewarded_trajectories(cre
     with django_capture_on_commit_callbacks(execute=False) as callbacks:
         run = train_maybe(creds.project, min_new=4, every_minutes=60)
     assert run is not None and run.state == "queued" and len(callbacks) == 1
+    assert run.started_by.username == "service:scheduler"  # the beat's runs are the scheduler's (two-person rule)
     TrainingRun.objects.filter(pk=run.pk).update(state="succeeded")
     assert train_maybe(creds.project, min_new=4, every_minutes=0) is None  # no new data since
 

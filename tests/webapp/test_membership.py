@@ -6,12 +6,16 @@ from __future__ import annotations
 import pytest
 from asgiref.sync import sync_to_async
 from channels.testing import WebsocketCommunicator
+from django.db import connections
 from django.test import Client
 
+from core.notify import project_event
 from feedback.models import Trajectory
-from feedback.services import feedback_ingest
+from feedback.services import feedback_ingest, membership_set
 from tests.factories import member, trajectory
 from training.models import AuditLog, PolicyVersion, TrainingRun
+from webapp import consumers
+from webapp.asgi import application
 
 pytestmark = pytest.mark.django_db
 
@@ -102,8 +106,6 @@ def test_an_inactive_member_sees_nothing(bob, creds):
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.asyncio
 async def test_live_pushes_only_for_members(bob, creds, other_creds):
-    from webapp.asgi import application
-
     client = await sync_to_async(_login)(bob)
     cookie = f"sessionid={client.cookies['sessionid'].value}".encode()
 
@@ -117,3 +119,20 @@ async def test_live_pushes_only_for_members(bob, creds, other_creds):
     assert (await connect("acme"))[0] is True
     assert await connect("other") == (False, 4404)
     assert await connect("nope") == (False, 4404)
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.asyncio
+async def test_a_removed_member_stops_receiving_pushes(bob, creds, monkeypatch):
+    monkeypatch.setattr(consumers, "MEMBERSHIP_RECHECK_S", 0.0)  # re-check before every push
+    client = await sync_to_async(_login)(bob)
+    communicator = WebsocketCommunicator(
+        application, "/ws/projects/acme/",
+        headers=[(b"cookie", f"sessionid={client.cookies['sessionid'].value}".encode()), (b"origin", b"http://localhost")])
+    assert (await communicator.connect())[0] is True
+    await sync_to_async(project_event)(creds.project.id, {"type": "ingest", "accepted": 1})
+    assert (await communicator.receive_json_from(timeout=10))["type"] == "ingest"
+    await sync_to_async(membership_set)(creds.project, bob, None)
+    await sync_to_async(project_event)(creds.project.id, {"type": "ingest", "accepted": 2})
+    assert await communicator.receive_output(timeout=10) == {"type": "websocket.close", "code": 4404}
+    await sync_to_async(connections.close_all)()  # the consumer's database thread: let the test DB go
