@@ -27,6 +27,13 @@ if not os.environ.get("REDIS_URL"):
     from core import embedded
 
     os.environ["REDIS_URL"] = embedded.redis_url() + "/4"
+# The suite connects as the embedded server's owner: it creates the test database, migrates it and
+# flushes it between transactional tests. The application's role (what the demo and a deployment
+# connect with) is tested on its own: tests/webapp/test_db_roles.py.
+if not os.environ.get("DATABASE_URL"):
+    from core import embedded
+
+    os.environ["DATABASE_URL"] = embedded.postgres_url()
 
 # SECRET_KEY, FLYWHEEL_SECRETS_KEY, FLYWHEEL_USER_PEPPER: the settings require them (DEBUG is off
 # in tests); the development values under var/ serve here, as they do for the demo.
