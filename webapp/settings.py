@@ -111,17 +111,34 @@ def _redis_db(base: str, offset: int) -> str:
     return parsed._replace(path=f"/{first + offset}").geturl()
 
 
-def _database_url() -> str:
-    url = env_str("DATABASE_URL", "")
+def _database_urls() -> tuple[str, str]:
+    """(DATABASE_URL, DATABASE_OWNER_URL). The application connects with the first, a role that may
+    read and write rows but only INSERT and SELECT on the audit log; `manage.py migrate` connects
+    with the second, the schema's owner, and then grants the first what it may do
+    (webapp/db_roles.py). Without DATABASE_OWNER_URL one role does both (as before: the audit log
+    is then append-only by its triggers alone, which that role could drop)."""
+    url, owner = env_str("DATABASE_URL", ""), env_str("DATABASE_OWNER_URL", "")
     if url:
-        return url
-    # Imported only when no server is configured (see above).
+        return url, owner or url
+    # Imported only when no server is configured (see above): its two roles.
     from core import embedded
 
-    return embedded.postgres_url()
+    owner_url = embedded.postgres_url()
+    return embedded.postgres_app_url(), owner or owner_url
 
 
-DATABASES = {"default": _database_from_url(_database_url())}
+def _databases() -> tuple[dict, dict]:
+    url, owner_url = _database_urls()
+    app, owner = _database_from_url(url), _database_from_url(owner_url)
+    if owner["NAME"] != app["NAME"]:
+        raise ConfigError(f"DATABASE_OWNER_URL names database {owner['NAME']!r} but DATABASE_URL names "
+                          f"{app['NAME']!r}: both must name the same database (the owner migrates what the "
+                          "application uses)")
+    return app, owner
+
+
+_APP_DB, DATABASE_OWNER = _databases()
+DATABASES = {"default": _APP_DB}
 REDIS_BASE_URL = _redis_base()
 
 INSTALLED_APPS = [

@@ -48,8 +48,9 @@ def test_the_variables_are_the_ones_the_settings_module_reads():
     for name, service in _flywheel_services().items():
         unknown = set(service["environment"]) - read
         assert not unknown, f"{name} sets {sorted(unknown)}, which Flywheel never reads"
-    # Every setting that matters in production is passed on (test-only ones need not be).
-    missing = read - set(COMPOSE["services"]["web"]["environment"]) - {
+    # Every setting that matters in production is passed on (test-only ones need not be; the
+    # owner's URL goes to the migrate service alone: see the test below).
+    missing = read - set(COMPOSE["services"]["web"]["environment"]) - {"DATABASE_OWNER_URL",
         "TEST_DATABASE_NAME", "CELERY_TASK_ALWAYS_EAGER", "CACHE_KEY_PREFIX", "CHANNELS_PREFIX",
         "FLYWHEEL_DEMO_SECRET", "FLYWHEEL_DEMO_TASTE", "FLYWHEEL_DEMO_CORPUS", "FLYWHEEL_APPROVER_KEY",
         "FLYWHEEL_SERVE_KEY"}
@@ -74,3 +75,17 @@ def test_one_worker_per_queue_one_beat_and_serving_with_a_gpu_profile():
     assert {"postgres", "redis"} <= set(services)
     gpu = services["serving-gpu"]["deploy"]["resources"]["reservations"]["devices"][0]
     assert gpu["capabilities"] == ["gpu"] and "vllm" in services["serving-gpu"]["command"]
+
+
+def test_only_migrate_connects_as_the_owner_and_the_app_has_a_role_of_its_own():
+    services = _flywheel_services()
+    owners = {name for name, s in services.items() if "DATABASE_OWNER_URL" in s["environment"]}
+    assert owners == {"migrate"}
+    app_user = re.search(r"postgresql://(\w+):", services["web"]["environment"]["DATABASE_URL"]).group(1)
+    owner_user = re.search(r"postgresql://(\w+):", services["migrate"]["environment"]["DATABASE_OWNER_URL"]).group(1)
+    postgres = COMPOSE["services"]["postgres"]
+    assert owner_user == postgres["environment"]["POSTGRES_USER"] != app_user
+    # The image's init script (a fresh volume) creates the application's login role.
+    script = COMPOSE["configs"][postgres["configs"][0]["source"]]["content"]
+    assert f"CREATE ROLE {app_user} LOGIN" in script
+    assert postgres["configs"][0]["target"].startswith("/docker-entrypoint-initdb.d/")

@@ -46,7 +46,11 @@ def _environment() -> dict[str, str]:
                           "the demo keeps acknowledged events through a crash: unset it")
     env = dict(os.environ)
     if not env.get("DATABASE_URL"):
-        env["DATABASE_URL"] = embedded.postgres_url()
+        # The demo's processes connect as the application's role; only this process migrates,
+        # as the owner (`_prepare`; webapp/db_roles.py), so the owner's URL is not passed on.
+        owner_url = embedded.postgres_url()
+        env["DATABASE_URL"] = embedded.postgres_app_url()
+        os.environ.setdefault("DATABASE_OWNER_URL", owner_url)
     if not env.get("REDIS_URL"):
         env["REDIS_URL"] = embedded.redis_url()
     env["DJANGO_SETTINGS_MODULE"] = "webapp.settings"
