@@ -1,11 +1,22 @@
-"""WebSocket consumers: authenticate, join the project's group, forward pushes."""
+"""WebSocket consumers: authenticate, join the project's group, forward pushes.
+
+Without Redis (the channel layer) a socket cannot join its group: it is accepted and closed at
+once with 1013 (try again later), and the browser reconnects with backoff (dashboard.js) until
+Redis is back. A socket open when Redis goes away is closed by the server as its receive fails.
+"""
 
 from __future__ import annotations
 
+import logging
+
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
+from redis.exceptions import RedisError
 
-from core.notify import project_group
+from core.notify import channel_layer_call, project_group
+
+log = logging.getLogger(__name__)
+TRY_AGAIN_LATER = 1013
 
 
 class ProjectConsumer(AsyncJsonWebsocketConsumer):
@@ -23,13 +34,23 @@ class ProjectConsumer(AsyncJsonWebsocketConsumer):
         if project_id is None:
             await self.close(code=4404)
             return
-        self.group = project_group(project_id)
-        await self.channel_layer.group_add(self.group, self.channel_name)
+        group = project_group(project_id)
+        try:
+            await channel_layer_call(self.channel_layer.group_add, group, self.channel_name)
+        except (TimeoutError, RedisError, OSError) as exc:
+            log.warning("live updates unavailable (%s: %s); the browser will reconnect", type(exc).__name__, exc)
+            await self.accept()
+            await self.close(code=TRY_AGAIN_LATER)
+            return
+        self.group = group
         await self.accept()
 
     async def disconnect(self, code: int) -> None:
         if hasattr(self, "group"):
-            await self.channel_layer.group_discard(self.group, self.channel_name)
+            try:
+                await channel_layer_call(self.channel_layer.group_discard, self.group, self.channel_name)
+            except (TimeoutError, RedisError, OSError):
+                pass  # the membership expires by itself (channels_redis group_expiry)
 
     async def project_event(self, message: dict) -> None:
         await self.send_json(message["payload"])
