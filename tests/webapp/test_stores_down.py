@@ -16,6 +16,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -266,6 +267,10 @@ def test_with_postgres_stopped_a_task_retries_with_backoff_and_completes_when_it
         assert all(c <= 2 ** n for n, c in enumerate(countdowns)), countdowns
         assert stack.worker_proc.poll() is None  # retrying, not crashing
         assert stack.worker_lines(f"[{task.id}] succeeded") == []
+        # Beat's own entries are not retried (the next tick sends them again): no pile of copies.
+        wait_until(lambda: stack.worker_lines("core.tasks.outbox_deliver (beat entry"), timeout=60,
+                   what="a beat entry left to its next tick")
+        assert not [line for line in stack.worker_lines("Task core.tasks.outbox_deliver[") if "retry:" in line]
     finally:
         stack.pg_up()
     wait_until(lambda: stack.sql("SELECT trajectory_id FROM feedback_feedbackevent "
@@ -278,6 +283,27 @@ def test_with_postgres_stopped_a_task_retries_with_backoff_and_completes_when_it
     mark = len(stack.worker_lines("Task core.tasks.outbox_deliver"))
     wait_until(lambda: len(stack.worker_lines("Task core.tasks.outbox_deliver")) > mark + 1, timeout=60,
                what="beat's next outbox round")
+
+
+def _pid_of_postgres(stack: Stack) -> int:
+    return int((stack.own.var_dir / "pg" / "postmaster.pid").read_text().split()[0])
+
+
+def _pid_of_redis(stack: Stack) -> int:
+    return int((stack.own.var_dir / "run" / "redis.pid").read_text().strip())
+
+
+def test_a_postgres_that_hangs_costs_ingest_its_connect_timeout_not_a_hang(stack):
+    pid = _pid_of_postgres(stack)
+    os.kill(pid, signal.SIGSTOP)  # it accepts connections and never answers them
+    try:
+        response = stack.post_events([feedback("fb-frozen", "t-frozen")])  # fails the test past BOUND_S
+        assert response.status_code == 503 and response.headers["Retry-After"] == "5", response.text
+        page = stack.page(f"/p/{stack.slug}/")
+        assert page.status_code == 503 and "The database is unavailable" in page.text
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert stack.post_events([feedback("fb-frozen", "t-frozen")]).json()["accepted"] == 1
 
 
 # --- Redis stopped ----------------------------------------------------------------------------
@@ -300,6 +326,18 @@ def test_with_redis_stopped_ingest_stores_and_acknowledges_and_the_dashboard_ren
         assert _sign_in(stack, "wrong-password").status_code == 200
     finally:
         stack.redis_up()
+
+
+def test_a_redis_that_hangs_costs_ingest_and_the_dashboard_a_bounded_delay(stack):
+    pid = _pid_of_redis(stack)
+    os.kill(pid, signal.SIGSTOP)  # connections open, commands never answered
+    try:
+        response = stack.post_events([feedback("fb-hung-redis", "t-hung")])  # fails the test past BOUND_S
+        assert response.status_code == 202 and response.json()["accepted"] == 1, response.text
+        assert stack.page(f"/p/{stack.slug}/").status_code == 200
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert stack.post_events([feedback("fb-hung-redis-2", "t-hung")]).json()["accepted"] == 1
 
 
 def _sign_in(stack: Stack, password: str) -> httpx.Response:
