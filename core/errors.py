@@ -79,7 +79,7 @@ def store_unavailable(exc: BaseException, fix: str = "") -> ServiceUnavailable:
     """The 503 a request gets when the database cannot serve it: what is wrong, and retry."""
     log.warning("database unavailable: %s: %s", type(exc).__name__, str(exc).splitlines()[0][:300] if str(exc) else "")
     return ServiceUnavailable(
-        f"the database is unavailable ({type(exc).__name__}); nothing was changed by this request",
+        f"the database is unavailable ({type(exc).__name__}); this request could not be served",
         fix or f"Retry after {RETRY_AFTER_S} seconds (the Retry-After header); the service resumes by itself "
                "when the database is back.",
         extra={"retry_after": RETRY_AFTER_S}, headers={"Retry-After": str(RETRY_AFTER_S)},
