@@ -2,7 +2,7 @@
 
 Without Redis (the channel layer) a socket cannot join its group: it is accepted and closed at
 once with 1013 (try again later), and the browser reconnects with backoff (dashboard.js) until
-Redis is back. A socket open when Redis goes away is closed by the server as its receive fails.
+Redis is back. A socket open when Redis goes away is closed the same way as its receive fails.
 """
 
 from __future__ import annotations
@@ -21,6 +21,16 @@ TRY_AGAIN_LATER = 1013
 
 class ProjectConsumer(AsyncJsonWebsocketConsumer):
     """ws/projects/<slug>/: live events of one project for a logged-in user."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        except (RedisError, OSError) as exc:  # the channel layer's receive failed: Redis went away
+            log.warning("live updates interrupted (%s: %s); the browser will reconnect", type(exc).__name__, exc)
+            try:
+                await send({"type": "websocket.close", "code": TRY_AGAIN_LATER})
+            except Exception:  # noqa: BLE001 - the client may be gone already
+                pass
 
     async def connect(self) -> None:
         user = self.scope.get("user")

@@ -380,9 +380,9 @@ async def _pushes_across_an_outage(stack: Stack) -> list[str]:
         # The write is acknowledged without the channel layer; the open socket is closed (the
         # browser then reconnects with backoff) rather than left open and silent.
         await _post(stack, "fb-live-2")
-        with pytest.raises(ConnectionClosed):
+        with pytest.raises(ConnectionClosed) as closed:
             await _next_push(ws, BOUND_S)
-        seen.append("closed")
+        seen.append(f"closed {closed.value.rcvd.code}")
         # A new socket cannot join its group yet: closed with "try again later".
         refused = await _socket(stack)
         with pytest.raises(ConnectionClosed) as closed:
@@ -398,7 +398,7 @@ async def _pushes_across_an_outage(stack: Stack) -> list[str]:
 
 
 def test_with_redis_stopped_pushes_pause_and_resume_when_it_is_back(stack):
-    assert asyncio.run(_pushes_across_an_outage(stack)) == ["ingest", "closed", "refused 1013", "ingest"]
+    assert asyncio.run(_pushes_across_an_outage(stack)) == ["ingest", "closed 1013", "refused 1013", "ingest"]
     assert stack.sql("SELECT count(*) FROM feedback_feedbackevent WHERE event_id LIKE 'fb-live-%%'") == [(3,)]
 
 
