@@ -227,6 +227,31 @@ def test_with_postgres_stopped_ingest_answers_503_with_retry_after_and_stores_wh
                      "AND trajectory_id IS NOT NULL") == [(1,)]
 
 
+def test_the_client_rides_out_a_postgres_restart_and_its_delivery_lands_once(stack):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from feedback.client import FlywheelClient
+
+    statuses: list[int] = []
+    http = httpx.Client(timeout=BOUND_S, event_hooks={"response": [lambda r: statuses.append(r.status_code)]})
+    client = FlywheelClient(stack.web, stack.webhook_secret, project=stack.slug, max_retries=6, http=http)
+    stack.pg_down()
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            sent = pool.submit(client.send, [trajectory("t-client"), feedback("fb-client", "t-client")])
+            try:
+                wait_until(lambda: 503 in statuses, timeout=BOUND_S, what="the first 503")
+            finally:
+                stack.pg_up()  # while the client waits the Retry-After
+            result = sent.result(timeout=120)
+    finally:
+        client.close()
+    assert statuses[0] == 503 and statuses[-1] == 202 and result.attempts == len(statuses) >= 2
+    assert result.accepted == 2
+    assert stack.sql("SELECT count(*) FROM feedback_webhookdelivery WHERE webhook_id = %s",
+                     (result.webhook_id,)) == [(1,)]
+
+
 def test_with_postgres_stopped_the_dashboard_shows_an_error_page_and_recovers(stack):
     assert stack.page(f"/p/{stack.slug}/").status_code == 200
     stack.pg_down()
