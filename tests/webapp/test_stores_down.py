@@ -12,6 +12,7 @@ Redis of their own that each test stops and starts again.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -141,6 +142,21 @@ def _copy_database(source: str, target: str) -> None:
                    capture_output=True, check=True, timeout=120)
 
 
+def _start(cmd: list[str], env: dict[str, str], cleanup: contextlib.ExitStack, **kwargs: Any) -> subprocess.Popen:
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, **kwargs)
+
+    def stop() -> None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+    cleanup.callback(stop)
+    return proc
+
+
 @pytest.fixture(scope="module")
 def stack(django_db_setup, django_db_blocker, tmp_path_factory) -> Iterator[Stack]:
     from django.db import connection
@@ -149,28 +165,29 @@ def stack(django_db_setup, django_db_blocker, tmp_path_factory) -> Iterator[Stac
     # the suite runs as root, and another pytest session closes pytest's folder to other users.
     var = ROOT / "var" / f"test-stores-{os.getpid()}"
     own = OwnPostgres(var)
-    pg_url = own.up(undurable=True)
-    redis_url = own.redis_up()
-    with django_db_blocker.unblock():
-        seed = _seed()
-        try:
-            _copy_database(database_url_of(connection.settings_dict), pg_url)
-        finally:
-            _unseed(seed)
-    # The worker keeps its connections (health-checked); the web process opens one per request.
-    env = subprocess_env(DATABASE_URL=pg_url, REDIS_URL=redis_url, DB_CONNECT_TIMEOUT_S="3")
-    port = free_port()
-    web_proc = subprocess.Popen(
-        [sys.executable, "-m", "uvicorn", "webapp.asgi:application", "--host", "127.0.0.1", "--port", str(port),
-         "--log-level", "warning"], cwd=ROOT, env=env)
-    worker_log = tmp_path_factory.mktemp("stores-logs") / "worker.log"
-    node = f"stores-{uuid.uuid4().hex[:6]}@%h"
-    with open(worker_log, "wb") as log:
-        worker_proc = subprocess.Popen(
-            [sys.executable, "-m", "celery", "-A", "webapp", "worker", "-B", "-l", "info", "--pool", "solo",
-             "-Q", "celery,ingest", "-n", node, "-s", str(worker_log.parent / "beat-schedule")],
-            cwd=ROOT, env={**env, "DB_CONN_MAX_AGE": "600"}, stdout=log, stderr=subprocess.STDOUT)
-    try:
+    with contextlib.ExitStack() as cleanup:
+        cleanup.callback(shutil.rmtree, var, ignore_errors=True)
+        cleanup.callback(own.redis_down)
+        cleanup.callback(own.down)
+        pg_url = own.up(undurable=True)
+        redis_url = own.redis_up()
+        with django_db_blocker.unblock():
+            seed = _seed()
+            try:
+                _copy_database(database_url_of(connection.settings_dict), pg_url)
+            finally:
+                _unseed(seed)
+        # The worker keeps its connections (health-checked); the web process opens one per request.
+        env = subprocess_env(DATABASE_URL=pg_url, REDIS_URL=redis_url, DB_CONNECT_TIMEOUT_S="3")
+        port = free_port()
+        web_proc = _start([sys.executable, "-m", "uvicorn", "webapp.asgi:application", "--host", "127.0.0.1",
+                           "--port", str(port), "--log-level", "warning"], env, cleanup)
+        worker_log = tmp_path_factory.mktemp("stores-logs") / "worker.log"
+        log = cleanup.enter_context(open(worker_log, "wb"))
+        worker_proc = _start([sys.executable, "-m", "celery", "-A", "webapp", "worker", "-B", "-l", "info",
+                              "--pool", "solo", "-Q", "celery,ingest", "-n", f"stores-{uuid.uuid4().hex[:6]}@%h",
+                              "-s", str(worker_log.parent / "beat-schedule")],
+                             {**env, "DB_CONN_MAX_AGE": "600"}, cleanup, stdout=log, stderr=subprocess.STDOUT)
         web = f"http://127.0.0.1:{port}"
         wait_http(web + "/healthz", web_proc, 300)
         creds = seed["creds"]
@@ -178,17 +195,6 @@ def stack(django_db_setup, django_db_blocker, tmp_path_factory) -> Iterator[Stac
                     worker_proc=worker_proc, worker_log=worker_log, slug=creds.project.slug, api_key=creds.api_key,
                     webhook_secret=creds.webhook_secret, session=seed["session"], username=seed["user"].username,
                     password=seed["password"])
-    finally:
-        for proc in (web_proc, worker_proc):
-            proc.terminate()
-        for proc in (web_proc, worker_proc):
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        own.down()
-        own.redis_down()
-        shutil.rmtree(var, ignore_errors=True)
 
 
 @pytest.fixture
