@@ -3,6 +3,8 @@
 Without Redis (the channel layer) a socket cannot join its group: it is accepted and closed at
 once with 1013 (try again later), and the browser reconnects with backoff (dashboard.js) until
 Redis is back. A socket open when Redis goes away is closed the same way as its receive fails.
+Without PostgreSQL the session cannot be read: the handshake is refused (`StoreGuard`, a warning
+rather than a 500 and its trace) and the browser retries the same way.
 """
 
 from __future__ import annotations
@@ -13,10 +15,29 @@ from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
 from redis.exceptions import RedisError
 
+from core.errors import STORE_ERRORS
 from core.notify import channel_layer_call, project_group
 
 log = logging.getLogger(__name__)
 TRY_AGAIN_LATER = 1013
+
+
+class StoreGuard:
+    """ASGI middleware around the WebSocket stack: a database error while the session and user
+    are loaded closes the socket with 1013 (refusing the handshake) instead of failing it."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await self.app(scope, receive, send)
+        except STORE_ERRORS as exc:
+            log.warning("live updates unavailable: the database is unavailable (%s)", type(exc).__name__)
+            try:
+                await send({"type": "websocket.close", "code": TRY_AGAIN_LATER})
+            except Exception:  # noqa: BLE001 - the client may be gone already
+                pass
 
 
 class ProjectConsumer(AsyncJsonWebsocketConsumer):

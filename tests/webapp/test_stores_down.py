@@ -30,6 +30,7 @@ from typing import Any
 import httpx
 import psycopg
 import pytest
+from websockets.exceptions import InvalidStatus
 
 from tests.factories import feedback, sign, trajectory
 from tests.processes import ROOT, OwnPostgres, database_url_of, free_port, subprocess_env, wait_http
@@ -270,6 +271,10 @@ def test_with_postgres_stopped_the_dashboard_shows_an_error_page_and_recovers(st
         api = httpx.get(f"{stack.web}/api/v1/trajectories", headers={"authorization": f"Bearer {stack.api_key}"},
                         timeout=BOUND_S)
         assert api.status_code == 503 and api.json()["error"]["code"] == "unavailable"
+        # The live socket cannot read its session: refused (403), not failed (500); the browser retries.
+        with pytest.raises(InvalidStatus) as refused:
+            asyncio.run(_socket(stack))
+        assert refused.value.response.status_code == 403
     finally:
         stack.pg_up()
     page = stack.page(f"/p/{stack.slug}/")
