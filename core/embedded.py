@@ -362,6 +362,9 @@ def start_redis() -> str:
 
 def _port_free(port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        # As redis-server binds: a port whose last connections linger in TIME_WAIT (a server just
+        # stopped) is free to take again.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("127.0.0.1", port))
         except OSError:

@@ -1,15 +1,20 @@
 """One error path: ApplicationError subclasses become JSON responses in one handler.
 
 Every 4xx body is {"error": {"code", "message", "fix"}}: what was wrong and how to fix it.
-Unknown exceptions stay 500s (and are bugs).
+Unknown exceptions stay 500s (and are bugs), except one: a database that cannot be reached (or
+that gave up on a statement) is a 503 with `Retry-After`, as JSON on the API and as a page on
+the dashboard (`store_unavailable`, `StoreUnavailableMiddleware`, `server_error`).
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from django.core.exceptions import PermissionDenied
-from django.http import Http404
+from django.db import InterfaceError, OperationalError
+from django.http import Http404, HttpResponse, JsonResponse
+from django.utils.deprecation import MiddlewareMixin
 from rest_framework import exceptions as drf_exceptions
 from rest_framework.response import Response
 
@@ -62,6 +67,25 @@ class ServiceUnavailable(ApplicationError):
     status_code, code = 503, "unavailable"
 
 
+# What a database outage raises: the server is down or restarting (connection refused or reset),
+# unreachable within connect_timeout, or it cancelled a statement (statement or lock timeout).
+STORE_ERRORS = (OperationalError, InterfaceError)
+RETRY_AFTER_S = 5
+
+log = logging.getLogger(__name__)
+
+
+def store_unavailable(exc: BaseException, fix: str = "") -> ServiceUnavailable:
+    """The 503 a request gets when the database cannot serve it: what is wrong, and retry."""
+    log.warning("database unavailable: %s: %s", type(exc).__name__, str(exc).splitlines()[0][:300] if str(exc) else "")
+    return ServiceUnavailable(
+        f"the database is unavailable ({type(exc).__name__}); this request could not be served",
+        fix or f"Retry after {RETRY_AFTER_S} seconds (the Retry-After header); the service resumes by itself "
+               "when the database is back.",
+        extra={"retry_after": RETRY_AFTER_S}, headers={"Retry-After": str(RETRY_AFTER_S)},
+    )
+
+
 _DRF_FIXES = {
     drf_exceptions.NotAuthenticated: "Send 'Authorization: Bearer <api key>' or log in.",
     drf_exceptions.AuthenticationFailed: "Check the API key: it may be revoked or mistyped.",
@@ -88,6 +112,8 @@ def exception_handler(exc: Exception, context: dict) -> Response | None:
 
     if isinstance(exc, ApplicationError):
         return error_response(exc)
+    if isinstance(exc, STORE_ERRORS):
+        return error_response(store_unavailable(exc))
     if isinstance(exc, Http404):
         exc = drf_exceptions.NotFound()
     elif isinstance(exc, PermissionDenied):
@@ -112,3 +138,48 @@ def html_error_response(request: Any, exc: ApplicationError) -> Any:
     from django.shortcuts import render
 
     return render(request, "dashboard/error.html", {"error": exc}, status=exc.status_code)
+
+
+# --- the database away: 503 everywhere, never a 500 trace -------------------------------------
+
+_JSON_PREFIXES = ("/api/", "/healthz", "/metrics", "/internal/")
+
+
+def store_unavailable_response(request: Any, exc: BaseException) -> HttpResponse:
+    """JSON for the API, health and metrics; a page of its own for the dashboard. The page reads
+    neither the session nor the user (both live in the database that is away)."""
+    from django.template.loader import render_to_string
+
+    error = store_unavailable(exc)
+    if request.path.startswith(_JSON_PREFIXES):
+        response: HttpResponse = JsonResponse(error.as_body(), status=error.status_code)
+    else:
+        html = render_to_string("unavailable.html", {"error": error, "retry_after": RETRY_AFTER_S})
+        response = HttpResponse(html, status=error.status_code)
+    for name, value in error.headers.items():
+        response[name] = value
+    response["Cache-Control"] = "no-store"
+    return response
+
+
+class StoreUnavailableMiddleware(MiddlewareMixin):
+    """A view (or the session and user it loads) that meets a database it cannot reach answers
+    503 with Retry-After. Django re-connects on the next request by itself: nothing to reset."""
+
+    def process_exception(self, request: Any, exception: Exception) -> HttpResponse | None:
+        if isinstance(exception, STORE_ERRORS):
+            return store_unavailable_response(request, exception)
+        return None
+
+
+def server_error(request: Any) -> HttpResponse:
+    """handler500: the same 503 for a database error raised outside a view (a middleware saving
+    the session); anything else stays a plain 500 (a bug)."""
+    import sys
+
+    exc = sys.exc_info()[1]
+    if isinstance(exc, STORE_ERRORS):
+        return store_unavailable_response(request, exc)
+    from django.views.defaults import server_error as django_server_error
+
+    return django_server_error(request)

@@ -1,18 +1,24 @@
 """The one notifier: pushes a payload to a project's dashboard group over the channel layer.
 
 Failures are logged, never raised: a push happens after a commit and must not turn an
-acknowledged write into an error.
+acknowledged write into an error. A push is bounded in time (PUSH_TIMEOUT_S: a Redis that hangs
+costs the request that much, not a hang) and tried twice when its connection fails (the pooled
+connection of a Redis that restarted is stale once).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any, Literal, NotRequired, TypedDict
 
 from asgiref.sync import async_to_sync
 from channels.layers import get_channel_layer
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 log = logging.getLogger(__name__)
+
+PUSH_TIMEOUT_S = 2.0
 
 
 class IngestPushed(TypedDict):
@@ -74,6 +80,17 @@ def project_event(project_id: int, payload: Payload) -> None:
     if layer is None:
         return
     try:
-        async_to_sync(layer.group_send)(project_group(project_id), {"type": "project.event", "payload": payload})
-    except Exception:  # noqa: BLE001 - a lost push is shown as stale data, never as a failed write
-        log.warning("could not push %s to project %s", payload.get("type"), project_id, exc_info=True)
+        async_to_sync(channel_layer_call)(layer.group_send, project_group(project_id),
+                                          {"type": "project.event", "payload": payload})
+    except Exception as exc:  # noqa: BLE001 - a lost push is shown as stale data, never as a failed write
+        log.warning("could not push %s to project %s: %s: %s", payload.get("type"), project_id,
+                    type(exc).__name__, exc)
+
+
+async def channel_layer_call(method: Any, *args: Any) -> Any:
+    """`await method(*args)` on the channel layer within PUSH_TIMEOUT_S, once more after a
+    connection error (a pooled connection that a Redis restart left stale is replaced)."""
+    try:
+        return await asyncio.wait_for(method(*args), PUSH_TIMEOUT_S)
+    except RedisConnectionError:
+        return await asyncio.wait_for(method(*args), PUSH_TIMEOUT_S)

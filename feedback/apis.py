@@ -13,7 +13,6 @@ from django.conf import settings
 from django.core.exceptions import RequestDataTooBig
 from django.core.handlers.asgi import ASGIRequest
 from django.core.serializers.json import DjangoJSONEncoder
-from django.db import InterfaceError, OperationalError
 from django.http import StreamingHttpResponse
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, extend_schema, inline_serializer
@@ -22,7 +21,15 @@ from rest_framework.pagination import CursorPagination
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from core.errors import BadRequest, Forbidden, PayloadTooLarge, ServiceUnavailable, Unauthorized
+from core.errors import (
+    RETRY_AFTER_S,
+    STORE_ERRORS,
+    BadRequest,
+    Forbidden,
+    PayloadTooLarge,
+    Unauthorized,
+    store_unavailable,
+)
 from core.notify import project_event
 from feedback import export, selectors
 from feedback.auth import (
@@ -51,18 +58,18 @@ class IngestApi(APIView):
     )
     def post(self, request) -> Response:
         body = _body(request)
-        principal = _principal(request, body)
-        events = _events(body)
-        ingest_rate_check(principal.project, len(events))
-        webhook_id = request.headers.get("webhook-id") if principal.via == "webhook" else None
         try:
+            # The key or secret is looked up in the database too: an outage answers 503 there as well.
+            principal = _principal(request, body)
+            events = _events(body)
+            ingest_rate_check(principal.project, len(events))
+            webhook_id = request.headers.get("webhook-id") if principal.via == "webhook" else None
             results = feedback_ingest(principal.project, events, webhook_id=webhook_id,
                                       on_commit=_notifier(principal.project.id))
-        except (OperationalError, InterfaceError) as exc:
-            raise ServiceUnavailable(
-                f"the database cannot take the write now ({type(exc).__name__})",
-                "Retry later with the same webhook-id; nothing from this request was stored.",
-                headers={"Retry-After": "5"},
+        except STORE_ERRORS as exc:
+            raise store_unavailable(
+                exc, f"Retry after {RETRY_AFTER_S} seconds (Retry-After) with the same body and webhook-id; "
+                     "nothing from this request was stored, and events stored before are answered as duplicates.",
             ) from exc
         counts = {s: sum(1 for r in results if r.status == s) for s in ("accepted", "duplicate", "rejected")}
         return Response({"results": [r.as_dict() for r in results], **counts}, status=202)

@@ -14,11 +14,12 @@ from django.core.asgi import get_asgi_application  # noqa: E402
 
 django_application = get_asgi_application()
 
+from webapp.consumers import StoreGuard  # noqa: E402
 from webapp.routing import websocket_urlpatterns  # noqa: E402
 
 application = ProtocolTypeRouter(
     {
         "http": django_application,
-        "websocket": AllowedHostsOriginValidator(AuthMiddlewareStack(URLRouter(websocket_urlpatterns))),
+        "websocket": StoreGuard(AllowedHostsOriginValidator(AuthMiddlewareStack(URLRouter(websocket_urlpatterns)))),
     }
 )

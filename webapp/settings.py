@@ -85,6 +85,9 @@ def _database_from_url(url: str) -> dict:
         "HOST": host,
         "PORT": str(parsed.port or ""),
         "CONN_MAX_AGE": env_int("DB_CONN_MAX_AGE", 0),
+        # A kept connection is checked before reuse: after a database restart it is replaced,
+        # not failed on (the worker keeps its connections; the web process does not by default).
+        "CONN_HEALTH_CHECKS": True,
         # A database that does not answer fails a request in seconds (503), never hangs it.
         "OPTIONS": {"connect_timeout": env_int("DB_CONNECT_TIMEOUT_S", 5)},
         "TEST": {"NAME": env_str("TEST_DATABASE_NAME", "") or None},
@@ -161,6 +164,8 @@ INSTALLED_APPS = [
 
 MIDDLEWARE = [
     "core.metrics.RequestMetricsMiddleware",
+    # The database away: 503 + Retry-After (JSON on the API, a page on the dashboard).
+    "core.errors.StoreUnavailableMiddleware",
     "django.middleware.security.SecurityMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
@@ -238,7 +243,9 @@ CACHES = {
 CHANNEL_LAYERS = {
     "default": {
         "BACKEND": "channels_redis.core.RedisChannelLayer",
-        "CONFIG": {"hosts": [_redis_db(REDIS_BASE_URL, 3)], "prefix": env_str("CHANNELS_PREFIX", "flywheel")},
+        # A Redis that does not answer fails a connect in seconds (pushes are bounded: core/notify.py).
+        "CONFIG": {"hosts": [{"address": _redis_db(REDIS_BASE_URL, 3), "socket_connect_timeout": 2}],
+                   "prefix": env_str("CHANNELS_PREFIX", "flywheel")},
     }
 }
 
@@ -247,6 +254,9 @@ CELERY_RESULT_BACKEND = _redis_db(REDIS_BASE_URL, 1)
 # Separate key spaces on one Redis (e.g. concurrent test sessions, several deployments).
 # A broker that is down or hung fails a publish in seconds (the outbox keeps the message).
 CELERY_BROKER_TRANSPORT_OPTIONS = {"socket_connect_timeout": 3, "socket_timeout": 10}
+# A worker that loses Redis reconnects for as long as it is away (Celery gives up after 100 tries
+# by default, and a person would have to restart it).
+CELERY_BROKER_CONNECTION_MAX_RETRIES = None
 if env_str("CELERY_KEY_PREFIX", ""):
     CELERY_BROKER_TRANSPORT_OPTIONS["global_keyprefix"] = env_str("CELERY_KEY_PREFIX", "")
 CELERY_TASK_ALWAYS_EAGER = env_bool("CELERY_TASK_ALWAYS_EAGER", False)

@@ -4,17 +4,38 @@ After LOGIN_FAILURES_MAX failed sign-ins for one account, or from one address, w
 LOGIN_FAILURE_WINDOW_S, further attempts are refused without checking the password until the
 window (which starts at the first failure) ends. Counting per account stops guessing one
 password from many addresses; per address stops trying one password on many accounts.
+
+When Redis cannot be reached the counts are kept in this process's memory instead (logged): signing
+in keeps working during an outage, and guessing stays throttled per process.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
+from collections.abc import Callable
+from typing import Any
 
 from django import forms
 from django.conf import settings
 from django.contrib.admin.forms import AdminAuthenticationForm
 from django.contrib.auth.forms import AuthenticationForm
 from django.core.cache import cache
+from django.core.cache.backends.base import BaseCache
+from django.core.cache.backends.locmem import LocMemCache
+from redis.exceptions import RedisError
+
+log = logging.getLogger(__name__)
+_LOCAL = LocMemCache("flywheel-login-failures", {"TIMEOUT": None, "OPTIONS": {"MAX_ENTRIES": 10_000}})
+
+
+def _counted(op: Callable[[BaseCache], Any]) -> Any:
+    """`op` on the shared cache, or on this process's memory while Redis is away."""
+    try:
+        return op(cache)
+    except (RedisError, OSError):
+        log.warning("sign-in failures counted in this process only: Redis is unreachable", exc_info=True)
+        return op(_LOCAL)
 
 
 def _keys(request, username: str) -> list[str]:
@@ -24,17 +45,21 @@ def _keys(request, username: str) -> list[str]:
 
 
 def login_locked(request, username: str) -> bool:
-    counts = cache.get_many(_keys(request, username))
+    counts = _counted(lambda store: store.get_many(_keys(request, username)))
     return any(count >= settings.LOGIN_FAILURES_MAX for count in counts.values())
 
 
 def login_failed(request, username: str) -> None:
     for key in _keys(request, username):
-        if not cache.add(key, 1, settings.LOGIN_FAILURE_WINDOW_S):
-            try:
-                cache.incr(key)
-            except ValueError:  # expired between add and incr
-                cache.add(key, 1, settings.LOGIN_FAILURE_WINDOW_S)
+        _counted(lambda store, key=key: _count(store, key))
+
+
+def _count(store: BaseCache, key: str) -> None:
+    if not store.add(key, 1, settings.LOGIN_FAILURE_WINDOW_S):
+        try:
+            store.incr(key)
+        except ValueError:  # expired between add and incr
+            store.add(key, 1, settings.LOGIN_FAILURE_WINDOW_S)
 
 
 class _Throttled:

@@ -9,6 +9,8 @@ from webapp.metrics import metrics_view
 from webapp.throttle import ThrottledAdminAuthenticationForm, ThrottledAuthenticationForm
 
 admin.site.login_form = ThrottledAdminAuthenticationForm
+# A database error outside a view is a 503 page too (core/errors.py), never a 500 trace.
+handler500 = "core.errors.server_error"
 
 api_v1 = [
     path("api/v1/events", IngestApi.as_view(), name="api-events"),
