@@ -33,6 +33,7 @@ from feedback.auth import (
     bearer_token,
     webhook_principal,
 )
+from feedback.event_schema import EVENT_BATCH, EVENT_RESULTS
 from feedback.events import MAX_DEPTH
 from feedback.ratelimit import ingest_rate_check
 from feedback.services import feedback_ingest
@@ -46,8 +47,8 @@ class IngestApi(APIView):
 
     @extend_schema(
         summary="Send trajectories and feedback",
-        request=inline_serializer("EventBatch", {"events": serializers.ListField(child=serializers.DictField())}),
-        responses={202: inline_serializer("EventResults", {"results": serializers.ListField()})},
+        request={"application/json": EVENT_BATCH},
+        responses={202: EVENT_RESULTS},
     )
     def post(self, request) -> Response:
         body = _body(request)
@@ -234,6 +235,13 @@ class TrajectoryFilter(serializers.Serializer):
     source = serializers.ChoiceField(choices=["live", "simulated", "eval"], required=False)
 
 
+class TrajectoryPageParams(serializers.Serializer):
+    cursor = serializers.CharField(required=False, help_text="The `next` or `previous` link's cursor.")
+    limit = serializers.IntegerField(required=False, help_text=(
+        f"Rows per page, 1 to {TrajectoryPagination.max_page_size} (other values give "
+        f"{TrajectoryPagination.page_size}); a page also ends at READ_PAGE_MAX_BYTES."))
+
+
 def _project_of(request):
     principal = request.user
     if isinstance(principal, Principal):
@@ -249,7 +257,9 @@ class TrajectoryListApi(APIView):
 
     permission_classes = [HasReadScope]
 
-    @extend_schema(parameters=[TrajectoryFilter], responses=TrajectoryOutput(many=True))
+    @extend_schema(parameters=[TrajectoryFilter, TrajectoryPageParams], operation_id="v1_trajectories_list", responses=inline_serializer("TrajectoryPage", {
+        "next": serializers.URLField(allow_null=True), "previous": serializers.URLField(allow_null=True),
+        "results": TrajectoryOutput(many=True)}))
     def get(self, request) -> Response:
         filters = TrajectoryFilter(data=request.query_params)
         filters.is_valid(raise_exception=True)

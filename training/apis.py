@@ -7,7 +7,7 @@ refusal (403) is recorded in the audit log instead of stopping at a permission c
 
 from __future__ import annotations
 
-from drf_spectacular.utils import extend_schema
+from drf_spectacular.utils import extend_schema, inline_serializer
 from rest_framework import serializers
 from rest_framework.permissions import IsAuthenticated
 from rest_framework.response import Response
@@ -64,7 +64,8 @@ class VersionListApi(APIView):
     class FilterSerializer(serializers.Serializer):
         state = serializers.ChoiceField(choices=[s for s, _ in PolicyVersion.STATES], required=False)
 
-    @extend_schema(parameters=[FilterSerializer], responses=VersionOutput(many=True))
+    @extend_schema(parameters=[FilterSerializer], operation_id="v1_versions_list",
+                   responses=inline_serializer("VersionList", {"results": VersionOutput(many=True)}))
     def get(self, request) -> Response:
         filters = self.FilterSerializer(data=request.query_params)
         filters.is_valid(raise_exception=True)
@@ -83,14 +84,26 @@ class VersionDetailApi(APIView):
         return Response(VersionOutput(version).data)
 
 
+# What approve/reject/rollback accept: a reason with a non-blank character (the audit log keeps
+# it), at most 2,000 characters after trimming, no NUL (PostgreSQL text cannot hold it).
+REASON_BODY = {
+    "type": "object",
+    "required": ["reason"],
+    "properties": {"reason": {"type": "string", "minLength": 1, "maxLength": 2000, "pattern": "^[^\\x00]*\\S[^\\x00]*$",
+                              "description": "Why, in a sentence: kept in the audit log."}},
+}
+
+
 class _PromoteApi(APIView):
     action: Action
     permission_classes = [IsAuthenticated]
 
     class InputSerializer(serializers.Serializer):
+        # Lenient on purpose: a missing reason is refused by candidate_promote *after* it has
+        # recorded a refusal of who may not act; REASON_BODY documents what is accepted.
         reason = serializers.CharField(max_length=2000, allow_blank=True, required=False, default="")
 
-    @extend_schema(request=InputSerializer, responses=VersionOutput)
+    @extend_schema(request={"application/json": REASON_BODY}, responses=VersionOutput)
     def post(self, request, version_id: int) -> Response:
         data = self.InputSerializer(data=request.data)
         data.is_valid(raise_exception=True)

@@ -9,6 +9,7 @@ from webapp.metrics import metrics_view
 from webapp.throttle import ThrottledAdminAuthenticationForm, ThrottledAuthenticationForm
 
 admin.site.login_form = ThrottledAdminAuthenticationForm
+handler404 = views.not_found
 
 api_v1 = [
     path("api/v1/events", IngestApi.as_view(), name="api-events"),
