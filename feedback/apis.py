@@ -13,6 +13,7 @@ from django.conf import settings
 from django.core.exceptions import RequestDataTooBig
 from django.core.handlers.asgi import ASGIRequest
 from django.core.serializers.json import DjangoJSONEncoder
+from django.core.validators import RegexValidator
 from django.db import InterfaceError, OperationalError
 from django.http import StreamingHttpResponse
 from drf_spectacular.types import OpenApiTypes
@@ -226,12 +227,17 @@ class TrajectoryPagination(CursorPagination):
         return out
 
 
+_NO_NUL = RegexValidator(r"^[^\x00]*$", "remove the NUL character (PostgreSQL text cannot hold it)")
+
+
 class TrajectoryFilter(serializers.Serializer):
     since = serializers.DateTimeField(required=False)
     until = serializers.DateTimeField(required=False)
     policy_version = serializers.IntegerField(required=False, min_value=0)
-    signal = serializers.CharField(required=False, max_length=64)
-    task = serializers.CharField(required=False, max_length=100)
+    # Filtered on as sent (not trimmed: a value of spaces would trim to a "blank" 400). CharField
+    # refuses NUL anyway; the validator puts that into the published schema.
+    signal = serializers.CharField(required=False, max_length=64, trim_whitespace=False, validators=[_NO_NUL])
+    task = serializers.CharField(required=False, max_length=100, trim_whitespace=False, validators=[_NO_NUL])
     source = serializers.ChoiceField(choices=["live", "simulated", "eval"], required=False)
 
 

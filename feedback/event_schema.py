@@ -13,9 +13,10 @@ from typing import Any
 
 from feedback import events as ev
 
-_NO_NUL = "^[^\\x00]*$"  # PostgreSQL text cannot hold NUL
-_ID = {"type": "string", "minLength": 1, "maxLength": ev.MAX_ID_CHARS, "pattern": "^[^\\x00]*\\S[^\\x00]*$",
-       "description": "Unique per project: the idempotency key of the event."}
+# No string may hold NUL (PostgreSQL text cannot): said once, in EVENT_BATCH's description, not as a
+# pattern on every string, which would make generating examples from this schema 5x slower.
+_ID = {"type": "string", "minLength": 1, "maxLength": ev.MAX_ID_CHARS, "pattern": "\\S",
+       "description": "Unique per project: the idempotency key of the event (not only spaces)."}
 _TIMESTAMP = {"type": "string", "format": "date-time", "nullable": True,
               "description": "ISO 8601 with a time zone, between 2000-01-01 and now + 1 day; default: now."}
 _VERSION = {"type": "integer", "minimum": 0, "maximum": 2**31 - 1, "nullable": True}
@@ -24,7 +25,7 @@ _TOKEN_IDS = {"type": "array", "maxItems": ev.MAX_TOKENS,
 
 
 def _text(limit: int | None = None, *, min_length: int = 0, nullable: bool = False) -> dict[str, Any]:
-    out: dict[str, Any] = {"type": "string", "pattern": _NO_NUL}
+    out: dict[str, Any] = {"type": "string"}
     if limit is not None:
         out["maxLength"] = limit
     if min_length:
@@ -85,7 +86,7 @@ TRAJECTORY_EVENT = {
                                                {"type": "integer", "minimum": -(2**63) + 1, "maximum": 2**63 - 1}]},
         "check_context": {"type": "object", "nullable": True, "properties": {
             "prefix": _text(ev.MAX_CHECK_CHARS),
-            "tests": {**_text(ev.MAX_CHECK_CHARS, min_length=1), "pattern": "^[^\\x00]*\\S[^\\x00]*$"}}},
+            "tests": {**_text(ev.MAX_CHECK_CHARS, min_length=1), "pattern": "\\S"}}},
         "occurred_at": _TIMESTAMP,
     },
 }
@@ -119,7 +120,8 @@ EVENT_BATCH = {
     "properties": {"events": {
         "type": "array", "minItems": 1, "maxItems": 1000,
         "items": {"oneOf": [TRAJECTORY_EVENT, FEEDBACK_EVENT]},
-        "description": "At most 1,000 events and 5 MiB per request.",
+        "description": "At most 1,000 events and 5 MiB per request. No string may contain NUL (U+0000) "
+                       "or a lone surrogate; an event that does is rejected alone.",
     }},
 }
 

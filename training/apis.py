@@ -85,13 +85,22 @@ class VersionDetailApi(APIView):
 
 
 # What approve/reject/rollback accept: a reason with a non-blank character (the audit log keeps
-# it), at most 2,000 characters after trimming, no NUL (PostgreSQL text cannot hold it).
+# it), at most 2,000 characters, no NUL (PostgreSQL text cannot hold it).
 REASON_BODY = {
     "type": "object",
     "required": ["reason"],
-    "properties": {"reason": {"type": "string", "minLength": 1, "maxLength": 2000, "pattern": "^[^\\x00]*\\S[^\\x00]*$",
+    "properties": {"reason": {"type": "string", "minLength": 1, "maxLength": 2000, "pattern": "^[^\\x00]*[^\\s\\x00][^\\x00]*$",
                               "description": "Why, in a sentence: kept in the audit log."}},
 }
+
+
+class StrictCharField(serializers.CharField):
+    """Takes only a string, as REASON_BODY says (DRF's CharField turns a number into its digits)."""
+
+    def to_internal_value(self, data):
+        if not isinstance(data, str):
+            self.fail("invalid")
+        return super().to_internal_value(data)
 
 
 class _PromoteApi(APIView):
@@ -100,8 +109,9 @@ class _PromoteApi(APIView):
 
     class InputSerializer(serializers.Serializer):
         # Lenient on purpose: a missing reason is refused by candidate_promote *after* it has
-        # recorded a refusal of who may not act; REASON_BODY documents what is accepted.
-        reason = serializers.CharField(max_length=2000, allow_blank=True, required=False, default="")
+        # recorded a refusal of who may not act; REASON_BODY documents what is accepted. Not
+        # trimmed, so that the 2,000 characters are counted as sent, as REASON_BODY says.
+        reason = StrictCharField(max_length=2000, allow_blank=True, required=False, default="", trim_whitespace=False)
 
     @extend_schema(request={"application/json": REASON_BODY}, responses=VersionOutput)
     def post(self, request, version_id: int) -> Response:

@@ -3,6 +3,7 @@ SPECTACULAR_SETTINGS["POSTPROCESSING_HOOKS"]):
 
 - every error an operation can answer, in the one error shape of `core/errors.py`
   ({"error": {"code", "message", "fix", "fields"?}}), so a client (or a fuzzer) can check them;
+- optional query parameters sent empty are the same as left out (`allowEmptyValue`);
 - links between operations (the id a response names is the id the next call takes), which a
   stateful client follows: ingest → the trajectory it stored, the lists → one item, a version →
   its approve / reject / rollback.
@@ -75,6 +76,7 @@ def postprocess(result: dict[str, Any], generator, request, public: bool) -> dic
     for path, operations in result.get("paths", {}).items():
         for method, operation in operations.items():
             _add_errors(operation, _EVERYWHERE + _EXTRA.get((path, method), ()))
+            _empty_is_absent(operation)
     # A raw request schema leaves the body optional; these bodies are not.
     for path, method in _BODY_REQUIRED:
         result["paths"][path][method]["requestBody"]["required"] = True
@@ -90,6 +92,14 @@ def _add_errors(operation: dict[str, Any], statuses: tuple[int, ...]) -> None:
             "description": _MEANING[status],
             "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}},
         })
+
+
+def _empty_is_absent(operation: dict[str, Any]) -> None:
+    """DRF reads an optional query parameter sent empty (`?since=`) as one left out, as HTML
+    forms do; the schema says so."""
+    for parameter in operation.get("parameters", []):
+        if parameter.get("in") == "query" and not parameter.get("required"):
+            parameter["allowEmptyValue"] = True
 
 
 def _add_links(result: dict[str, Any]) -> None:
