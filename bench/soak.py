@@ -354,6 +354,17 @@ def create_project() -> dict[str, str]:
     return {"slug": creds.project.slug, "secret": creds.webhook_secret, "serve_key": key}
 
 
+def stop_services() -> None:
+    """The soak's own PostgreSQL and Redis stop with it (the next run starts them again)."""
+    from django.db import connections
+
+    from core import embedded
+
+    connections.close_all()
+    embedded.stop_postgres()
+    embedded.stop_redis()
+
+
 def processes(env: dict[str, str], slug: str, log_dir: Path) -> dict[str, Proc]:
     py, web, serve = sys.executable, _free_port(), _free_port()
     return {
@@ -456,6 +467,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for proc in procs.values():
             proc.stop()
+        stop_services()
     report(args, verdict, elapsed, kills)
     return 0 if verdict.ok else 1
 

@@ -248,6 +248,11 @@ class TrajectoryPageParams(serializers.Serializer):
         f"{TrajectoryPagination.page_size}); a page also ends at READ_PAGE_MAX_BYTES."))
 
 
+TRAJECTORY_PAGE = inline_serializer("TrajectoryPage", {
+    "next": serializers.URLField(allow_null=True), "previous": serializers.URLField(allow_null=True),
+    "results": TrajectoryOutput(many=True)})
+
+
 def _project_of(request):
     principal = request.user
     if isinstance(principal, Principal):
@@ -263,9 +268,8 @@ class TrajectoryListApi(APIView):
 
     permission_classes = [HasReadScope]
 
-    @extend_schema(parameters=[TrajectoryFilter, TrajectoryPageParams], operation_id="v1_trajectories_list", responses=inline_serializer("TrajectoryPage", {
-        "next": serializers.URLField(allow_null=True), "previous": serializers.URLField(allow_null=True),
-        "results": TrajectoryOutput(many=True)}))
+    @extend_schema(parameters=[TrajectoryFilter, TrajectoryPageParams], operation_id="v1_trajectories_list",
+                   responses=TRAJECTORY_PAGE)
     def get(self, request) -> Response:
         filters = TrajectoryFilter(data=request.query_params)
         filters.is_valid(raise_exception=True)

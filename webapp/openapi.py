@@ -79,10 +79,11 @@ def postprocess(result: dict[str, Any], generator, request, public: bool) -> dic
             _empty_is_absent(operation)
     # A raw request schema leaves the body optional; these bodies are not.
     for path, method in _BODY_REQUIRED:
-        result["paths"][path][method]["requestBody"]["required"] = True
+        body = result.get("paths", {}).get(path, {}).get(method, {}).get("requestBody")
+        if body is not None:
+            body["required"] = True
     _add_links(result)
     return result
-
 
 
 def _add_errors(operation: dict[str, Any], statuses: tuple[int, ...]) -> None:

@@ -8,7 +8,10 @@ import json
 from collections import Counter
 from datetime import UTC, datetime
 
+import pytest
+
 from bench.soak import chaos_plan, make_batch, read_sender_logs, reconcile
+from core import embedded
 from feedback.events import parse_event
 
 
@@ -67,3 +70,8 @@ def test_the_soak_sends_events_the_contract_accepts():
     assert len(batch) == 10 and len({e["id"] for e in batch}) == 10
     for event in batch:
         parse_event(event, now, "salt")  # raises EventError on anything the server would reject
+
+
+def test_a_stop_mode_pg_ctl_does_not_know_is_refused():
+    with pytest.raises(ValueError, match="unknown pg_ctl stop mode"):
+        embedded.stop_postgres(mode="crash")  # refused before anything is stopped
