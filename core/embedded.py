@@ -284,10 +284,14 @@ def _apply_durability(sock: Path, *, undurable: bool) -> None:
                                f"read {PG_DATA / 'server.log'}")
 
 
-def stop_postgres() -> None:
+def stop_postgres(mode: str = "fast") -> None:
+    """Stops the server; `mode="immediate"` stops it as a crash would (no checkpoint: the next
+    start replays the WAL), which bench/soak.py uses to show that acknowledged commits survive."""
+    if mode not in ("smart", "fast", "immediate"):
+        raise ValueError(f"unknown pg_ctl stop mode {mode!r}")
     with _lock("pg"):
         if _pg_running():
-            _run([_pg_bin("pg_ctl"), "-D", str(PG_DATA), "-w", "-m", "fast", "stop"], "pg_ctl stop", **_as_pg_user())
+            _run([_pg_bin("pg_ctl"), "-D", str(PG_DATA), "-w", "-m", mode, "stop"], "pg_ctl stop", **_as_pg_user())
 
 
 def postgres_url_for(sock: Path, role: str = PG_OWNER) -> str:

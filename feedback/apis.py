@@ -13,6 +13,7 @@ from django.conf import settings
 from django.core.exceptions import RequestDataTooBig
 from django.core.handlers.asgi import ASGIRequest
 from django.core.serializers.json import DjangoJSONEncoder
+from django.core.validators import RegexValidator
 from django.http import StreamingHttpResponse
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, extend_schema, inline_serializer
@@ -40,6 +41,7 @@ from feedback.auth import (
     bearer_token,
     webhook_principal,
 )
+from feedback.event_schema import EVENT_BATCH, EVENT_RESULTS
 from feedback.events import MAX_DEPTH
 from feedback.ratelimit import ingest_rate_check
 from feedback.services import feedback_ingest
@@ -53,8 +55,8 @@ class IngestApi(APIView):
 
     @extend_schema(
         summary="Send trajectories and feedback",
-        request=inline_serializer("EventBatch", {"events": serializers.ListField(child=serializers.DictField())}),
-        responses={202: inline_serializer("EventResults", {"results": serializers.ListField()})},
+        request={"application/json": EVENT_BATCH},
+        responses={202: EVENT_RESULTS},
     )
     def post(self, request) -> Response:
         body = _body(request)
@@ -232,13 +234,30 @@ class TrajectoryPagination(CursorPagination):
         return out
 
 
+_NO_NUL = RegexValidator(r"^[^\x00]*$", "remove the NUL character (PostgreSQL text cannot hold it)")
+
+
 class TrajectoryFilter(serializers.Serializer):
     since = serializers.DateTimeField(required=False)
     until = serializers.DateTimeField(required=False)
     policy_version = serializers.IntegerField(required=False, min_value=0)
-    signal = serializers.CharField(required=False, max_length=64)
-    task = serializers.CharField(required=False, max_length=100)
+    # Filtered on as sent (not trimmed: a value of spaces would trim to a "blank" 400). CharField
+    # refuses NUL anyway; the validator puts that into the published schema.
+    signal = serializers.CharField(required=False, max_length=64, trim_whitespace=False, validators=[_NO_NUL])
+    task = serializers.CharField(required=False, max_length=100, trim_whitespace=False, validators=[_NO_NUL])
     source = serializers.ChoiceField(choices=["live", "simulated", "eval"], required=False)
+
+
+class TrajectoryPageParams(serializers.Serializer):
+    cursor = serializers.CharField(required=False, help_text="The `next` or `previous` link's cursor.")
+    limit = serializers.IntegerField(required=False, help_text=(
+        f"Rows per page, 1 to {TrajectoryPagination.max_page_size} (other values give "
+        f"{TrajectoryPagination.page_size}); a page also ends at READ_PAGE_MAX_BYTES."))
+
+
+TRAJECTORY_PAGE = inline_serializer("TrajectoryPage", {
+    "next": serializers.URLField(allow_null=True), "previous": serializers.URLField(allow_null=True),
+    "results": TrajectoryOutput(many=True)})
 
 
 def _project_of(request):
@@ -257,7 +276,8 @@ class TrajectoryListApi(APIView):
 
     permission_classes = [HasReadScope]
 
-    @extend_schema(parameters=[TrajectoryFilter], responses=TrajectoryOutput(many=True))
+    @extend_schema(parameters=[TrajectoryFilter, TrajectoryPageParams], operation_id="v1_trajectories_list",
+                   responses=TRAJECTORY_PAGE)
     def get(self, request) -> Response:
         filters = TrajectoryFilter(data=request.query_params)
         filters.is_valid(raise_exception=True)

@@ -8,7 +8,7 @@ project's version is a 404 (nothing recorded), and refusals past a rate are 429s
 
 from __future__ import annotations
 
-from drf_spectacular.utils import extend_schema
+from drf_spectacular.utils import extend_schema, inline_serializer
 from rest_framework import serializers
 from rest_framework.permissions import IsAuthenticated
 from rest_framework.response import Response
@@ -66,7 +66,8 @@ class VersionListApi(APIView):
     class FilterSerializer(serializers.Serializer):
         state = serializers.ChoiceField(choices=[s for s, _ in PolicyVersion.STATES], required=False)
 
-    @extend_schema(parameters=[FilterSerializer], responses=VersionOutput(many=True))
+    @extend_schema(parameters=[FilterSerializer], operation_id="v1_versions_list",
+                   responses=inline_serializer("VersionList", {"results": VersionOutput(many=True)}))
     def get(self, request) -> Response:
         filters = self.FilterSerializer(data=request.query_params)
         filters.is_valid(raise_exception=True)
@@ -85,14 +86,36 @@ class VersionDetailApi(APIView):
         return Response(VersionOutput(version).data)
 
 
+# What approve/reject/rollback accept: a reason with a non-blank character (the audit log keeps
+# it), at most 2,000 characters, no NUL (PostgreSQL text cannot hold it).
+REASON_BODY = {
+    "type": "object",
+    "required": ["reason"],
+    "properties": {"reason": {"type": "string", "minLength": 1, "maxLength": 2000, "pattern": "^[^\\x00]*[^\\s\\x00][^\\x00]*$",
+                              "description": "Why, in a sentence: kept in the audit log."}},
+}
+
+
+class StrictCharField(serializers.CharField):
+    """Takes only a string, as REASON_BODY says (DRF's CharField turns a number into its digits)."""
+
+    def to_internal_value(self, data):
+        if not isinstance(data, str):
+            self.fail("invalid")
+        return super().to_internal_value(data)
+
+
 class _PromoteApi(APIView):
     action: Action
     permission_classes = [IsAuthenticated]
 
     class InputSerializer(serializers.Serializer):
-        reason = serializers.CharField(max_length=2000, allow_blank=True, required=False, default="")
+        # Lenient on purpose: a missing reason is refused by candidate_promote *after* it has
+        # recorded a refusal of who may not act; REASON_BODY documents what is accepted. Not
+        # trimmed, so that the 2,000 characters are counted as sent, as REASON_BODY says.
+        reason = StrictCharField(max_length=2000, allow_blank=True, required=False, default="", trim_whitespace=False)
 
-    @extend_schema(request=InputSerializer, responses=VersionOutput)
+    @extend_schema(request={"application/json": REASON_BODY}, responses=VersionOutput)
     def post(self, request, version_id: int) -> Response:
         data = self.InputSerializer(data=request.data)
         data.is_valid(raise_exception=True)

@@ -297,6 +297,7 @@ SPECTACULAR_SETTINGS = {
     "DESCRIPTION": "Ingest user feedback and trajectories; read them back; manage model promotions.",
     "VERSION": "1",
     "SERVE_INCLUDE_SCHEMA": False,
+    "POSTPROCESSING_HOOKS": ["webapp.openapi.postprocess"],  # error responses and links
 }
 
 FLYWHEEL_CHECKPOINT_DIR = Path(env_str("FLYWHEEL_CHECKPOINT_DIR", str(VAR_DIR / "checkpoints")))

@@ -11,6 +11,7 @@ from webapp.throttle import ThrottledAdminAuthenticationForm, ThrottledAuthentic
 admin.site.login_form = ThrottledAdminAuthenticationForm
 # A database error outside a view is a 503 page too (core/errors.py), never a 500 trace.
 handler500 = "core.errors.server_error"
+handler404 = views.not_found
 
 api_v1 = [
     path("api/v1/events", IngestApi.as_view(), name="api-events"),

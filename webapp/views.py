@@ -16,12 +16,23 @@ from django.shortcuts import redirect, render
 from django.utils import timezone
 from django.utils.dateparse import parse_datetime
 from django.views.decorators.http import require_POST
+from django.views.defaults import page_not_found
 
 from core.errors import ApplicationError, BadRequest, Forbidden, html_error_response
 from training.versions.selectors import policy_by_number, production_at
 from webapp import charts, selectors, services
 
 View = Callable[..., HttpResponse]
+
+
+def not_found(request: HttpRequest, exception: Exception) -> HttpResponse:
+    """handler404: under /api/ a JSON error in the API's one shape (an API client gets no HTML
+    page, e.g. for /api/v1/versions/abc, whose id is not a number); elsewhere Django's page."""
+    if not request.path.startswith("/api/"):
+        return page_not_found(request, exception)
+    body = {"error": {"code": "not_found", "message": f"no API operation answers {request.path[:200]!r}",
+                      "fix": "Check the path against /api/docs/ (version ids are integers)."}}
+    return JsonResponse(body, status=404)
 
 
 def healthz(request: HttpRequest) -> JsonResponse:
