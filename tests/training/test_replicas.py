@@ -186,6 +186,27 @@ def test_a_canary_is_pushed_with_its_share_to_every_replica_and_its_promotion_se
     agent.server.close()
 
 
+def test_a_rollback_sends_one_delta_computed_between_the_two_versions(creds, production, tmp_path):
+    v2 = _child(creds.project, production, tmp_path, seed=7)
+    agent = _agent(creds.project, production, tmp_path)
+    _make_production(v2)
+    agent.receive(_production_push(production, v2))
+    assert set(agent.held) == {v2.manifest_hash}  # it no longer holds v1
+    now = timezone.now()
+    row = ServingReplica.objects.create(project=creds.project, address="http://10.0.0.9:8002", version=2,
+                                        registered_at=now, heartbeat_at=now)
+    _make_production(production)  # back to v1, a parent: no stored delta leads there
+    (body,) = _Planner(serving_target(creds.project.id), [row]).bodies(row)
+    header, blobs, files = push.push_decode(body)
+    assert header["base"] == v2.manifest_hash and len(blobs) == 1 and files == {}
+    assert push.read_manifest(blobs[0])["kind"] == "delta"
+    assert len(blobs[0]) < checkpoint_store().manifest(production.manifest_hash)["blob_bytes"]
+    assert agent.receive(body)["version"] == 1
+    assert agent.held[production.manifest_hash].checkpoint == checkpoint_store().manifest(
+        production.manifest_hash)["checkpoint_hash"]
+    agent.server.close()
+
+
 # --- real serving processes -----------------------------------------------------------------------
 
 
