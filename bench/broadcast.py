@@ -19,6 +19,10 @@ Measured:
   answered by another version (the Flywheel-Policy-Version header). Must be 0. checked_after_ack
   says how many such requests were looked at.
 
+Then (unless --canary-share 0) the gate policy gets a canary share and a v3 is approved: it goes
+to every replica as a canary (the delta from v2 each holds), and `--canary-requests` completions
+spread evenly over the replicas measure the share of traffic it got (canary_share_observed).
+
 With --json the last line is one JSON object.
 """
 
@@ -70,7 +74,8 @@ def main() -> int:
             except subprocess.TimeoutExpired:
                 p.kill()
     _report(args, result)
-    return 0 if result["stale_responses"] == 0 and result["replicas_on_new"] == args.replicas else 1
+    ok = result["stale_responses"] == 0 and result["replicas_on_new"] == args.replicas
+    return 0 if ok and result.get("replicas_with_canary", args.replicas) == args.replicas else 1
 
 
 def _args() -> argparse.Namespace:
@@ -82,6 +87,8 @@ def _args() -> argparse.Namespace:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=4096)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--canary-share", type=float, default=0.25)
+    parser.add_argument("--canary-requests", type=int, default=400)
     parser.add_argument("--json", action="store_true")
     return parser.parse_args()
 
@@ -147,7 +154,7 @@ def _prepare(args: argparse.Namespace) -> dict:
     v2 = policy_register(creds.project, VAR / "v2", parent=v1, state="awaiting_approval")
     approver = User.objects.create_user("bench-approver", password="bench-approver-password-1")
     approver.user_permissions.add(Permission.objects.get(codename="approve_promotion"))
-    return {"project": creds.project, "v2": v2, "changed": changed, "approver": User.objects.get(id=approver.id),
+    return {"project": creds.project, "v2": v2, "v2_dir": VAR / "v2", "changed": changed, "approver": User.objects.get(id=approver.id),
             "serve_key": api_key_create(creds.project, ["serve"], "bench"),
             "full_bytes": (VAR / "v2" / "model.safetensors").stat().st_size}
 
@@ -211,7 +218,45 @@ def _measure(args: argparse.Namespace, state: dict, urls: dict[str, str]) -> dic
     for t in threads:
         t.join(130)
     rows = {r.address: r for r in ServingReplica.objects.filter(project=state["project"])}
-    return _figures(args, state, urls, answers, rows, start, max(acked, done), number)
+    result = _figures(args, state, urls, answers, rows, start, max(acked, done), number)
+    if args.canary_share > 0:
+        result.update(_canary(args, state, urls))
+    return result
+
+
+def _canary(args: argparse.Namespace, state: dict, urls: dict[str, str]) -> dict:
+    """A canary of v3 at --canary-share on every replica; the share of answers it gave."""
+    import httpx
+
+    from training.models import ServingReplica
+    from training.promotion.services import candidate_promote, gate_policy_update
+    from training.versions.services import policy_register
+
+    gate_policy_update(state["project"], state["approver"], "bench: canary", canary_share=args.canary_share)
+    sparse_child(state["v2_dir"], VAR / "v3", args.changed, args.seed + 2)
+    v3 = policy_register(state["project"], VAR / "v3", parent=state["v2"], state="awaiting_approval")
+    start = time.time()
+    candidate_promote(v3, state["approver"], "approve", "bench: canary")
+    took = time.time() - start
+    rows = list(ServingReplica.objects.filter(project=state["project"]))
+    versions: list[int] = []
+    body = {"model": "broadcast", "prompt": "x = 1", "max_tokens": 1, "temperature": 0}
+
+    def ask(url: str, n: int) -> None:
+        with httpx.Client(timeout=120, headers={"Authorization": f"Bearer {state['serve_key']}"}) as http:
+            for _ in range(n):
+                versions.append(int(http.post(url + "/v1/completions", json=body).headers["flywheel-policy-version"]))
+
+    threads = [threading.Thread(target=ask, args=(u, args.canary_requests // len(urls))) for u in urls]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return {"canary_share": args.canary_share, "canary_broadcast_s": round(took, 3),
+            "canary_bytes": sum(r.pushed_bytes for r in rows),
+            "replicas_with_canary": sum(1 for r in rows if r.canary == v3.number),
+            "canary_share_observed": round(sum(v == v3.number for v in versions) / max(len(versions), 1), 3),
+            "canary_responses": len(versions)}
 
 
 def _figures(args, state, urls, answers, rows, start, done, number) -> dict:
@@ -248,6 +293,10 @@ def _report(args: argparse.Namespace, r: dict) -> None:
           f"ratio {r['ratio']}x (goal >= 20x)")
     print(f"stale_responses {r['stale_responses']} of {r['checked_after_ack']} requests sent after their "
           f"replica's ack ({r['responses']} responses in all)")
+    if "canary_share" in r:
+        print(f"canary v3 at share {r['canary_share']}: on {r['replicas_with_canary']} of {r['replicas']} replicas "
+              f"{r['canary_broadcast_s']} s after the approval, {r['canary_bytes']:,} bytes pushed; it answered "
+              f"{r['canary_share_observed']:.3f} of {r['canary_responses']} requests spread over the replicas")
     if args.json:
         print(json.dumps(r))
 
