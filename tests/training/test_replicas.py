@@ -30,7 +30,7 @@ from training.promotion.services import candidate_promote
 from training.replicas import push
 from training.replicas.agent import ReplicaAgent
 from training.replicas.selectors import replica_rows, replicas_live
-from training.replicas.services import _Planner
+from training.replicas.services import PushPlanner
 from training.versions.selectors import serving_target
 from training.versions.services import checkpoint_store, policy_folder, policy_register, version_transition
 
@@ -160,7 +160,7 @@ def test_a_canary_is_pushed_with_its_share_to_every_replica_and_its_promotion_se
     CanaryRun.objects.create(version=v2, baseline=production, share=0.25)
     version_transition(v2, "canary", "test", "canary_start", "test")
     target = serving_target(creds.project.id)
-    planner = _Planner(target, rows)
+    planner = PushPlanner(target, rows)
     plans = [planner.bodies(r) for r in rows]
     assert all(len(p) == 1 for p in plans) and len({p[0] for p in plans}) == 1  # built once, same for all
     header, blobs, _ = push.push_decode(plans[0][0])
@@ -176,7 +176,7 @@ def test_a_canary_is_pushed_with_its_share_to_every_replica_and_its_promotion_se
     _make_production(v2)
     for row in rows:
         row.canary, row.canary_share = 2, 0.25
-    bodies = _Planner(serving_target(creds.project.id), rows).bodies(rows[0])
+    bodies = PushPlanner(serving_target(creds.project.id), rows).bodies(rows[0])
     promote, drop = (push.push_decode(b) for b in bodies)
     assert promote[0]["base"] == v2.manifest_hash and promote[1] == [] and promote[2] == {}
     assert drop[0] == {"role": "canary", "version": None, "blobs": [], "files": {}}
@@ -196,7 +196,7 @@ def test_a_rollback_sends_one_delta_computed_between_the_two_versions(creds, pro
     row = ServingReplica.objects.create(project=creds.project, address="http://10.0.0.9:8002", version=2,
                                         registered_at=now, heartbeat_at=now)
     _make_production(production)  # back to v1, a parent: no stored delta leads there
-    (body,) = _Planner(serving_target(creds.project.id), [row]).bodies(row)
+    (body,) = PushPlanner(serving_target(creds.project.id), [row]).bodies(row)
     header, blobs, files = push.push_decode(body)
     assert header["base"] == v2.manifest_hash and len(blobs) == 1 and files == {}
     assert push.read_manifest(blobs[0])["kind"] == "delta"
@@ -205,6 +205,25 @@ def test_a_rollback_sends_one_delta_computed_between_the_two_versions(creds, pro
     assert agent.held[production.manifest_hash].checkpoint == checkpoint_store().manifest(
         production.manifest_hash)["checkpoint_hash"]
     agent.server.close()
+
+
+def test_a_push_needs_the_internal_token_a_registered_replica_and_a_whole_body(settings, rf):
+    from inference import replica as replica_view
+
+    settings.FLYWHEEL_INTERNAL_TOKEN = TOKEN
+
+    def post(token: str):
+        return replica_view.push(rf.post("/internal/push", data=b"FWPUSH1\n", content_type="application/octet-stream",
+                                         HTTP_AUTHORIZATION=f"Bearer {token}"))
+
+    assert post("wrong").status_code == 401
+    refused = post(TOKEN)
+    assert refused.status_code == 409 and b"serve_policy" in refused.content
+    body = push.push_encode({"role": "canary", "version": None}, [b"abc"], {"config.json": b"{}"})
+    assert push.push_decode(body)[1:] == ([b"abc"], {"config.json": b"{}"})
+    for broken in (body[:-1], body + b"x", b"FWPUSH1\n" + body[8:12]):
+        with pytest.raises(push.PushMalformed):
+            push.push_decode(broken)
 
 
 # --- real serving processes -----------------------------------------------------------------------

@@ -100,12 +100,13 @@ class ReplicaAgent:
         """The server's resolver: only what the database says; from the held weights when this
         replica holds them, else from the checkpoint store (and held from then on)."""
         version = servable_version(self.project, number, role)
-        held = self.held.get(version.manifest_hash) if version.manifest_hash else None
-        if held is not None:
-            return held.folder
-        folder = self._from_store(number, role)
-        self.adopt(version, folder)
-        return folder
+        with self._lock:  # /internal/load reaches here without a push's lock
+            held = self.held.get(version.manifest_hash) if version.manifest_hash else None
+            if held is not None:
+                return held.folder
+            folder = self._from_store(number, role)
+            self.adopt(version, folder)
+            return folder
 
     def adopt(self, version: PolicyVersion, folder: Path) -> None:
         """Hold weights the server loaded from `folder` (so pushes can start from them)."""

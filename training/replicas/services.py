@@ -77,7 +77,7 @@ def replicas_broadcast(target: DeployTarget, token: str, timeout: float = PUSH_T
     replicas = list(replicas_live(target.project_id))
     if not replicas:
         return []
-    planner = _Planner(target, replicas)
+    planner = PushPlanner(target, replicas)
     plans = [(r, planner.bodies(r)) for r in replicas]  # database and store reads stay on this thread
     with ThreadPoolExecutor(max_workers=min(len(plans), 32)) as pool:
         outcomes = list(pool.map(lambda p: _send(p[0], p[1], token, timeout), plans))
@@ -121,7 +121,7 @@ def _reason(response: httpx.Response) -> str:
         return response.text[:500]
 
 
-class _Planner:
+class PushPlanner:
     """Builds each replica's push bodies; a body is built once per (role, version, base) and
     shared by every replica that needs it (the usual case: all hold the same production)."""
 
