@@ -262,3 +262,36 @@ class CanaryRun(models.Model):
             models.UniqueConstraint(fields=["version"], condition=models.Q(decided_at__isnull=True),
                                     name="one_open_canary_per_version"),
         ]
+
+
+# --- serving replicas (training.replicas) ----------------------------------------------------------
+
+
+class ServingReplica(models.Model):
+    """A serving process (`manage.py serve_policy`) that registered itself: the address of its
+    internal listener, what it serves, when it last beat. Live while its heartbeat is fresher than
+    FLYWHEEL_REPLICA_STALE_S and it has not said it stopped; a promotion pushes to live ones only."""
+
+    STATES = [("serving", "serving"), ("stopped", "stopped")]
+
+    project = models.ForeignKey(Project, on_delete=models.CASCADE, related_name="replicas")
+    address = models.CharField(max_length=300)  # base URL of its internal listener (/internal/push)
+    hostname = models.CharField(max_length=255, blank=True, default="")
+    pid = models.PositiveIntegerField(null=True, blank=True)
+    engine = models.CharField(max_length=32, blank=True, default="")
+    state = models.CharField(max_length=16, choices=STATES, default="serving")
+    version = models.PositiveIntegerField(null=True, blank=True)  # the production version it serves
+    canary = models.PositiveIntegerField(null=True, blank=True)
+    canary_share = models.FloatField(default=0.0)
+    registered_at = models.DateTimeField()
+    heartbeat_at = models.DateTimeField()
+    acked_at = models.DateTimeField(null=True, blank=True)  # when it last acknowledged a push
+    pushed_bytes = models.BigIntegerField(default=0)  # bytes of the last push it acknowledged
+    error = models.TextField(blank=True, default="")  # why the last push failed ("" after an ack)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["project", "address"], name="uniq_replica_address")]
+        indexes = [models.Index(fields=["project", "-heartbeat_at"], name="replica_project_beat")]
+
+    def __str__(self) -> str:
+        return f"{self.project.slug} replica {self.address}"

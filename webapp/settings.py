@@ -330,6 +330,10 @@ FLYWHEEL_GATE_TIME_LIMIT_S = env_int("FLYWHEEL_GATE_TIME_LIMIT_S", 1800)
 FLYWHEEL_SWEEP_REQUEUE_AFTER_S = env_int("FLYWHEEL_SWEEP_REQUEUE_AFTER_S", 300)
 FLYWHEEL_SWEEP_MAX_ATTEMPTS = env_int("FLYWHEEL_SWEEP_MAX_ATTEMPTS", 3)
 FLYWHEEL_INTERNAL_TOKEN = env_str("FLYWHEEL_INTERNAL_TOKEN", "")
+# Serving replicas (training/replicas): each beats every FLYWHEEL_REPLICA_HEARTBEAT_S; one silent
+# for FLYWHEEL_REPLICA_STALE_S counts as down (a promotion skips it; it catches up when it returns).
+FLYWHEEL_REPLICA_HEARTBEAT_S = env_float("FLYWHEEL_REPLICA_HEARTBEAT_S", 5.0)
+FLYWHEEL_REPLICA_STALE_S = env_float("FLYWHEEL_REPLICA_STALE_S", 30.0)
 # Who may read /metrics (web app and serving process): bearers of this token; unset, loopback only.
 FLYWHEEL_METRICS_TOKEN = env_str("FLYWHEEL_METRICS_TOKEN", "")
 # Train/inference agreement: on data sampled by the very weights being trained, the behaviour and

@@ -19,6 +19,7 @@ from django.views.decorators.http import require_POST
 from django.views.defaults import page_not_found
 
 from core.errors import ApplicationError, BadRequest, Forbidden, html_error_response
+from training.replicas.selectors import replica_rows
 from training.versions.selectors import policy_by_number, production_at
 from webapp import charts, selectors, services
 
@@ -149,7 +150,7 @@ def registry(request: HttpRequest, slug: str) -> HttpResponse:
     at = _when(at_raw) if at_raw else None
     return render(request, "dashboard/registry.html", _ctx(
         request, project, "registry", rows=selectors.registry(project), audit=selectors.audit_log(project),
-        at=at_raw, live_at=production_at(project, at) if at else None, now=timezone.now()))
+        replicas=replica_rows(project), at=at_raw, live_at=production_at(project, at) if at else None, now=timezone.now()))
 
 
 def _when(raw: str) -> datetime:

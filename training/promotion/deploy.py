@@ -4,9 +4,12 @@
 what a project should serve. The desired state is always in the database (the PolicyVersion
 states; `serving_target` reads it), so a transport only has to *announce* it:
 
-- "http" (the default when FLYWHEEL_INFERENCE_URL is set): POST the serving process's
-  /internal/load (FLYWHEEL_INFERENCE_INTERNAL_URL, its loopback listener), which checks the numbers
-  against the database, verifies and hot-swaps the weights (HttpTransport below).
+- "http" (the default when FLYWHEEL_INFERENCE_URL is set): push every live registered replica of
+  the project (training/replicas: `serve_policy` registers each, with the address of its internal
+  listener) only the delta chain it lacks, on /internal/push; each verifies against the manifest,
+  swaps and acks, and its row records what it serves. A project with no registered replica (a
+  serving process of an older release) gets the legacy POST of /internal/load at
+  FLYWHEEL_INFERENCE_INTERNAL_URL. Either way the server checks the numbers against the database.
 - "record": push a `deploy` notice to the dashboard only; `serve_policy` picks the production
   version up when it (re)starts.
 Transports register with `@register_transport(name)`; settings.FLYWHEEL_DEPLOY_TRANSPORT chooses.
@@ -24,6 +27,8 @@ from django.conf import settings
 
 from core.notify import project_event
 from training.models import PolicyVersion
+from training.replicas.selectors import replicas_registered
+from training.replicas.services import replicas_broadcast
 from training.versions.selectors import DeployTarget, serving_target
 
 log = logging.getLogger(__name__)
@@ -86,10 +91,13 @@ def deploy_hook(version: PolicyVersion) -> DeployTarget:
 
 @register_transport("http")
 class HttpTransport(DeployTransport):
-    """POSTs the target to the serving process's internal endpoint (inference/apis.py), which
-    loads and verifies the weights and swaps between requests."""
+    """Pushes the target to every live replica (deltas only), or POSTs it to the one serving
+    process's internal endpoint (inference/apis.py) when none registered."""
 
     def send(self, target: DeployTarget) -> None:
+        if replicas_registered(target.project_id):
+            self._broadcast(target)
+            return
         url = settings.FLYWHEEL_INFERENCE_INTERNAL_URL.rstrip("/") + "/internal/load"
         body: dict[str, Any] = {"canary": target.canary}
         if target.production is not None:
@@ -100,3 +108,16 @@ class HttpTransport(DeployTransport):
         response = httpx.post(url, json=body, headers=headers, timeout=120)
         response.raise_for_status()
         project_event(target.project_id, {"type": "deploy", "served": response.json(), **target.as_dict()})
+
+    def _broadcast(self, target: DeployTarget) -> None:
+        outcomes = replicas_broadcast(target, settings.FLYWHEEL_INTERNAL_TOKEN)
+        project_event(target.project_id, {"type": "deploy", "replicas": [o.as_dict() for o in outcomes],
+                                          **target.as_dict()})
+        failed = [o for o in outcomes if not o.ok]
+        if failed:
+            raise ReplicaPushFailed("; ".join(f"{o.address}: {o.error}" for o in failed))
+
+
+class ReplicaPushFailed(RuntimeError):
+    """Some replicas did not take the push (their rows say why); they catch up from the store
+    within two heartbeats, or when they restart."""

@@ -1,12 +1,20 @@
 """python manage.py serve_policy --project SLUG [--port 8001] [--internal-port 8002] [--engine vllm|torch]
-    [--model-dir DIR]
+    [--internal-host 127.0.0.1] [--advertise URL] [--model-dir DIR]
 
 Serves what the project should serve (`serving_target`: production, and its canary on a share of
 traffic) in the foreground over an OpenAI-compatible HTTP API (bearer keys of scope `serve`);
 every completion is recorded as a trajectory. Ctrl-C flushes and stops.
 
-/internal/load listens on its own port on loopback (default: the public port + 1) and loads only
-what the database says the project serves: production, or the running canary.
+/internal/load and /internal/push listen on their own port (default: the public port + 1), on
+loopback unless --internal-host (FLYWHEEL_INTERNAL_HOST) names another address, always behind
+FLYWHEEL_INTERNAL_TOKEN, and load only what the database says the project serves: production, or
+the running canary.
+
+Serving the project's versions, the process registers as a replica (training/replicas): a row with
+the address of its internal listener (--advertise, FLYWHEEL_REPLICA_ADVERTISE_URL; default that
+listener's address, this host's name when it binds all interfaces), what it serves and a heartbeat
+every FLYWHEEL_REPLICA_HEARTBEAT_S. A promotion pushes it the deltas it lacks (/internal/push);
+on (re)start it loads what the database says, so a replica that was down catches up.
 
 It lives in `training` because it knows both sides: the versions (which weights, verified from
 the checkpoint store) and the serving process (`inference.serving`), which is handed folders and
@@ -19,20 +27,23 @@ import asyncio
 import logging
 import os
 import signal
+import socket
 from pathlib import Path
 from typing import Any
 
+from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 from django.db import InterfaceError, OperationalError, close_old_connections
 
 from core.errors import NotFound
 from feedback.models import Project
 from feedback.services import feedback_ingest, quarantine_record
-from inference import metrics, serving
+from inference import metrics, replica, serving
 from inference.engine import EngineFactory
 from inference.listeners import serve_both
 from inference.serving import PolicyServer, Recorder, ServingError
 from kernels.delta import CheckpointCorrupt
+from training.replicas.agent import ReplicaAgent, servable_version
 from training.versions.selectors import policy_get, serving_target
 from training.versions.services import policy_folder
 
@@ -47,7 +58,12 @@ class Command(BaseCommand):
         parser.add_argument("--host", default="127.0.0.1")
         parser.add_argument("--port", type=int, default=8001)
         parser.add_argument("--internal-port", type=int, default=None,
-                            help="loopback port of /internal/load (default: --port + 1)")
+                            help="port of /internal/load and /internal/push (default: --port + 1)")
+        parser.add_argument("--internal-host", default=os.environ.get("FLYWHEEL_INTERNAL_HOST", "127.0.0.1"),
+                            help="address the internal listener binds (default loopback; 0.0.0.0 so that "
+                                 "promotions from other machines reach it: FLYWHEEL_INTERNAL_TOKEN required)")
+        parser.add_argument("--advertise", default=os.environ.get("FLYWHEEL_REPLICA_ADVERTISE_URL", ""),
+                            help="URL of the internal listener as other machines reach it (registered)")
         parser.add_argument("--engine", choices=["vllm", "torch"], default=os.environ.get("FLYWHEEL_ENGINE", "vllm"))
         parser.add_argument("--model-dir", default=None, help="serve this HF folder instead of the production version")
         parser.add_argument("--policy-version", type=int, default=None, help="serve this version, not production")
@@ -55,19 +71,30 @@ class Command(BaseCommand):
         parser.add_argument("--no-record", action="store_true", help="do not store completions as trajectories")
 
     def handle(self, *args, **opts):
+        internal_host, internal_port = opts["internal_host"], opts["internal_port"] or opts["port"] + 1
+        if internal_host not in LOOPBACK and not settings.FLYWHEEL_INTERNAL_TOKEN:
+            raise CommandError(f"--internal-host {internal_host} exposes /internal/* beyond this machine: set "
+                               "FLYWHEEL_INTERNAL_TOKEN (the web app sends the same) or keep it on 127.0.0.1")
         server = self._server(opts)
         serving.SERVER = server
-        internal_port = opts["internal_port"] or opts["port"] + 1
+        agent = None
+        if opts["model_dir"] is None and opts["policy_version"] is None:
+            address = opts["advertise"] or advertised_address(internal_host, internal_port)
+            agent = _agent(server, opts, address)
+            replica.RECEIVER = agent.receive
         self.stdout.write(f"serving {server.model_name(server.engine.version)} ({opts['engine']}) on "
-                          f"http://{opts['host']}:{opts['port']}/v1 (internal: 127.0.0.1:{internal_port})",
-                          ending="\n")
+                          f"http://{opts['host']}:{opts['port']}/v1 (internal: {internal_host}:{internal_port}"
+                          f"{f', registered as {agent.address}' if agent else ''})", ending="\n")
         self.stdout.flush()
         # uvicorn re-raises SIGTERM after its graceful shutdown; with the default action the process
         # would die before the recorder flushes. Raising SystemExit runs the `finally` below.
         signal.signal(signal.SIGTERM, _exit_on_signal)
         try:
-            asyncio.run(serve_both(opts["host"], opts["port"], "127.0.0.1", internal_port))
+            asyncio.run(serve_both(opts["host"], opts["port"], internal_host, internal_port))
         finally:
+            if agent is not None:
+                replica.RECEIVER = None
+                agent.stop()
             server.close()
             serving.SERVER = None
 
@@ -125,18 +152,35 @@ def _servable(project: Project, resolve):
     serves in that role (production, or the running canary) is loaded, whatever the caller asks."""
 
     def servable(number: int, role: str) -> Path:
-        close_old_connections()
-        target = serving_target(project.pk)
-        wanted = target.production if role == "production" else target.canary
-        if number != wanted:
-            version = policy_get(project, number)
-            state = version.state if version is not None else "unknown"
-            raise ServingError(409, f"v{number} is {state}, not the project's {role} (that is v{wanted})",
-                               "Promote it or start its canary first (dashboard or the versions API); the "
-                               "deploy then loads it.")
+        servable_version(project, number, role)
         return resolve(number, role)
 
     return servable
+
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def advertised_address(host: str, port: int) -> str:
+    """The internal listener's URL as the web app reaches it: loopback stays loopback; an
+    all-interfaces bind is reached by this host's name (a container's name on a compose network)."""
+    if host in ("0.0.0.0", "::", ""):
+        host = socket.gethostname()
+    return f"http://{f'[{host}]' if ':' in host else host}:{port}"
+
+
+def _agent(server: PolicyServer, opts: dict[str, Any], address: str) -> ReplicaAgent:
+    """Registers the process as a replica holding what it loaded at start, heartbeat running."""
+    project = Project.objects.get(slug=opts["project"])
+    work_dir = Path(settings.VAR_DIR) / "replicas" / f"{socket.gethostname()}-{opts['port']}"
+    agent = ReplicaAgent(project, server, address, _resolver(project), work_dir, engine=opts["engine"])
+    for engine in (server.engine, server.canary):
+        version = policy_get(project, engine.version) if engine is not None else None
+        if version is not None:
+            agent.adopt(version, engine.model_dir)
+    server.resolve = agent.resolve
+    agent.start()
+    return agent
 
 
 def _exit_on_signal(signum, frame) -> None:

@@ -1,0 +1,43 @@
+"""Reads of serving replicas: which are live (a fresh heartbeat, not stopped), and the registry's
+view of each (address, versions, heartbeat age).
+
+    .venv/bin/python -m pytest tests/training/test_replicas.py -q
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+from typing import Any
+
+from django.conf import settings
+from django.db.models import QuerySet
+from django.utils import timezone
+
+from feedback.models import Project
+from training.models import ServingReplica
+
+
+def replica_stale_before(now: datetime | None = None) -> datetime:
+    return (now or timezone.now()) - timedelta(seconds=settings.FLYWHEEL_REPLICA_STALE_S)
+
+
+def replicas_live(project_id: int) -> QuerySet[ServingReplica]:
+    """Replicas a push goes to: not stopped, heartbeat fresher than FLYWHEEL_REPLICA_STALE_S."""
+    return (ServingReplica.objects.filter(project_id=project_id, heartbeat_at__gte=replica_stale_before())
+            .exclude(state="stopped").order_by("address"))
+
+
+def replicas_registered(project_id: int) -> bool:
+    """Whether any serving process of the project ever registered (then pushes go to replicas)."""
+    return ServingReplica.objects.filter(project_id=project_id).exists()
+
+
+def replica_rows(project: Project) -> list[dict[str, Any]]:
+    """Every replica of the project, live ones first: address, versions, heartbeat age, status."""
+    now, cutoff = timezone.now(), replica_stale_before()
+    rows = []
+    for r in ServingReplica.objects.filter(project=project).order_by("-heartbeat_at")[:200]:
+        live = r.state != "stopped" and r.heartbeat_at >= cutoff
+        rows.append({"r": r, "live": live, "status": "live" if live else ("stopped" if r.state == "stopped" else "down"),
+                     "age_s": max((now - r.heartbeat_at).total_seconds(), 0.0)})
+    return sorted(rows, key=lambda row: not row["live"])
