@@ -43,6 +43,7 @@ if str(ROOT) not in sys.path:
 from bench._django import setup_django  # noqa: E402
 
 BENCH_DB = "flywheel_bench_serving"
+VLLM_SERVE_VENV = ROOT / "var" / "bench-vllm-serve-venv"
 LEVELS = (1, 4, 16, 64)
 SYSTEMS = ("ours", "vllm_serve", "serial")
 MAX_MODEL_LEN = 512
@@ -112,9 +113,27 @@ def start_ours(model_dir: Path, project: str, logs: Path, serial: bool) -> tuple
     return proc, f"http://127.0.0.1:{port}"
 
 
+def vllm_serve_python() -> Path:
+    """var/bench-vllm-serve-venv: the shared venv's packages (a .pth) plus `jmespath`, which vLLM's
+    OpenAI server imports (its SageMaker routes) and the project's venv does not carry; built on
+    first use, like bench/rl_step.py's TRL venv, so the project's pinned environment is unchanged."""
+    python = VLLM_SERVE_VENV / "bin" / "python"
+    if python.exists() and subprocess.run([python, "-c", "import jmespath, vllm"], capture_output=True).returncode == 0:
+        return python
+    print(f"building {VLLM_SERVE_VENV} (once)", file=sys.stderr)
+    subprocess.run([sys.executable, "-m", "venv", str(VLLM_SERVE_VENV)], check=True)
+    site = subprocess.run([python, "-c", "import site; print(site.getsitepackages()[0])"], check=True,
+                          capture_output=True, text=True).stdout.strip()
+    shared = subprocess.run([sys.executable, "-c", "import site; print(site.getsitepackages()[0])"], check=True,
+                            capture_output=True, text=True).stdout.strip()
+    Path(site, "_flywheel_shared.pth").write_text(shared + "\n")
+    subprocess.run([python, "-m", "pip", "install", "-q", "jmespath"], check=True)
+    return python
+
+
 def start_vllm_serve(model_dir: Path, logs: Path) -> tuple[subprocess.Popen, str]:
     port = _free_port()
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+    cmd = [str(vllm_serve_python()), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
            "--served-model-name", "tiny", "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN),
            "--enforce-eager", "--gpu-memory-utilization", "0.2", "--seed", "0",
            "--host", "127.0.0.1", "--port", str(port)]

@@ -28,6 +28,7 @@ import abc
 import asyncio
 import contextlib
 import os
+import tempfile
 import threading
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -554,7 +555,8 @@ class AsyncVLLMEngine(Engine):
         **engine_kwargs: Any,
     ) -> None:
         super().__init__(model_dir, version)
-        _set_vllm_env(kv_cache_gib)
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
         self.drain_timeout_s = drain_timeout_s
         self.peak_batch = 0
         self._in_flight, self._swapping, self._closed = 0, False, False
@@ -565,7 +567,8 @@ class AsyncVLLMEngine(Engine):
                         enforce_eager=True, logprobs_mode=logprobs_mode, disable_log_stats=True,
                         **engine_kwargs)
         try:
-            self.llm = self._call(self._start(settings))
+            with _multiprocessing_on():
+                self.llm = self._call(self._start(settings))
         except BaseException:
             self._stop_loop()
             raise
@@ -650,15 +653,22 @@ class AsyncVLLMEngine(Engine):
 
     # --- weights ------------------------------------------------------------------------------
     def load_weights(self, source: WeightsSource, version: int) -> None:
-        state = list(read_state_dict(source).items())  # read before holding requests back
-        with self._lock:
-            self._call(self._swap(state, version))
+        # The engine core (another process) reads the weights from a folder: tensors sent over
+        # its RPC arrive as nested lists. A state dict is written to a temporary folder first,
+        # before requests are held back.
+        with contextlib.ExitStack() as stack:
+            if isinstance(source, Mapping):
+                folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="flywheel-swap-")))
+                _save_safetensors(source, folder / "model.safetensors")
+                source = folder
+            with self._lock:
+                self._call(self._swap(str(source), version))
 
-    async def _swap(self, state: list[tuple[str, torch.Tensor]], version: int) -> None:
+    async def _swap(self, folder: str, version: int) -> None:
         try:
             await self._drained()
-            # Same in-place reload as VLLMEngine, run in the engine core's process.
-            await self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": state})
+            # Same in-place reload as VLLMEngine (re-runs process_weights_after_loading).
+            await self.llm.collective_rpc("reload_weights", kwargs={"weights_path": folder})
             await self.llm.reset_prefix_cache()  # cached KV blocks were computed by the old weights
             self._version = version
         finally:
@@ -683,6 +693,31 @@ class AsyncVLLMEngine(Engine):
         finally:
             self._closed = True
             await self._reopen()
+
+
+@contextlib.contextmanager
+def _multiprocessing_on() -> Iterator[None]:
+    # On CPU, vLLM sets up OpenMP (bound threads, a core left to the frontend) only in its
+    # multiprocess executor, as `vllm serve` runs it; with VLLMEngine's
+    # VLLM_ENABLE_V1_MULTIPROCESSING=0 the engine core runs the model itself without that set-up,
+    # and here stepped 3-5x slower. The flag is read while the engine is built and inherited by
+    # its processes; restored afterwards for in-process engines.
+    before = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+        else:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = before
+
+
+def _save_safetensors(state: Mapping[str, torch.Tensor], path: Path) -> None:
+    from safetensors.torch import save_file
+
+    # Copies: safetensors refuses tensors that share storage (tied embeddings) or are strided.
+    save_file({name: t.detach().contiguous().clone() for name, t in state.items()}, str(path))
 
 
 def _batch_logger(engine: AsyncVLLMEngine) -> Callable[..., Any]:
