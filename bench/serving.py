@@ -16,7 +16,8 @@ each round, so each system sees the same machine load):
 Load: the `openai` client (AsyncOpenAI), C concurrent clients (1, 4, 16, 64), each sending chat
 completions back to back for `--seconds`, max_tokens drawn in [16, 64] and a seed per request
 (the same sequence for every system). Reported: output tokens/s (completion tokens over wall
-time) and p50/p95 request latency. With --json the last line is one JSON object with
+time) and p50/p95 request latency, and where the CPU went per output token (the server process,
+vLLM's engine processes, PostgreSQL). With --json the last line is one JSON object with
 ours_tokens_per_s_C, vllm_serve_tokens_per_s_C, serial_tokens_per_s_C, *_p50_s_C, *_p95_s_C,
 and at 16 clients ratio_16 (ours / vllm throughput) and p95_ratio_16 (ours / vllm p95).
 """
@@ -56,11 +57,17 @@ class Run:
     tokens: int = 0
     seconds: float = 0.0
     latencies: list[float] = field(default_factory=list)
+    cpu: dict[str, float] = field(default_factory=dict)  # CPU seconds by part: frontend, engine, db
 
     def add(self, other: Run) -> None:
         self.tokens += other.tokens
         self.seconds += other.seconds
         self.latencies += other.latencies
+        for part, seconds in other.cpu.items():
+            self.cpu[part] = self.cpu.get(part, 0.0) + seconds
+
+    def cpu_ms_per_token(self, part: str) -> float:
+        return 1000 * self.cpu.get(part, 0.0) / max(self.tokens, 1)
 
     def tokens_per_s(self) -> float:
         return self.tokens / self.seconds if self.seconds else 0.0
@@ -142,6 +149,37 @@ def start_vllm_serve(model_dir: Path, logs: Path) -> tuple[subprocess.Popen, str
     return proc, f"http://127.0.0.1:{port}"
 
 
+# ----------------------------------------------------------------------------------- CPU
+
+
+def _cpu_seconds(procs: list) -> float:
+    total = 0.0
+    for p in procs:
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+        except Exception:  # noqa: BLE001 - a process that ended counts nothing
+            pass
+    return total
+
+
+def cpu_parts(server_pid: int) -> dict[str, list]:
+    """The processes whose CPU a run costs: the server's own (HTTP, engine frontend, recording),
+    its children (vLLM's engine core and workers) and this checkout's PostgreSQL (the recorder's
+    writes; its backends are its children)."""
+    import psutil
+
+    server = psutil.Process(server_pid)
+    pg = [p for p in psutil.process_iter(["cmdline"])
+          if p.info["cmdline"] and p.info["cmdline"][0].endswith("/postgres") and str(ROOT / "var") in " ".join(p.info["cmdline"])]
+    return {"frontend": [server], "engine": server.children(recursive=True),
+            "db": pg + [c for p in pg for c in p.children(recursive=True)]}
+
+
+def cpu_snapshot(server_pid: int) -> dict[str, float]:
+    return {part: _cpu_seconds(procs) for part, procs in cpu_parts(server_pid).items()}
+
+
 # ----------------------------------------------------------------------------------- load
 
 
@@ -213,8 +251,11 @@ def run(model_dir: Path, seconds: float, rounds: int, logs: Path) -> dict[str, d
             for r in range(rounds):
                 order = SYSTEMS[r % 3:] + SYSTEMS[:r % 3]
                 for name in order:
-                    base = servers[name][1]
+                    proc, base = servers[name]
+                    before = cpu_snapshot(proc.pid)
                     got = asyncio.run(drive(base, key, models[name], clients, seconds, seed=clients * 100 + r))
+                    after = cpu_snapshot(proc.pid)
+                    got.cpu = {part: after[part] - before.get(part, 0.0) for part in after}
                     results[name][clients].add(got)
                     print(f"  {name:<11}{clients:>4} clients: {got.tokens_per_s():8.1f} tok/s "
                           f"({len(got.latencies)} requests)", file=sys.stderr, flush=True)
@@ -238,6 +279,8 @@ def summary(results: dict[str, dict[int, Run]]) -> dict[str, float]:
             out[f"{prefix}_p50_s_{clients}"] = round(r.quantile(0.5), 4)
             out[f"{prefix}_p95_s_{clients}"] = round(r.quantile(0.95), 4)
             out[f"{prefix}_requests_{clients}"] = len(r.latencies)
+            for part in ("frontend", "engine", "db"):
+                out[f"{prefix}_{part}_cpu_ms_per_token_{clients}"] = round(r.cpu_ms_per_token(part), 3)
     ours, theirs = results["ours"][16], results["vllm_serve"][16]
     out["ratio_16"] = round(ours.tokens_per_s() / max(theirs.tokens_per_s(), 1e-9), 3)
     out["p95_ratio_16"] = round(ours.quantile(0.95) / max(theirs.quantile(0.95), 1e-9), 3)
@@ -255,6 +298,14 @@ def print_table(results: dict[str, dict[int, Run]]) -> None:
                          f"{r.quantile(0.95):6.3f}")
         ratio = results["ours"][c].tokens_per_s() / max(results["vllm_serve"][c].tokens_per_s(), 1e-9)
         print(f"{c:>7} | " + " | ".join(cells) + f" | {ratio:9.2f}")
+    print("\nCPU ms per output token (where the time goes): frontend = the HTTP server process (API, engine")
+    print("frontend, recording), engine = vLLM's engine core and workers, db = PostgreSQL (recorded writes)")
+    print(f"{'clients':>7} | " + " | ".join(f"{name:>22}" for name in SYSTEMS))
+    print(f"{'':>7} | " + " | ".join(f"{'front engine     db':>22}" for _ in SYSTEMS))
+    for c in LEVELS:
+        cells = [" ".join(f"{results[name][c].cpu_ms_per_token(part):6.2f}" for part in ("frontend", "engine", "db"))
+                 for name in SYSTEMS]
+        print(f"{c:>7} | " + " | ".join(f"{cell:>22}" for cell in cells))
 
 
 def main() -> None:

@@ -17,7 +17,9 @@ no top-k/top-p they equal `log_softmax(logits)` of the raw model; the trainer's 
 Threading: each engine serialises `generate`, `load_weights` and `close` with one lock, so a swap
 waits for the generate calls in flight (they finish on the old weights) and every later call sees
 the new weights; `Completion.version` names the weights that produced it. Batch concurrent
-requests into one `generate` call for throughput.
+requests into one `generate` call for throughput. The exception is AsyncVLLMEngine (kind
+"vllm-async", what the serving process runs): concurrent `agenerate` calls share its batches and a
+swap waits for the requests in flight.
 
 Tests: `.venv/bin/python -m pytest tests/inference -q -p no:django`
 """
@@ -617,7 +619,8 @@ class AsyncVLLMEngine(Engine):
             outs = await asyncio.gather(*(self._one(p, params) for p in prompts))
         finally:
             await self._release()
-        return [c for i, out in enumerate(outs) for c in _vllm_completions(i, out, version)]
+        decoder = None if params.detokenize else self._tokenizer
+        return [c for i, out in enumerate(outs) for c in _vllm_completions(i, out, version, decoder)]
 
     async def _one(self, prompt: list[int], params: Any) -> Any:
         final = None
@@ -748,24 +751,33 @@ def _vllm_params(n: int, sampling: SamplingParams, final_only: bool = False) -> 
     from vllm import SamplingParams as VParams
     from vllm.sampling_params import RequestOutputKind
 
+    # final_only (the async engine): the answer comes once, finished; without stop strings the
+    # frontend skips per-step detokenisation (of the text and of every log-prob's token, the
+    # behaviour log-probs being asked for every token) and the text is decoded once at the end.
+    lean = final_only and not sampling.stop
     return VParams(
         n=n, max_tokens=sampling.max_tokens, temperature=sampling.temperature,
         top_p=sampling.top_p, top_k=sampling.top_k if sampling.top_k > 0 else -1,
         seed=sampling.seed, stop=list(sampling.stop) or None,
         stop_token_ids=list(sampling.stop_token_ids) or None,
         ignore_eos=sampling.ignore_eos, logprobs=0,  # 0: the sampled token's own log-prob
-        # A whole answer is sent at once: no per-step output objects for the frontend to build.
         output_kind=RequestOutputKind.FINAL_ONLY if final_only else RequestOutputKind.CUMULATIVE,
+        detokenize=not lean, flat_logprobs=final_only,
     )
 
 
-def _vllm_completions(index: int, out: Any, version: int) -> Iterator[Completion]:
+def _vllm_completions(index: int, out: Any, version: int, tokenizer: Any = None) -> Iterator[Completion]:
+    """Completions of one vLLM RequestOutput; `tokenizer` decodes the text when vLLM did not."""
     for c in out.outputs:
-        logprobs = [step[tok].logprob for step, tok in zip(c.logprobs, c.token_ids, strict=True)]
+        if hasattr(c.logprobs, "start_indices"):  # FlatLogprobs: the sampled token first at each position
+            logprobs = [c.logprobs.logprobs[i] for i in c.logprobs.start_indices]
+        else:
+            logprobs = [step[tok].logprob for step, tok in zip(c.logprobs, c.token_ids, strict=True)]
         reason: FinishReason = "stop" if c.finish_reason == "stop" else "length"
+        text = c.text if tokenizer is None else tokenizer.decode(c.token_ids, skip_special_tokens=True)
         yield Completion(
             index, list(out.prompt_token_ids), list(c.token_ids), logprobs, reason,
-            c.text, version, None,
+            text, version, None,
         )
 
 
