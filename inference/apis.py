@@ -5,7 +5,8 @@ bearer key of scope `serve` of the served project) and the internal one on loopb
 (inference/internal_urls.py: /internal/load with FLYWHEEL_INTERNAL_TOKEN). Errors use the OpenAI
 shape {"error": {"message", "type", "code", "fix"}}, which the `openai` client raises as APIError.
 Every bound (body size, prompt characters, messages, n, max_tokens) is checked before the prompt
-reaches the tokenizer.
+reaches the tokenizer. The completion views are async: concurrent requests wait on the engine
+together (see PolicyServer.acomplete) instead of queueing for Django's one sync thread.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import time
 import uuid
 from typing import Any
 
+from asgiref.sync import iscoroutinefunction, sync_to_async
 from django.conf import settings
 from django.core.exceptions import RequestDataTooBig
 from django.http import HttpRequest, HttpResponse, JsonResponse
@@ -47,6 +49,16 @@ def _error(exc: ServingError) -> JsonResponse:
 
 
 def _handles_errors(view):
+    if iscoroutinefunction(view):
+        async def awrapped(request: HttpRequest, *args, **kwargs):
+            try:
+                return await view(request, *args, **kwargs)
+            except ServingError as exc:
+                return _error(exc)
+
+        awrapped.__name__ = view.__name__
+        return awrapped
+
     def wrapped(request: HttpRequest, *args, **kwargs):
         try:
             return view(request, *args, **kwargs)
@@ -85,12 +97,27 @@ def _serve_auth(request: HttpRequest) -> Principal:
     """The caller's key: scope `serve` (or admin) of the project this process serves. A process
     with no policy loaded says so first (503, as /healthz does): no key could be checked yet."""
     server = serving.current()
+    return _authorised(_principal(_token(request)), server)
+
+
+async def _aserve_auth(request: HttpRequest) -> Principal:
+    """`_serve_auth` for async views: a key not in the cache is looked up on Django's sync thread."""
+    server = serving.current()
+    token = _token(request)
+    principal = _cached_principal(token) or await sync_to_async(_principal)(token)
+    return _authorised(principal, server)
+
+
+def _token(request: HttpRequest) -> str:
     token = bearer_token(request.headers.get("authorization", ""))
     if token is None:
         raise ServingError(401, "no API key was sent",
                            "Send 'Authorization: Bearer fw_...' with a key of scope 'serve' "
                            "(manage.py create_key SLUG --scopes serve).")
-    principal = _principal(token)
+    return token
+
+
+def _authorised(principal: Principal, server: serving.PolicyServer) -> Principal:
     if principal.project.slug != server.project_slug:
         raise ServingError(403, "this key belongs to another project",
                            "Use a key of the project this serving process serves (GET /v1/models names it).")
@@ -98,6 +125,11 @@ def _serve_auth(request: HttpRequest) -> Principal:
         raise ServingError(403, "this API key lacks the 'serve' scope",
                            "Create a key with scope 'serve' (manage.py create_key SLUG --scopes serve).")
     return principal
+
+
+def _cached_principal(token: str) -> Principal | None:
+    cached = _keys.get(ApiKey.hash_key(token))
+    return cached[1] if cached is not None and cached[0] > time.monotonic() else None
 
 
 def _principal(token: str) -> Principal:
@@ -191,14 +223,14 @@ def _usage(request: CompletionRequest, served: Served) -> dict[str, int]:
             "total_tokens": len(request.prompt_ids) + completion}
 
 
-def _serve(body: dict[str, Any], messages: list[dict[str, Any]], encode, want_logprobs: bool):
+async def _serve(body: dict[str, Any], messages: list[dict[str, Any]], encode, want_logprobs: bool):
     """Checks every bound, picks the engine once (a canary draw included), then tokenises with
-    it, generates, records."""
+    it, generates (sharing the engine's batches with the other requests in flight), records."""
     server, model = serving.current(), _model(body)
     n, sampling, task = _number(body, "n", 1, 1, serving.MAX_N, integer=True), _sampling(body), _task(body)
     engine = server.pick_engine(model)
     req = CompletionRequest(model, encode(engine), messages, n, sampling, want_logprobs, task)
-    return server, engine, req, server.complete(req, engine)
+    return server, engine, req, await server.acomplete(req, engine)
 
 
 def _envelope(server, req: CompletionRequest, served: Served, chat: bool, choices: list) -> JsonResponse:
@@ -217,11 +249,11 @@ def _pairs(served: Served):
 @csrf_exempt
 @require_POST
 @_handles_errors
-def chat_completions(request: HttpRequest) -> JsonResponse:
-    _serve_auth(request)
+async def chat_completions(request: HttpRequest) -> JsonResponse:
+    await _aserve_auth(request)
     body = _json_body(request)
     messages = _messages(body)
-    server, engine, req, served = _serve(body, messages, lambda e: list(e.tokenizer.apply_chat_template(
+    server, engine, req, served = await _serve(body, messages, lambda e: list(e.tokenizer.apply_chat_template(
         messages, add_generation_prompt=True, tokenize=True, return_dict=False)), bool(body.get("logprobs")))
     decode = engine.tokenizer.decode
     choices = [{
@@ -238,15 +270,15 @@ def chat_completions(request: HttpRequest) -> JsonResponse:
 @csrf_exempt
 @require_POST
 @_handles_errors
-def completions(request: HttpRequest) -> JsonResponse:
-    _serve_auth(request)
+async def completions(request: HttpRequest) -> JsonResponse:
+    await _aserve_auth(request)
     body = _json_body(request)
     prompt = body.get("prompt")
     if not isinstance(prompt, str) or not prompt:
         raise ServingError(400, "'prompt' must be a non-empty string", "Send the text to continue.")
     _check_prompt_size([prompt])
     logprobs = body.get("logprobs")
-    server, engine, req, served = _serve(body, [{"role": "user", "content": prompt}], lambda e: e.encode(prompt),
+    server, engine, req, served = await _serve(body, [{"role": "user", "content": prompt}], lambda e: e.encode(prompt),
                                          logprobs is not None and logprobs is not False)
     decode = engine.tokenizer.decode
     choices = [{
@@ -269,10 +301,12 @@ def models(request: HttpRequest) -> JsonResponse:
 @csrf_exempt
 @require_POST
 @_handles_errors
-def load_version(request: HttpRequest) -> JsonResponse:
-    """Internal: {"version": N} (production) or {"canary": N, "share": 0.1} / {"canary": null}."""
+async def load_version(request: HttpRequest) -> JsonResponse:
+    """Internal: {"version": N} (production) or {"canary": N, "share": 0.1} / {"canary": null}.
+    On its own thread: a swap waits for the requests in flight, and must hold up nothing else."""
     _internal_auth(request)
-    return JsonResponse(serving.current().load(_json_body(request)))
+    body = _json_body(request)
+    return JsonResponse(await sync_to_async(serving.current().load, thread_sensitive=False)(body))
 
 
 def _internal_auth(request: HttpRequest) -> None:

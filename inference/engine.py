@@ -17,7 +17,9 @@ no top-k/top-p they equal `log_softmax(logits)` of the raw model; the trainer's 
 Threading: each engine serialises `generate`, `load_weights` and `close` with one lock, so a swap
 waits for the generate calls in flight (they finish on the old weights) and every later call sees
 the new weights; `Completion.version` names the weights that produced it. Batch concurrent
-requests into one `generate` call for throughput.
+requests into one `generate` call for throughput. The exception is AsyncVLLMEngine (kind
+"vllm-async", what the serving process runs): concurrent `agenerate` calls share its batches and a
+swap waits for the requests in flight.
 
 Tests: `.venv/bin/python -m pytest tests/inference -q -p no:django`
 """
@@ -25,9 +27,12 @@ Tests: `.venv/bin/python -m pytest tests/inference -q -p no:django`
 from __future__ import annotations
 
 import abc
+import asyncio
 import contextlib
 import os
+import tempfile
 import threading
+import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -99,6 +104,13 @@ class Engine(abc.ABC):
         sampling = sampling or SamplingParams()
         with self._lock:
             return self._generate(self._encode(prompts), n, sampling)
+
+    async def agenerate(
+        self, prompts: Prompts, n: int = 1, sampling: SamplingParams | None = None
+    ) -> list[Completion]:
+        """`generate` for an event loop. Here: the blocking call on a worker thread, so calls still
+        run one at a time under the lock; engines that batch concurrent calls override it."""
+        return await asyncio.to_thread(self.generate, prompts, n, sampling)
 
     def load_weights(self, source: WeightsSource, version: int) -> None:
         """Swap to new weights (an HF folder or a state dict in HF names), atomically."""
@@ -494,24 +506,10 @@ class VLLMEngine(Engine):
         return [c for i, out in enumerate(outputs) for c in self._completions(i, out)]
 
     def _vllm_params(self, n: int, sampling: SamplingParams) -> Any:
-        from vllm import SamplingParams as VParams
-
-        return VParams(
-            n=n, max_tokens=sampling.max_tokens, temperature=sampling.temperature,
-            top_p=sampling.top_p, top_k=sampling.top_k if sampling.top_k > 0 else -1,
-            seed=sampling.seed, stop=list(sampling.stop) or None,
-            stop_token_ids=list(sampling.stop_token_ids) or None,
-            ignore_eos=sampling.ignore_eos, logprobs=0,  # 0: the sampled token's own log-prob
-        )
+        return _vllm_params(n, sampling)
 
     def _completions(self, index: int, out: Any) -> Iterator[Completion]:
-        for c in out.outputs:
-            logprobs = [step[tok].logprob for step, tok in zip(c.logprobs, c.token_ids, strict=True)]
-            reason: FinishReason = "stop" if c.finish_reason == "stop" else "length"
-            yield Completion(
-                index, list(out.prompt_token_ids), list(c.token_ids), logprobs, reason,
-                c.text, self.version, None,
-            )
+        return _vllm_completions(index, out, self.version)
 
     def _load_weights(self, source: WeightsSource) -> None:
         state = read_state_dict(source)
@@ -530,6 +528,259 @@ class VLLMEngine(Engine):
         _destroy_vllm_distributed()
 
 
+@register_engine("vllm-async")
+class AsyncVLLMEngine(Engine):
+    """vLLM's AsyncLLM (the engine `vllm serve` runs): the engine core steps in its own process
+    and batches every request in flight continuously, so concurrent `agenerate` calls share
+    batches. Callable from any thread or event loop: AsyncLLM lives on this engine's own loop
+    (a daemon thread), which also turns engine outputs into answers.
+
+    A swap is made between batches: `load_weights` holds new requests back, waits until the
+    requests in flight have finished (on the old weights), reloads, then lets the held ones in.
+    So every request runs on one version from its first token to its last, and
+    `Completion.version` is the version it was admitted under. `close` drains the same way.
+
+    Batching is observable engine-side: each engine step's running requests are observed into
+    `inference.metrics.SERVING_BATCH` (and `peak_batch`), from vLLM's scheduler stats.
+    """
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        version: int = 0,
+        seed: int = 0,
+        max_model_len: int = 512,
+        kv_cache_gib: int = 1,
+        dtype: str = "float32",
+        logprobs_mode: str = "processed_logprobs",
+        drain_timeout_s: float = 300.0,
+        **engine_kwargs: Any,
+    ) -> None:
+        super().__init__(model_dir, version)
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        self.drain_timeout_s = drain_timeout_s
+        self.peak_batch = 0
+        self._in_flight, self._swapping, self._closed = 0, False, False
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="vllm-async-engine", daemon=True)
+        self._thread.start()
+        settings = dict(model=str(model_dir), dtype=dtype, seed=seed, max_model_len=max_model_len,
+                        enforce_eager=True, logprobs_mode=logprobs_mode, disable_log_stats=True,
+                        **engine_kwargs)
+        try:
+            with _multiprocessing_on():
+                self.llm = self._call(self._start(settings))
+        except BaseException:
+            self._stop_loop()
+            raise
+        self._tokenizer = self.llm.get_tokenizer()
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._tokenizer
+
+    # --- the engine loop ----------------------------------------------------------------------
+    def _call(self, coro: Any, timeout: float | None = None) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    async def _start(self, settings: dict[str, Any]) -> Any:
+        # Built on this loop so that AsyncLLM's output handler runs here.
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        self._cond = asyncio.Condition()
+        return AsyncLLM.from_engine_args(AsyncEngineArgs(**settings), stat_loggers=[_batch_logger(self)])
+
+    def _stop_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(30)
+
+    # --- generation ---------------------------------------------------------------------------
+    def generate(
+        self, prompts: Prompts, n: int = 1, sampling: SamplingParams | None = None
+    ) -> list[Completion]:
+        return self._call(self._run(self._encode(prompts), n, sampling or SamplingParams()))
+
+    async def agenerate(
+        self, prompts: Prompts, n: int = 1, sampling: SamplingParams | None = None
+    ) -> list[Completion]:
+        future = asyncio.run_coroutine_threadsafe(
+            self._run(self._encode(prompts), n, sampling or SamplingParams()), self._loop)
+        return await asyncio.wrap_future(future)
+
+    def _generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams) -> list[Completion]:
+        return self._call(self._run(prompts, n, sampling))
+
+    async def _run(self, prompts: list[list[int]], n: int, sampling: SamplingParams) -> list[Completion]:
+        version = await self._admit()
+        try:
+            params = _vllm_params(n, sampling, final_only=True)
+            outs = await asyncio.gather(*(self._one(p, params) for p in prompts))
+        finally:
+            await self._release()
+        decoder = None if params.detokenize else self._tokenizer
+        return [c for i, out in enumerate(outs) for c in _vllm_completions(i, out, version, decoder)]
+
+    async def _one(self, prompt: list[int], params: Any) -> Any:
+        final = None
+        async for out in self.llm.generate({"prompt_token_ids": prompt}, params, uuid.uuid4().hex):
+            final = out
+        return final
+
+    # --- the swap gate (all on the engine loop) -------------------------------------------------
+    async def _admit(self) -> int:
+        async with self._cond:
+            await self._cond.wait_for(lambda: not self._swapping)
+            if self._closed:
+                raise RuntimeError("this engine was closed")
+            self._in_flight += 1
+            return self._version
+
+    async def _release(self) -> None:
+        async with self._cond:
+            self._in_flight -= 1
+            self._cond.notify_all()
+
+    async def _drained(self) -> None:
+        """Holds new requests back (they wait in `_admit`) until the ones in flight are done."""
+        async with self._cond:
+            await self._cond.wait_for(lambda: not self._swapping)
+            self._swapping = True
+            await asyncio.wait_for(self._cond.wait_for(lambda: self._in_flight == 0), self.drain_timeout_s)
+
+    async def _reopen(self) -> None:
+        async with self._cond:
+            self._swapping = False
+            self._cond.notify_all()
+
+    # --- weights ------------------------------------------------------------------------------
+    def load_weights(self, source: WeightsSource, version: int) -> None:
+        # The engine core (another process) reads the weights from a folder: tensors sent over
+        # its RPC arrive as nested lists. A state dict is written to a temporary folder first,
+        # before requests are held back.
+        with contextlib.ExitStack() as stack:
+            if isinstance(source, Mapping):
+                folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="flywheel-swap-")))
+                _save_safetensors(source, folder / "model.safetensors")
+                source = folder
+            with self._lock:
+                self._call(self._swap(str(source), version))
+
+    async def _swap(self, folder: str, version: int) -> None:
+        try:
+            await self._drained()
+            # Same in-place reload as VLLMEngine (re-runs process_weights_after_loading).
+            await self.llm.collective_rpc("reload_weights", kwargs={"weights_path": folder})
+            await self.llm.reset_prefix_cache()  # cached KV blocks were computed by the old weights
+            self._version = version
+        finally:
+            await self._reopen()
+
+    def _load_weights(self, source: WeightsSource) -> None:  # load_weights is overridden
+        raise NotImplementedError
+
+    def close(self) -> None:
+        with self._lock:
+            if getattr(self, "llm", None) is None:
+                return
+            with contextlib.suppress(Exception):
+                self._call(self._close_gate())
+            self.llm.shutdown()
+            self.llm = None
+            self._stop_loop()
+
+    async def _close_gate(self) -> None:
+        try:
+            await self._drained()
+        finally:
+            self._closed = True
+            await self._reopen()
+
+
+@contextlib.contextmanager
+def _multiprocessing_on() -> Iterator[None]:
+    # On CPU, vLLM sets up OpenMP (bound threads, a core left to the frontend) only in its
+    # multiprocess executor, as `vllm serve` runs it; with VLLMEngine's
+    # VLLM_ENABLE_V1_MULTIPROCESSING=0 the engine core runs the model itself without that set-up,
+    # and here stepped 3-5x slower. The flag is read while the engine is built and inherited by
+    # its processes; restored afterwards for in-process engines.
+    before = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+        else:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = before
+
+
+def _save_safetensors(state: Mapping[str, torch.Tensor], path: Path) -> None:
+    from safetensors.torch import save_file
+
+    # Copies: safetensors refuses tensors that share storage (tied embeddings) or are strided.
+    save_file({name: t.detach().contiguous().clone() for name, t in state.items()}, str(path))
+
+
+def _batch_logger(engine: AsyncVLLMEngine) -> Callable[..., Any]:
+    """A vLLM stat-logger factory that observes each engine step's running requests."""
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    from inference import metrics
+
+    class BatchLogger(StatLoggerBase):
+        def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+            pass
+
+        def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
+                   engine_idx: int = 0) -> None:
+            if scheduler_stats is None or not scheduler_stats.num_running_reqs:
+                return
+            running = scheduler_stats.num_running_reqs
+            metrics.SERVING_BATCH.observe(running)
+            engine.peak_batch = max(engine.peak_batch, running)
+
+        def log_engine_initialized(self) -> None:
+            pass
+
+    return BatchLogger
+
+
+def _vllm_params(n: int, sampling: SamplingParams, final_only: bool = False) -> Any:
+    from vllm import SamplingParams as VParams
+    from vllm.sampling_params import RequestOutputKind
+
+    # final_only (the async engine): the answer comes once, finished; without stop strings the
+    # frontend skips per-step detokenisation (of the text and of every log-prob's token, the
+    # behaviour log-probs being asked for every token) and the text is decoded once at the end.
+    lean = final_only and not sampling.stop
+    return VParams(
+        n=n, max_tokens=sampling.max_tokens, temperature=sampling.temperature,
+        top_p=sampling.top_p, top_k=sampling.top_k if sampling.top_k > 0 else -1,
+        seed=sampling.seed, stop=list(sampling.stop) or None,
+        stop_token_ids=list(sampling.stop_token_ids) or None,
+        ignore_eos=sampling.ignore_eos, logprobs=0,  # 0: the sampled token's own log-prob
+        output_kind=RequestOutputKind.FINAL_ONLY if final_only else RequestOutputKind.CUMULATIVE,
+        detokenize=not lean, flat_logprobs=final_only,
+    )
+
+
+def _vllm_completions(index: int, out: Any, version: int, tokenizer: Any = None) -> Iterator[Completion]:
+    """Completions of one vLLM RequestOutput; `tokenizer` decodes the text when vLLM did not."""
+    for c in out.outputs:
+        if hasattr(c.logprobs, "start_indices"):  # FlatLogprobs: the sampled token first at each position
+            logprobs = [c.logprobs.logprobs[i] for i in c.logprobs.start_indices]
+        else:
+            logprobs = [step[tok].logprob for step, tok in zip(c.logprobs, c.token_ids, strict=True)]
+        reason: FinishReason = "stop" if c.finish_reason == "stop" else "length"
+        text = c.text if tokenizer is None else tokenizer.decode(c.token_ids, skip_special_tokens=True)
+        yield Completion(
+            index, list(out.prompt_token_ids), list(c.token_ids), logprobs, reason,
+            text, version, None,
+        )
+
+
 def _destroy_vllm_distributed() -> None:
     # Lets a later VLLMEngine in the same process initialise its (gloo, world 1) group again.
     from vllm.distributed.parallel_state import (
@@ -545,6 +796,7 @@ __all__ = [
     "Completion",
     "Engine",
     "SamplingParams",
+    "AsyncVLLMEngine",
     "TorchEngine",
     "VLLMEngine",
     "make_engine",

@@ -20,3 +20,6 @@ TRAJECTORIES_RECORDED = Counter("flywheel_serving_trajectories_recorded", "Serve
 TRAJECTORIES_DROPPED = Counter("flywheel_serving_trajectories_dropped", "Served completions the store refused "
                                "(each logged with the reason).")
 RECORDER_QUEUE = Gauge("flywheel_serving_recorder_queue_depth", "Served completions waiting to be written.")
+SERVING_BATCH = Histogram("flywheel_serving_engine_batch_requests", "Requests running in one engine step "
+                          "(vllm-async engine): above 1, concurrent requests shared a batch.",
+                          buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256))

