@@ -131,9 +131,11 @@ def message_of(step: Step) -> dict[str, Any]:
 
 
 def context_messages(trajectory: Trajectory, steps: list[Step], i: int) -> list[dict[str, Any]]:
-    """What turn i saw as messages: the prompt and every step before it."""
+    """What turn i saw as messages: the prompt and every step before it; after a summary turn
+    (step extra `summary: true`) the summary replaced the turns before it."""
     prompt = [m for m in (trajectory.prompt or []) if isinstance(m, dict)]
-    return prompt + [message_of(s) for s in steps[:i]]
+    start = next((j for j in range(i - 1, -1, -1) if isinstance(steps[j].extra, dict) and steps[j].extra.get("summary")), 0)
+    return prompt + [message_of(s) for s in steps[start:i]]
 
 
 def render(tokenizer: Any, messages: list[dict[str, Any]], generation: bool) -> str:
