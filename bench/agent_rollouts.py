@@ -60,11 +60,11 @@ def main() -> None:
     torch.set_num_threads(1)
     from inference.engine import make_engine
     from inference.scripted import ScriptedEngine
-    from tests.training.test_agent_rollouts import agent_script
+    from training.runs.agent_rollouts import scripted_agent
 
     folder = build(ROOT / "var" / "bench-agent-policy")
     tiny = make_engine("torch", folder, version=1, max_model_len=1024, seed=0)
-    rows = {"scripted": measure(ScriptedEngine(tiny, agent_script), args.G, 96, 4096),
+    rows = {"scripted": measure(ScriptedEngine(tiny, scripted_agent), args.G, 96, 4096),
             "tiny policy": measure(tiny, args.G, 48, 768)}
     tiny.close()
     keys = list(next(iter(rows.values())))

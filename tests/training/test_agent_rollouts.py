@@ -8,7 +8,6 @@ goes to the trainer in its context, and a context over budget is compacted by a 
 from __future__ import annotations
 
 import json
-import re
 
 import pytest
 import torch
@@ -20,31 +19,13 @@ from inference.engine import make_engine
 from inference.scripted import ScriptedEngine
 from training.rl.config import RLConfig
 from training.rl.trainer import Batch, compute_logprobs
-from training.runs.agent_rollouts import SAMPLE_TASKS, SUMMARY_REQUEST, run_agent_rollouts
+from training.runs.agent_rollouts import SAMPLE_TASKS, SUMMARY_REQUEST, run_agent_rollouts, scripted_agent
 from training.runs.turns import samples_from
-
-FIXES = {"calc.py": "def add(a, b):\n    return a + b\n", "twice.py": "def double(x):\n    return 2 * x\n"}
-
-
-def _call(name: str, **arguments) -> str:
-    return "<tool_call>" + json.dumps({"name": name, "arguments": arguments}) + "</tool_call>"
-
-
-def agent_script(prompt: str) -> str:
-    """Read the file, write the fix, run the tests, say so; summarize when asked."""
-    if prompt.endswith(SUMMARY_REQUEST + "<|im_end|>\n<|im_start|>assistant\n"):
-        return "Summary: I read the file."
-    if "Summary:" in prompt:
-        return "Stopping here."
-    target = next(name for name in FIXES if re.search(rf"\b{re.escape(name)}\b", prompt))
-    step = prompt.count("<|im_start|>tool")
-    return [_call("read_file", path=target), _call("write_file", path=target, content=FIXES[target]),
-            _call("run_tests"), "All tests pass."][min(step, 3)]
 
 
 @pytest.fixture(scope="module")
 def scripted(dense_dir):
-    engine = ScriptedEngine(make_engine("torch", dense_dir, version=1, max_model_len=2048), agent_script)
+    engine = ScriptedEngine(make_engine("torch", dense_dir, version=1, max_model_len=2048), scripted_agent)
     yield engine
     engine.close()
 

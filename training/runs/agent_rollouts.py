@@ -21,6 +21,7 @@ assistant turn's step `reward`, so reward-to-go gives it to every turn (docs/age
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import tempfile
 import uuid
@@ -238,3 +239,25 @@ def _event(r: Rollout, batch: str, limits: SandboxLimits) -> dict[str, Any]:
 
 def _prompt(task: AgentTask) -> str:
     return f"{task.instruction}\nFiles: {', '.join(sorted(task.files))}."
+
+
+# --------------------------------------------------------------------------------- the scripted agent
+
+FIXES = {"calc.py": "def add(a, b):\n    return a + b\n", "twice.py": "def double(x):\n    return 2 * x\n"}
+
+
+def _tool_call(name: str, **arguments: Any) -> str:
+    return "<tool_call>" + json.dumps({"name": name, "arguments": arguments}) + "</tool_call>"
+
+
+def scripted_agent(prompt: str) -> str:
+    """The deterministic agent of the plumbing tests and the bench (inference/scripted.py): read
+    the file, write the fix, run the tests, say so; summarize when asked."""
+    if prompt.endswith(SUMMARY_REQUEST + "<|im_end|>\n<|im_start|>assistant\n"):
+        return "Summary: I read the file."
+    if "Summary:" in prompt:
+        return "Stopping here."
+    target = next(name for name in FIXES if re.search(rf"\b{re.escape(name)}\b", prompt))
+    step = prompt.count("<|im_start|>tool")
+    return [_tool_call("read_file", path=target), _tool_call("write_file", path=target, content=FIXES[target]),
+            _tool_call("run_tests"), "All tests pass."][min(step, 3)]
