@@ -29,13 +29,12 @@ from core.errors import ApplicationError
 from core.metrics import metrics_response
 from feedback.auth import Principal, api_key_principal, bearer_token
 from feedback.models import ApiKey
-from inference import metrics, serving
+from inference import conversations, metrics, serving, tools
 from inference.engine import SamplingParams
 from inference.serving import CompletionRequest, Served, ServingError
 
 VERSION_HEADER = "Flywheel-Policy-Version"
 MAX_BODY_BYTES = 1024 * 1024
-ROLES = ("system", "user", "assistant")
 # A key checked once is trusted this long: a revocation reaches the serving process within it
 # (the request path then skips a database round trip).
 KEY_CACHE_S = 10.0
@@ -192,17 +191,12 @@ def _model(body: dict) -> str:
     return model
 
 
-def _messages(body: dict) -> list[dict[str, Any]]:
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages or len(messages) > serving.MAX_MESSAGES:
-        raise ServingError(400, f"'messages' must be a list of 1 to {serving.MAX_MESSAGES} messages",
-                           'Send [{"role": "user", "content": "..."}].')
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
-            raise ServingError(400, f"messages[{i}] needs a 'role' of {list(ROLES)} and a string 'content'",
-                               "Fix that message.")
-    _check_prompt_size([m["content"] for m in messages])
-    return [{"role": m["role"], "content": m["content"]} for m in messages]
+def _messages(body: dict, offered: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages with tool calls and tool results (inference/tools.py), within the prompt bound."""
+    messages = tools.messages_of(body.get("messages"), serving.MAX_MESSAGES)
+    calls = [json.dumps(m["tool_calls"]) for m in messages if m.get("tool_calls")]
+    _check_prompt_size([m["content"] for m in messages] + calls + ([json.dumps(offered)] if offered else []))
+    return messages
 
 
 def _task(body: dict) -> str:
@@ -223,22 +217,22 @@ def _usage(request: CompletionRequest, served: Served) -> dict[str, int]:
             "total_tokens": len(request.prompt_ids) + completion}
 
 
-async def _serve(body: dict[str, Any], messages: list[dict[str, Any]], encode, want_logprobs: bool):
+async def _serve(body: dict[str, Any], messages: list[dict[str, Any]], encode, want_logprobs: bool, **hooks: Any):
     """Checks every bound, picks the engine once (a canary draw included), then tokenises with
     it, generates (sharing the engine's batches with the other requests in flight), records."""
     server, model = serving.current(), _model(body)
     n, sampling, task = _number(body, "n", 1, 1, serving.MAX_N, integer=True), _sampling(body), _task(body)
     engine = server.pick_engine(model)
-    req = CompletionRequest(model, encode(engine), messages, n, sampling, want_logprobs, task)
+    req = CompletionRequest(model, encode(engine), messages, n, sampling, want_logprobs, task, **hooks)
     return server, engine, req, await server.acomplete(req, engine)
 
 
-def _envelope(server, req: CompletionRequest, served: Served, chat: bool, choices: list) -> JsonResponse:
+def _envelope(server, req: CompletionRequest, served: Served, chat: bool, choices: list, **more: Any) -> JsonResponse:
     prefix, kind = ("chatcmpl", "chat.completion") if chat else ("cmpl", "text_completion")
     return _respond(served, {
         "id": served.trajectory_ids[0] if req.n == 1 else f"{prefix}-{uuid.uuid4().hex}",
         "object": kind, "created": int(time.time()), "model": server.model_name(served.version),
-        "choices": choices, "usage": _usage(req, served),
+        "choices": choices, "usage": _usage(req, served), **more,
     })
 
 
@@ -252,19 +246,26 @@ def _pairs(served: Served):
 async def chat_completions(request: HttpRequest) -> JsonResponse:
     await _aserve_auth(request)
     body = _json_body(request)
-    messages = _messages(body)
+    offered = tools.tools_of(body)
+    messages = _messages(body, offered)
+    linked = conversations.link(serving.current(), body, messages)
     server, engine, req, served = await _serve(body, messages, lambda e: list(e.tokenizer.apply_chat_template(
-        messages, add_generation_prompt=True, tokenize=True, return_dict=False)), bool(body.get("logprobs")))
+        messages, tools=offered or None, add_generation_prompt=True, tokenize=True, return_dict=False)),
+        bool(body.get("logprobs")), step_fields=tools.recorded_fields(offered), record=linked and linked.record)
     decode = engine.tokenizer.decode
+    answers = [tools.answer_of(offered, c.text, c.finish_reason, tid) for c, tid in zip(served.completions, served.trajectory_ids, strict=True)]
     choices = [{
-        "index": i, "message": {"role": "assistant", "content": c.text}, "finish_reason": c.finish_reason,
+        "index": i, "message": {"role": "assistant", "content": a.content,
+                                **({"tool_calls": a.tool_calls} if a.tool_calls else {})},
+        "finish_reason": a.finish_reason,
         "logprobs": {"content": [
             {"token": decode([t]), "logprob": lp, "bytes": list(decode([t]).encode()), "top_logprobs": []}
             for t, lp in zip(c.token_ids, c.logprobs, strict=True)
         ]} if req.want_logprobs else None,
-        "trajectory_id": tid,
-    } for i, (c, tid) in _pairs(served)]
-    return _envelope(server, req, served, True, choices)
+        "trajectory_id": linked.trajectory_id if linked else tid,
+    } for (i, (c, tid)), a in zip(_pairs(served), answers, strict=True)]
+    return _envelope(server, req, served, True, choices,
+                     **({"conversation_id": linked.conversation.key} if linked else {}))
 
 
 @csrf_exempt

@@ -58,6 +58,10 @@ class CompletionRequest:
     sampling: SamplingParams
     want_logprobs: bool
     task: str = "chat"
+    # Hooks of the tool-call and conversation modules (inference/tools.py, conversations.py):
+    # more fields of a recorded step, and where its trajectory goes instead of the recorder.
+    step_fields: Callable[[Completion, str], dict[str, Any]] | None = None
+    record: Callable[[list[dict[str, Any]]], None] | None = None
 
 
 @dataclass
@@ -177,6 +181,7 @@ class PolicyServer:
         self.max_model_len = max_model_len
         self._rng = random.Random(canary_seed)
         self._swap_lock = threading.Lock()
+        self.on_close: list[Callable[[], None]] = []  # run before the recorder's last flush
 
     # --- names ------------------------------------------------------------------------------
     def model_name(self, version: int) -> str:
@@ -243,8 +248,8 @@ class PolicyServer:
         _observe(start, completions, version)
         ids = [f"traj_{uuid.uuid4().hex}" for _ in completions]
         if self.recorder is not None:
-            self.recorder.put([self._trajectory(request, c, t, engine.tokenizer)
-                               for c, t in zip(completions, ids, strict=True)])
+            (request.record or self.recorder.put)([self._trajectory(request, c, t, engine.tokenizer)
+                                                   for c, t in zip(completions, ids, strict=True)])
         return Served(completions, ids, version)
 
     def _trajectory(self, request: CompletionRequest, c: Completion, trajectory_id: str,
@@ -257,7 +262,8 @@ class PolicyServer:
                        "routing": c.routing, "prompt_token_ids": c.prompt_token_ids,
                        "tokens": [tokenizer.decode([t]).replace("\x00", "\ufffd") for t in c.token_ids],
                        "finish_reason": c.finish_reason,
-                       "sampling": {"temperature": request.sampling.temperature, "top_p": request.sampling.top_p}}],
+                       "sampling": {"temperature": request.sampling.temperature, "top_p": request.sampling.top_p},
+                       **(request.step_fields(c, trajectory_id) if request.step_fields else {})}],
             "occurred_at": datetime.now(tz=UTC).isoformat(),
         }
 
@@ -299,6 +305,8 @@ class PolicyServer:
         return self.engines(folder, version)
 
     def close(self) -> None:
+        for hook in self.on_close:
+            hook()
         if self.recorder is not None:
             self.recorder.close()
         self.engine.close()

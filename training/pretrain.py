@@ -35,13 +35,24 @@ from transformers import (
 EOS = "<|endoftext|>"
 SPECIAL_TOKENS = [EOS, "<|im_start|>", "<|im_end|>"]
 
-# ChatML, like Qwen's; the generation prompt opens the assistant turn.
+# ChatML, like Qwen's; the generation prompt opens the assistant turn. Tools (OpenAI `tools`) are
+# listed in a system block first; an assistant's tool calls follow its text as
+# <tool_call>{"name": ..., "arguments": {...}}</tool_call> (inference/tools.py parses them back);
+# tool results are `tool` turns. Without tools or tool calls it renders plain ChatML.
 CHAT_TEMPLATE = (
+    "{% if tools %}{{ '<|im_start|>system\n' + TOOLS_PREAMBLE + '\n<tools>\n' }}"
+    "{% for tool in tools %}{{ tool | tojson }}{{ '\n' }}{% endfor %}{{ '</tools><|im_end|>\n' }}{% endif %}"
     "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + (message['content'] or '') }}"
+    "{% for call in message['tool_calls'] or [] %}"
+    "{{ '<tool_call>{\"name\": ' + (call['function']['name'] | tojson) + ', \"arguments\": ' }}"
+    "{% if call['function']['arguments'] is string %}{{ call['function']['arguments'] }}"
+    "{% else %}{{ call['function']['arguments'] | tojson }}{% endif %}{{ '}</tool_call>' }}"
+    "{% endfor %}"
+    "{{ '<|im_end|>' + '\n' }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
+).replace("TOOLS_PREAMBLE", "'To call a tool, answer <tool_call>{\"name\": NAME, \"arguments\": {...}}</tool_call>.'")
 
 # Why two defences: transformers 5's AutoTokenizer maps model_type qwen2 to Qwen2Tokenizer even
 # when tokenizer_config.json names another class (qwen2 is on its "incorrect hub class" list), and

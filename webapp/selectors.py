@@ -30,6 +30,7 @@ from training.models import (
     TrainingRun,
     TrainingStep,
 )
+from training.rl.advantages import turn_returns
 from webapp import charts
 from webapp.charts import METRICS
 from webapp.models import AgreementRollup, FeedbackHourly, RubricRollup, TrajectoryHourly
@@ -400,11 +401,20 @@ def _group(project: Project, t: Trajectory) -> list[dict[str, Any]]:
     group = (t.extra or {}).get("group")
     qs = qs.filter(extra__group=group) if group else qs.filter(prompt=t.prompt)
     members = list(qs.order_by("id").prefetch_related(
-        Prefetch("steps", queryset=Step.objects.only("trajectory_id", "index", "role", "content")),
+        Prefetch("steps", queryset=Step.objects.only("trajectory_id", "index", "role", "content", "reward")),
         Prefetch("rewards", queryset=Reward.objects.select_related("spec").order_by("-spec__version")),
     )[:8])
-    return [{"t": m, "reward": m.rewards.all()[0].total if m.rewards.all() else None,
+    return [{"t": m, "reward": m.rewards.all()[0].total if m.rewards.all() else None, "return": _return(m),
              "completion": " ".join(s.content for s in m.steps.all() if s.role == "assistant")} for m in members]
+
+
+def _return(t: Trajectory) -> float | None:
+    """The trajectory's return as the trainer compares it in a group: its first turn's reward-to-go."""
+    steps, rewards = list(t.steps.all()), list(t.rewards.all())
+    first = next((i for i, s in enumerate(steps) if s.role == "assistant"), None)
+    if first is None or not rewards:
+        return None
+    return turn_returns(rewards[0].total, [s.reward for s in steps], [first])[0]
 
 
 @dataclass
@@ -414,6 +424,24 @@ class StepView:
     routing: dict[str, Any] | None = None
     hidden: int = 0  # tokens past REPLAY_MAX_TOKENS, summarised as a count
     total: int = 0
+    turn: dict[str, Any] | None = None  # a trained assistant turn: its index, return, advantage
+
+
+def _turn_credit(t: Trajectory, views: list[StepView], group: list[dict[str, Any]]) -> None:
+    """Marks the trained turns (every assistant turn; the rest is context) with the credit the
+    trainer gives them (docs/agents.md): return-to-go R_k, and A_k = R_k - the mean return of the
+    group's trajectories for grouped rollouts (a live row's running baseline is not kept)."""
+    steps = [v.step for v in views]
+    turns = [i for i, s in enumerate(steps) if s.role == "assistant" and (s.token_ids or s.content or s.tool_calls)]
+    rewards = list(t.rewards.all())
+    if not turns or not rewards:
+        return
+    returns = turn_returns(rewards[0].total, [s.reward for s in steps], turns)
+    rewarded = [g["return"] for g in group if g["return"] is not None]
+    baseline = sum(rewarded) / len(rewarded) if (t.extra or {}).get("group") and len(rewarded) > 1 else None
+    for k, (i, r) in enumerate(zip(turns, returns, strict=True)):
+        views[i].turn = {"index": k, "return": r, "advantage": r - baseline if baseline is not None else None,
+                         "summary": bool((steps[i].extra or {}).get("summary")), "retokenised": not steps[i].token_ids}
 
 
 def _step_view(step: Step) -> StepView:
@@ -446,11 +474,13 @@ def rollout_replay(project: Project, trajectory_id: int, flt: RolloutFilter) -> 
         raise NotFound(f"there is no trajectory {trajectory_id} in {project.slug}", "Pick one from the rollout list.")
     feedback = list(FeedbackEvent.objects.filter(trajectory=t).order_by("occurred_at", "id")[:200])
     version = PolicyVersion.objects.filter(project=project, number=t.policy_version).first()
+    steps, group = [_step_view(s) for s in t.steps.all()], _group(project, t)
+    _turn_credit(t, steps, group)
     return {
-        "t": t, "steps": [_step_view(s) for s in t.steps.all()], "feedback": feedback,
+        "t": t, "steps": steps, "feedback": feedback,
         "rewards": list(t.rewards.all()), "scores": list(t.rubric_scores.all()), "version": version,
         "prev": _neighbour(project, t, flt, older=False), "next": _neighbour(project, t, flt, older=True),
-        "group": _group(project, t), "timeline": charts.timeline_figure(t, feedback),
+        "group": group, "timeline": charts.timeline_figure(t, feedback),
     }
 
 

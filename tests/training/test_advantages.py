@@ -8,7 +8,9 @@ import math
 import pytest
 import torch
 
-from training.rl.advantages import RunningBaseline, group_advantages
+from training.rl.advantages import RunningBaseline, group_advantages, turn_returns
+from training.rl.config import RLConfig
+from training.rl.trainer import Sample, compute_advantages
 
 
 def test_it_centres_rewards_within_each_group():
@@ -45,3 +47,45 @@ def test_running_baseline_batch_sees_only_earlier_samples_and_round_trips():
     assert torch.allclose(adv, torch.tensor([1.0, 0.5, -1.0]))
     again = RunningBaseline.from_state_dict(base.state_dict())
     assert again.values == base.values and again.decay == 0.5
+
+
+# ------------------------------------------------------------------ agent trajectories: credit across turns
+
+
+def test_every_turn_gets_the_outcome_and_the_step_rewards_from_it_on():
+    # steps: assistant(+0.25), tool, assistant(+0.5), user(-0.25), assistant; outcome 1.0
+    returns = turn_returns(1.0, [0.25, None, 0.5, -0.25, None], [0, 2, 4])
+    assert returns == [1.5, 1.25, 1.0]
+    assert turn_returns(0.75, [None] * 5, [0, 2, 4]) == [0.75, 0.75, 0.75]  # default: the outcome to every turn
+
+
+def _turns(rewards, episode, group=None, task="t"):
+    return [Sample([1], [2], reward=r, episode=episode, episode_return=rewards[0], turn=k, group=group, task=task)
+            for k, r in enumerate(rewards)]
+
+
+def test_a_group_compares_trajectories_once_each_however_many_turns_they_have():
+    samples = _turns([1.5, 1.25, 1.0], "e1", "g") + _turns([0.5], "e2", "g")
+    out = compute_advantages(samples, RLConfig())
+    # group mean over the two trajectories' returns (1.5, 0.5) is 1.0, not the turns' mean 1.0625
+    assert out.tolist() == [0.5, 0.25, 0.0, -0.5]
+    scaled = compute_advantages(samples, RLConfig(group_normalize_std=True))  # std of (1.5, 0.5) = 0.5
+    assert torch.allclose(scaled, torch.tensor([1.0, 0.5, 0.0, -1.0]), atol=1e-5)
+
+
+def test_the_running_baseline_moves_once_per_trajectory():
+    baseline = RunningBaseline(decay=0.5)
+    samples = _turns([1.0, 0.5], "e1") + _turns([2.0], "e2")
+    out = compute_advantages(samples, RLConfig(), baseline)
+    # e1 against 0 (both turns), then the baseline folds e1's return once: 0.5; e2 against 0.5
+    assert out.tolist() == [1.0, 0.5, 1.5]
+    assert baseline.baseline("t") == 1.25
+
+
+def test_single_turn_samples_get_the_same_advantages_as_before_episodes_existed():
+    rewards = torch.tensor([1.0, 0.0, 0.5, 2.0, 4.0])
+    groups = [7, 7, 7, 3, 3]
+    samples = [Sample([1], [2], reward=float(r), group=g, episode=f"e{i}")
+               for i, (r, g) in enumerate(zip(rewards, groups, strict=True))]
+    cfg = RLConfig(group_normalize_std=True)
+    assert torch.equal(compute_advantages(samples, cfg), group_advantages(rewards, torch.tensor(groups), True))

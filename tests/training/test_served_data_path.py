@@ -3,7 +3,8 @@ log-probs on the same weights (bitwise on the torch engine, <= 1e-5 on vLLM in f
 
 The completions go through the serving endpoints' own code (`/v1/completions` with a raw prompt,
 `/v1/chat/completions` with messages), the recorder's events through `feedback_ingest`, and the
-stored rows through the trainer's data path (`training.runs.job.sample_from`). A completion scored
+stored rows through the trainer's data path (`training.runs.turns.samples_from`), every turn of a
+conversation in the context it was sampled in. A completion scored
 in another context than the one it was sampled in shows here as a large difference.
 
     .venv/bin/python -m pytest tests/training/test_served_data_path.py -q
@@ -22,7 +23,7 @@ from inference import serving
 from inference.engine import EngineFactory
 from training.rl.config import RLConfig
 from training.rl.trainer import Batch, compute_logprobs
-from training.runs.job import sample_from
+from training.runs.turns import sample_from, samples_from
 from training.versions.services import policy_folder, policy_register
 
 RAW = "def parse_args(argv"
@@ -70,10 +71,36 @@ def test_served_completions_are_scored_by_the_trainer_in_the_context_they_were_s
         assert sample is not None and sample.behaviour_logprobs is not None
         if trajectory.prompt == [{"role": "user", "content": RAW}]:
             assert sample.prompt_ids == raw_ids  # sampled on the raw prompt, not a chat rendering
-        batch = Batch.from_samples([sample], pad_id=0, advantages=torch.zeros(1))
-        ours = compute_logprobs(policy, batch, RLConfig(batch_invariant=True))[0][batch.completion_mask[0]]
-        behaviour = torch.tensor(sample.behaviour_logprobs)
-        if kind == "torch":
-            assert torch.equal(ours, behaviour), (ours - behaviour).abs().max()
-        else:
-            assert (ours - behaviour).abs().max() <= 1e-5
+        _assert_scored_as_served(kind, policy, sample)
+
+
+def _assert_scored_as_served(kind: str, policy, sample) -> None:
+    batch = Batch.from_samples([sample], pad_id=0, advantages=torch.zeros(1))
+    ours = compute_logprobs(policy, batch, RLConfig(batch_invariant=True))[0][batch.completion_mask[0]]
+    behaviour = torch.tensor(sample.behaviour_logprobs)
+    if kind == "torch":
+        assert torch.equal(ours, behaviour), (ours - behaviour).abs().max()
+    else:
+        assert (ours - behaviour).abs().max() <= 1e-5
+
+
+def test_every_turn_of_a_served_conversation_is_scored_in_the_context_it_was_sampled_in(client, creds, served):
+    kind, server, events, folder = served
+    messages = list(CHAT)
+    for turn, follow_up in enumerate(["and then?", "thanks"]):
+        answer = _ask(client, "/v1/chat/completions", {"model": "acme", "messages": messages, "max_tokens": 6,
+                                                        "seed": 5 + turn}, creds.api_key)
+        messages += [answer["choices"][0]["message"], {"role": "user", "content": follow_up}]
+    server.recorder.close()
+    served_steps = [e["steps"][0] for e in events]
+    conversation = {**events[0], "id": "conversation-1",
+                    "steps": [served_steps[0], {"role": "user", "content": "and then?"}, served_steps[1]]}
+    assert [r.status for r in feedback_ingest(creds.project, [conversation])] == ["accepted"]
+
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    policy = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    first, second = samples_from(Trajectory.objects.prefetch_related("steps").get(), 0.0, tokenizer)
+    assert second.prompt_ids == served_steps[1]["prompt_token_ids"]  # the second request's own context
+    assert len(second.prompt_ids) > len(first.prompt_ids) + len(first.completion_ids)  # the first turn is in it
+    for sample in (first, second):
+        _assert_scored_as_served(kind, policy, sample)

@@ -212,11 +212,11 @@ def test_the_next_run_continues_from_the_training_lineage_not_from_production(cr
 
 def test_a_run_without_trainable_samples_fails_with_the_reason_and_no_candidate(creds, production):
     plain_spec(creds.project, settle_seconds=0)
-    feedback_ingest(creds.project, [trajectory("t-1", steps=[{"role": "assistant", "content": "x"}])])
+    feedback_ingest(creds.project, [trajectory("t-1", steps=[{"role": "user", "content": "x"}])])  # no assistant turn
     rewards_compute_pending(creds.project, now=later(1))
     run, _ = training_run_start(creds.project, enqueue=False)
     run = train_policy(run.pk)
-    assert run.state == "failed" and "no rewarded trajectories with token ids" in run.error
+    assert run.state == "failed" and "no rewarded trajectories with an assistant turn" in run.error
     assert run.candidate is None
     assert not PolicyVersion.objects.filter(state="candidate").exists()
 

@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 
@@ -16,16 +18,40 @@ def group_advantages(
     rewards: (B,) float; group_ids: (B,) int, any labels (they need not be contiguous).
     std is the population std (correction 0), so a group of two is defined.
     """
+    mean, scale = group_baselines(rewards, group_ids, normalize_std, eps)
+    return ((rewards.to(torch.float64) - mean) / scale).to(rewards.dtype)
+
+
+def group_baselines(
+    rewards: torch.Tensor, group_ids: torch.Tensor, normalize_std: bool = False, eps: float = 1e-6
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per element (B,) float64: its group's mean reward and the scale an advantage is divided by
+    (std + eps with normalize_std, else 1). Agent turns use them with their own return-to-go:
+    A_k = (R_k - mean) / scale, the group compared on its trajectories' returns."""
     _, inverse = torch.unique(group_ids, return_inverse=True)  # (B,) labels in [0, G)
     n_groups = int(inverse.max().item()) + 1 if inverse.numel() else 0
     r = rewards.to(torch.float64)  # float64: mean/var of small groups without round-off drift
     count = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, inverse, torch.ones_like(r))
     mean = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, inverse, r) / count  # (G,)
-    centred = r - mean[inverse]  # (B,)
+    scale = torch.ones_like(r)
     if normalize_std:
+        centred = r - mean[inverse]  # (B,)
         var = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, inverse, centred**2) / count
-        centred = centred / (var.sqrt()[inverse] + eps)
-    return centred.to(rewards.dtype)
+        scale = var.sqrt()[inverse] + eps
+    return mean[inverse], scale
+
+
+def turn_returns(outcome: float, step_rewards: Sequence[float | None], turns: Sequence[int]) -> list[float]:
+    """The reward of each trained turn of an agent trajectory: the trajectory's outcome reward
+    plus the per-step rewards from that turn on (reward-to-go, undiscounted).
+
+    step_rewards: one entry per step of the trajectory (None: no reward on that step); turns: the
+    step indices of the trained (assistant) turns. Without per-step rewards every turn gets the
+    outcome; a step reward reaches the turn that earned it and every turn before it."""
+    rest = [0.0] * (len(step_rewards) + 1)
+    for j in range(len(step_rewards) - 1, -1, -1):  # suffix sums: rest[j] = sum of rewards at >= j
+        rest[j] = rest[j + 1] + float(step_rewards[j] or 0.0)
+    return [float(outcome) + rest[t] for t in turns]
 
 
 class RunningBaseline:

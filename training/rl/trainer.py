@@ -20,7 +20,7 @@ from torch import nn
 from kernels.batch_invariant import batch_invariant_mode
 from kernels.logprobs import selective_log_softmax
 from kernels.routing import ReplayStats, batch_routing_to_flat, replay_routing
-from training.rl.advantages import RunningBaseline, group_advantages
+from training.rl.advantages import RunningBaseline, group_baselines
 from training.rl.config import RLConfig
 from training.rl.loss import LossInputs, LossOutputs, policy_loss
 
@@ -38,6 +38,12 @@ class Sample:
     task: str = "default"  # running-baseline bucket for samples without a group
     advantage: float | None = None  # precomputed advantage wins over both rules above
     routing: torch.Tensor | None = None  # (L, T_i, k) recorded expert ids over prompt+completion
+    # Agent trajectories: one Sample per trained turn. Turns of one episode share its baseline,
+    # compared on the episode's return (its first turn's reward-to-go), counted once.
+    episode: str | None = None
+    episode_return: float | None = None  # None: `reward`
+    turn: int = 0  # index among the episode's trained turns
+    retokenised: bool = False  # completion rendered from text by the chat template: mu unknowable
 
 
 @dataclass
@@ -139,21 +145,50 @@ def filter_stale(samples: Sequence[S], current_version: int, max_staleness: int)
 def compute_advantages(
     samples: Sequence[Sample], cfg: RLConfig, baseline: RunningBaseline | None = None
 ) -> torch.Tensor:
-    """(B,): a given advantage, else group-relative within `group`, else reward - running baseline."""
+    """(B,): a given advantage, else group-relative within `group`, else reward - running baseline.
+
+    The unit a group or the running baseline compares is the episode (one per sample when
+    `episode` is None): its return counts once however many turns it has, and each turn's
+    advantage is its own reward-to-go against the episode's baseline, A_k = (R_k - b) / scale."""
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)  # (B,)
     out = rewards.clone()
+    unit, returns = _episodes(samples)
+    r64 = rewards.to(torch.float64)
     grouped = [i for i, s in enumerate(samples) if s.advantage is None and s.group is not None]
     if grouped:
-        labels = {g: n for n, g in enumerate(dict.fromkeys(samples[i].group for i in grouped))}
-        ids = torch.tensor([labels[samples[i].group] for i in grouped])
-        out[grouped] = group_advantages(rewards[grouped], ids, cfg.group_normalize_std)
+        units = sorted({unit[i] for i in grouped})
+        first = {u: next(i for i in grouped if unit[i] == u) for u in units}
+        labels = {g: n for n, g in enumerate(dict.fromkeys(samples[first[u]].group for u in units))}
+        ids = torch.tensor([labels[samples[first[u]].group] for u in units])
+        mean, scale = group_baselines(torch.tensor([returns[u] for u in units], dtype=torch.float32), ids,
+                                      cfg.group_normalize_std)
+        at = {u: n for n, u in enumerate(units)}
+        rows = torch.tensor([at[unit[i]] for i in grouped])
+        out[grouped] = ((r64[grouped] - mean[rows]) / scale[rows]).to(torch.float32)
     baseline = baseline if baseline is not None else RunningBaseline(cfg.baseline_decay)
+    base: dict[int, float] = {}
     for i, s in enumerate(samples):
         if s.advantage is not None:
             out[i] = s.advantage
         elif s.group is None:
-            out[i] = baseline.update(s.task, s.reward)
+            if unit[i] not in base:  # the bucket's baseline before this episode, then the episode folds in
+                base[unit[i]] = baseline.baseline(s.task)
+                baseline.update(s.task, returns[unit[i]])
+            out[i] = s.reward - base[unit[i]]
     return out
+
+
+def _episodes(samples: Sequence[Sample]) -> tuple[list[int], list[float]]:
+    """Each sample's episode number (first appearance order) and each episode's return."""
+    numbers: dict[Any, int] = {}
+    unit, returns = [], []
+    for i, s in enumerate(samples):
+        key = ("episode", s.episode) if s.episode is not None else ("sample", i)
+        if key not in numbers:
+            numbers[key] = len(returns)
+            returns.append(s.episode_return if s.episode_return is not None else s.reward)
+        unit.append(numbers[key])
+    return unit, returns
 
 
 def prepare_batch(

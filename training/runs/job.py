@@ -13,7 +13,6 @@ import math
 import shutil
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -22,10 +21,9 @@ import torch
 from django.db.models import Prefetch, QuerySet
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from feedback.models import Step, Trajectory
+from feedback.models import Step
 from feedback.services import quarantine_record
 from inference.engine import SamplingParams, make_engine
-from kernels.routing import moe_routers
 from training.models import Reward, RewardSpec, TrainingRun
 from training.rewards.reward_model import RewardModel, fit_reward_model
 from training.rewards.selectors import labelled_suggestions, rewarded_trajectories_since
@@ -34,6 +32,7 @@ from training.rl.advantages import RunningBaseline
 from training.rl.config import RLConfig
 from training.rl.trainer import Batch, Sample, compute_logprobs, filter_stale, prepare_batch, rl_step
 from training.runs.selectors import training_run_last
+from training.runs.turns import BadSample, ModelLimits, prompt_token_ids, samples_from
 from training.versions.selectors import policy_get
 from training.versions.services import policy_folder
 
@@ -95,7 +94,8 @@ def run(run: TrainingRun, folder: Path, on_step: StepCallback) -> dict[str, Any]
             rollouts.close()
     save_candidate(model, base_dir, folder)
     return {"baseline": baseline.state_dict(), "samples": len(samples), "dropped_stale": batch.dropped_stale,
-            "behaviour_unknown": unknown_mu, "steps": done, **(rollouts.report() if rollouts else not_sampled), **fresh}
+            "behaviour_unknown": unknown_mu, "retokenised": sum(s.retokenised for s in samples),
+            "trajectories": len({s.episode for s in samples if s.episode}), "steps": done, **(rollouts.report() if rollouts else not_sampled), **fresh}
 
 
 def _take(batches: Iterator[Batch], n: int) -> Iterator[Batch]:
@@ -126,31 +126,6 @@ def _rewards_of(run: TrainingRun) -> QuerySet[Reward]:
     return rewarded_trajectories_since(run.project, spec, since, until)
 
 
-@dataclass(frozen=True)
-class ModelLimits:
-    """What a sample must fit to go through the model's forward (and its router replay)."""
-
-    vocab_size: int
-    max_positions: int | None
-    moe_layers: int = 0  # 0: a dense model, which takes no routing
-    num_experts: int = 0
-    top_k: int = 0
-
-    @classmethod
-    def of(cls, model: PreTrainedModel) -> ModelLimits:
-        routers = moe_routers(model)
-        first = routers[0] if routers else None
-        return cls(vocab_size=int(model.get_input_embeddings().num_embeddings),
-                   max_positions=getattr(model.config, "max_position_embeddings", None),
-                   moe_layers=len(routers), num_experts=int(first.num_experts) if first else 0,
-                   top_k=int(first.top_k) if first else 0)
-
-
-class BadSample(ValueError):
-    """A stored trajectory the model cannot take (ids outside its vocabulary, routing of the wrong
-    shape): quarantined, and the run trains on the others."""
-
-
 def setup_samples(run: TrainingRun, tokenizer: Any, limits: ModelLimits | None = None
                   ) -> tuple[list[Sample], list[Reward]]:
     """The run's rewarded trajectories as Samples (and the Reward rows they came from); one the
@@ -163,108 +138,16 @@ def setup_samples(run: TrainingRun, tokenizer: Any, limits: ModelLimits | None =
     samples, kept = [], []
     for r in rewards:
         try:
-            sample = sample_from(r.trajectory, r.total, tokenizer, limits)
+            turns = samples_from(r.trajectory, r.total, tokenizer, limits)  # every assistant turn
         except BadSample as exc:
             quarantine_record(run.project_id, "training", f"trajectory {r.trajectory.external_id}", str(exc),
                               trajectory_id=r.trajectory_id, detail={"run": run.pk})
             continue
-        if sample is not None:
-            samples.append(sample)
+        samples += turns
         kept.append(r)
     if not samples:
-        raise ValueError(f"no rewarded trajectories with token ids to train on ({len(rewards)} rewarded)")
+        raise ValueError(f"no rewarded trajectories with an assistant turn to train on ({len(rewards)} rewarded)")
     return samples, kept
-
-
-def sample_from(trajectory: Trajectory, reward: float, tokenizer: Any, limits: ModelLimits | None = None
-                ) -> Sample | None:
-    """The first assistant step with token ids becomes the completion; None without one. Raises
-    BadSample when the stored rows do not fit the model (`limits`) or the trainer's shapes."""
-    step = next((s for s in trajectory.steps.all() if s.role == "assistant" and s.token_ids), None)
-    if step is None:
-        return None
-    prompt_ids = prompt_token_ids(trajectory, tokenizer, step)
-    if not prompt_ids:
-        return None
-    completion_ids = _ids(step.token_ids, "token_ids")
-    recorded = step.logprobs if isinstance(step.logprobs, list) and len(step.logprobs) == len(completion_ids) else None
-    logprobs = _logprobs(recorded) if recorded else None
-    width = len(prompt_ids) + len(completion_ids)
-    routing = routing_tensor(step.routing, width)
-    if limits is not None:
-        _fits(limits, prompt_ids + completion_ids, routing)
-    extra = trajectory.extra if isinstance(trajectory.extra, dict) else {}
-    return Sample(
-        prompt_ids=prompt_ids, completion_ids=completion_ids, reward=float(reward),
-        behaviour_logprobs=logprobs, policy_version=trajectory.policy_version,
-        group=extra.get("group"), task=trajectory.task or "default", routing=routing,
-    )
-
-
-def _ids(raw: Any, name: str) -> list[int]:
-    if not isinstance(raw, list) or not all(type(t) is int and t >= 0 for t in raw):
-        raise BadSample(f"{name} is not a flat list of non-negative integer token ids")
-    return list(raw)
-
-
-def _logprobs(raw: list[Any]) -> list[float] | None:
-    ok = all(type(x) in (int, float) and math.isfinite(x) and x <= 1e-6 for x in raw)
-    if not ok:
-        raise BadSample("logprobs are not finite log-probabilities (numbers <= 0)")
-    return [float(x) for x in raw]
-
-
-def _fits(limits: ModelLimits, ids: list[int], routing: torch.Tensor | None) -> None:
-    if max(ids) >= limits.vocab_size:
-        raise BadSample(f"token id {max(ids)} is outside the policy's vocabulary of {limits.vocab_size} ids")
-    if limits.max_positions is not None and len(ids) > limits.max_positions:
-        raise BadSample(f"{len(ids)} tokens are more than the policy's {limits.max_positions} positions")
-    if routing is None:
-        return
-    if limits.moe_layers == 0:
-        raise BadSample("routing was recorded but the policy is dense (it has no MoE router to replay)")
-    layers, _, k = routing.shape  # (L, T, k)
-    if (layers, k) != (limits.moe_layers, limits.top_k):
-        raise BadSample(f"routing has {layers} layers of top-{k} experts; the policy has {limits.moe_layers} "
-                        f"MoE layers of top-{limits.top_k}")
-    if int(routing.min()) < -1 or int(routing.max()) >= limits.num_experts:
-        raise BadSample(f"routing names expert ids outside [0, {limits.num_experts})")
-
-
-def prompt_token_ids(trajectory: Trajectory, tokenizer: Any, step: Step | None = None) -> list[int]:
-    """The ids the engine was fed for `step`: recorded with the step (the serving process records
-    them per completion: a raw /v1/completions prompt is never chat-templated), else with the
-    trajectory (rollouts), else — a product that sent no ids — the chat template's rendering.
-
-    Scoring a completion in any other context than the one it was sampled in makes the
-    behaviour log-probs meaningless (mismatch KL ~0.7 nats on the same weights)."""
-    for extra in (step.extra if step is not None else None, trajectory.extra):
-        recorded = extra.get("prompt_token_ids") if isinstance(extra, dict) else None
-        if recorded is not None and recorded != []:
-            return _ids(recorded, "prompt_token_ids")
-    messages = trajectory.prompt or []
-    if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    else:
-        text = "".join(str(m.get("content", "")) for m in messages)
-    return list(tokenizer.encode(text, add_special_tokens=False))
-
-
-def routing_tensor(routing: Any, width: int) -> torch.Tensor | None:
-    """Engine routing (positions fed, L, k) -> the trainer's (L, width, k), -1 where unrecorded.
-    Raises BadSample for routing that is not a regular (positions, L, k) array of integer ids."""
-    if not routing:
-        return None
-    try:
-        recorded = torch.tensor(routing, dtype=torch.long)  # (N, L, k)
-    except (TypeError, ValueError, RuntimeError, OverflowError) as exc:
-        raise BadSample(f"routing is not a (positions, layers, top-k) array of expert ids: {exc}") from None
-    if recorded.dim() != 3 or 0 in recorded.shape:
-        raise BadSample(f"routing has shape {tuple(recorded.shape)}; expected (positions, layers, top-k)")
-    n = min(recorded.shape[0], width)
-    out = torch.full((recorded.shape[1], width, recorded.shape[2]), -1, dtype=torch.long)  # (L, width, k)
-    out[:, :n] = recorded[:n].permute(1, 0, 2)
-    return out
 
 
 # --------------------------------------------------------------------------------- group rollouts
@@ -378,7 +261,7 @@ def fill_behaviour_logprobs(
     many samples stay unknown (their version has no checkpoint: mu is taken as pi_old)."""
     by_version: dict[int | None, list[Sample]] = defaultdict(list)
     for s in samples:
-        if s.behaviour_logprobs is None:
+        if s.behaviour_logprobs is None and not s.retokenised:  # a re-rendering was never sampled: mu = pi_old
             by_version[s.policy_version].append(s)
     unknown = 0
     for number, group in by_version.items():
@@ -407,7 +290,10 @@ def fresh_mismatch_kl(batch: Batch, rows: Sequence[Sample], recorded: Sequence[S
     mask = batch.behaviour_mask & batch.completion_mask & fresh[:, None]  # (B, T)
     log_ratio = torch.where(mask, batch.behaviour_logprobs - batch.old_logprobs, 0.0)  # log mu - log pi
     k3 = torch.exp(-log_ratio) - 1 + log_ratio  # (B, T)  KL(mu || pi) estimator under mu
-    return {"fresh_mismatch_kl": float(k3[mask].mean()), "fresh_samples": int(fresh.sum())}
+    turns = torch.tensor([s.turn for s in rows])[:, None].expand_as(mask)  # (B, T)
+    by_turn = {str(t): float(k3[mask & (turns == t)].mean()) for t in sorted(set(turns[mask].tolist()))}
+    return {"fresh_mismatch_kl": float(k3[mask].mean()), "fresh_samples": int(fresh.sum()),
+            "fresh_mismatch_kl_by_turn": by_turn}
 
 
 def _behaviour_model(run: TrainingRun, number: int | None, current: PreTrainedModel) -> PreTrainedModel | None:

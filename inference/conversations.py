@@ -1,0 +1,171 @@
+"""The turns of one conversation, linked into one trajectory by the serving process.
+
+A client continues a conversation by sending `metadata.conversation_id` (its own id) or
+`previous_response_id` (the `id` of the last answer). Every turn's answer then carries the same
+`trajectory_id`; the serving process keeps the growing trajectory in memory and records it once,
+when the conversation has been idle `idle_s` seconds, reaches `max_turns`, is ended by the client
+(`metadata.conversation_end: true`) or the process shuts down. Feedback may be sent against the
+trajectory id at any time (ingest links feedback that arrives before its trajectory).
+
+Each assistant step keeps the prompt token ids the engine was fed for it, so every turn is
+trained in exactly its context; the messages the client sent between two answers (tool results,
+user turns) become the context steps between them. The state is per process: behind several
+serving replicas, route a conversation to one replica (sticky on the conversation id).
+
+    .venv/bin/python -m pytest tests/inference/test_tools.py -q
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from inference.serving import PolicyServer, ServingError
+
+IDLE_S = 300.0
+MAX_TURNS = 64
+MAX_OPEN = 10_000
+
+
+@dataclass
+class Conversation:
+    key: str
+    trajectory_id: str
+    event: dict[str, Any] | None = None  # the trajectory so far
+    seen: int = 0  # messages of the last request already in the trajectory (its prompt or steps)
+    turns: int = 0
+    last: float = field(default_factory=time.monotonic)
+
+
+class Conversations:
+    """Open conversations by key and by response id; `put` receives finished trajectories."""
+
+    def __init__(self, put: Callable[[list[dict[str, Any]]], None] | None, idle_s: float = IDLE_S,
+                 max_turns: int = MAX_TURNS) -> None:
+        self.put, self.idle_s, self.max_turns = put, idle_s, max_turns
+        self._open: dict[str, Conversation] = {}
+        self._responses: dict[str, str] = {}  # response id -> conversation key
+        self._lock = threading.Lock()
+
+    def find(self, conversation_id: Any, previous_response_id: Any) -> Conversation | None:
+        """The conversation a request continues (a new one for an unseen conversation_id)."""
+        self.sweep()
+        if previous_response_id is not None:
+            key = self._responses.get(previous_response_id) if isinstance(previous_response_id, str) else None
+            if key is None or key not in self._open:
+                raise ServingError(404, "previous_response_id names no open conversation of this serving process",
+                                   "Send the id of the last answer within the idle window, or start over "
+                                   "without previous_response_id.")
+            return self._open[key]
+        if conversation_id is None:
+            return None
+        if not isinstance(conversation_id, str) or not 0 < len(conversation_id) <= 200:
+            raise ServingError(400, "'metadata.conversation_id' must be a string of 1 to 200 characters",
+                               "Send your own id for the conversation, the same on every turn.")
+        with self._lock:
+            if conversation_id not in self._open and len(self._open) >= MAX_OPEN:
+                raise ServingError(429, f"{MAX_OPEN} conversations are open on this serving process",
+                                   "End conversations with metadata.conversation_end, or retry later.")
+            return self._open.setdefault(conversation_id, Conversation(conversation_id, f"traj_{uuid.uuid4().hex}"))
+
+    def add(self, conversation: Conversation, event: dict[str, Any], messages: list[dict[str, Any]],
+            response_id: str, end: bool = False) -> None:
+        """One served turn (`event`: the single-turn trajectory the server would record) joins the
+        conversation's trajectory; the request's messages not yet in it become context steps."""
+        with self._lock:
+            step = event["steps"][0]
+            if conversation.event is None:
+                conversation.event = {**event, "id": conversation.trajectory_id, "steps": [step]}
+            else:
+                new = messages[_after_last_answer(messages, conversation.seen):]
+                conversation.event["steps"] += [_context_step(m) for m in new] + [step]
+            conversation.seen = len(messages) + 1  # the client sends this answer back next time
+            conversation.turns += 1
+            conversation.last = time.monotonic()
+            self._responses[response_id] = conversation.key
+            done = end or conversation.turns >= self.max_turns
+        if done:
+            self._finish([conversation])
+
+    def sweep(self, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            idle = [c for c in self._open.values() if now - c.last >= self.idle_s]
+        self._finish(idle)
+
+    def close(self) -> None:
+        with self._lock:
+            everything = list(self._open.values())
+        self._finish(everything)
+
+    def _finish(self, conversations: list[Conversation]) -> None:
+        with self._lock:
+            for c in conversations:
+                self._open.pop(c.key, None)
+            self._responses = {r: k for r, k in self._responses.items() if k in self._open}
+        events = [c.event for c in conversations if c.event is not None]
+        if events and self.put is not None:
+            self.put(events)
+
+
+def _after_last_answer(messages: list[dict[str, Any]], seen: int) -> int:
+    """Where the messages new to the trajectory start: after the answer the client sent back
+    (normally at `seen`); a client that rewrote its history starts after its last assistant turn."""
+    if 0 < seen <= len(messages) and messages[seen - 1]["role"] == "assistant":
+        return seen
+    last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=-1)
+    return last + 1
+
+
+def _context_step(message: dict[str, Any]) -> dict[str, Any]:
+    step = {"role": message["role"], "content": message["content"]}
+    if message.get("tool_call_id"):
+        step["tool_call_id"] = message["tool_call_id"]
+    return step
+
+
+_BY_SERVER: weakref.WeakKeyDictionary[PolicyServer, Conversations] = weakref.WeakKeyDictionary()
+
+
+def conversations_for(server: PolicyServer) -> Conversations:
+    """The server's open conversations; recorded into its recorder, flushed when it closes."""
+    found = _BY_SERVER.get(server)
+    if found is None:
+        found = _BY_SERVER[server] = Conversations(server.recorder.put if server.recorder is not None else None)
+        server.on_close.append(found.close)
+    return found
+
+
+@dataclass
+class Link:
+    """A request's place in a conversation: where its turn is recorded, the trajectory id."""
+
+    conversation: Conversation
+    record: Callable[[list[dict[str, Any]]], None]
+
+    @property
+    def trajectory_id(self) -> str:
+        return self.conversation.trajectory_id
+
+
+def link(server: PolicyServer, body: dict[str, Any], messages: list[dict[str, Any]]) -> Link | None:
+    """None for a request outside any conversation (recorded on its own, as before)."""
+    metadata = body.get("metadata") if isinstance(body.get("metadata"), dict) else {}
+    registry = conversations_for(server)
+    conversation = registry.find(metadata.get("conversation_id"), body.get("previous_response_id"))
+    if conversation is None:
+        return None
+    if body.get("n", 1) not in (1, None):
+        raise ServingError(400, "a conversation continues one answer: 'n' must be 1 with a conversation",
+                           "Leave n out, or drop conversation_id / previous_response_id.")
+    end = metadata.get("conversation_end") is True
+
+    def record(events: list[dict[str, Any]]) -> None:
+        registry.add(conversation, events[0], messages, events[0]["id"], end)
+
+    return Link(conversation, record)
