@@ -43,6 +43,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -217,14 +218,20 @@ def bench_async(folder: Path, prompts: list[list[int]], args: argparse.Namespace
     here.recv()  # ready: engine built and warmed up
     ours = Ours(folder, prompts, args.G, args.completion, args.lr, engine_kind=None)
     here.send((1, None, 0))
-    arrivals, tokens = [], 0
+    arrivals, tokens, sender = [], 0, None
     for v in range(args.warmup + args.steps + 1):
         completions = _completions_of(here.recv())
         arrivals.append(time.perf_counter())
-        here.send((v + 2, save(ours.weights()), v))  # batch v+1 from the weights of version v
+        # Batch v+1 from the weights of version v: snapshot them now, serialise and send them
+        # while this process trains (the push is off the trainer's critical path, as in
+        # production, where the serving process loads a published version between batches).
+        snapshot = ours.weights()
+        sender = threading.Thread(target=lambda s=snapshot, n=v: here.send((n + 2, save(s), n)))
+        sender.start()
         batch = ours.batch(completions, v)
         ours.update(batch)
         tokens = int(batch.attention_mask.sum())
+        sender.join()
     here.recv()
     here.send(None)
     worker.join(timeout=60)
