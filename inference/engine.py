@@ -503,10 +503,17 @@ class VLLMEngine(Engine):
         params = self._vllm_params(n, sampling)
         requests = [{"prompt_token_ids": p} for p in prompts]
         outputs = self.llm.generate(requests, params, use_tqdm=False)
-        return [c for i, out in enumerate(outputs) for c in self._completions(i, out)]
+        completions = [c for i, out in enumerate(outputs) for c in self._completions(i, out)]
+        if not params.detokenize:  # the text once per completion, as the torch engine decodes it
+            for c in completions:
+                c.text = self._tokenizer.decode(c.token_ids, skip_special_tokens=True)
+        return completions
 
     def _vllm_params(self, n: int, sampling: SamplingParams) -> Any:
-        return _vllm_params(n, sampling)
+        # Stop strings need vLLM's incremental detokenizer; without them its per-token work
+        # (decoding every sampled token, and again for its log-prob entry) was a quarter of a CPU
+        # generate, so the text is decoded once at the end instead (_generate).
+        return _vllm_params(n, sampling, lean_text=True)
 
     def _completions(self, index: int, out: Any) -> Iterator[Completion]:
         return _vllm_completions(index, out, self.version)
@@ -747,14 +754,15 @@ def _batch_logger(engine: AsyncVLLMEngine) -> Callable[..., Any]:
     return BatchLogger
 
 
-def _vllm_params(n: int, sampling: SamplingParams, final_only: bool = False) -> Any:
+def _vllm_params(n: int, sampling: SamplingParams, final_only: bool = False, lean_text: bool = False) -> Any:
     from vllm import SamplingParams as VParams
     from vllm.sampling_params import RequestOutputKind
 
     # final_only (the async engine): the answer comes once, finished; without stop strings the
     # frontend skips per-step detokenisation (of the text and of every log-prob's token, the
     # behaviour log-probs being asked for every token) and the text is decoded once at the end.
-    lean = final_only and not sampling.stop
+    # lean_text (the offline engine): the same, the caller decoding the text once.
+    lean = (final_only or lean_text) and not sampling.stop
     return VParams(
         n=n, max_tokens=sampling.max_tokens, temperature=sampling.temperature,
         top_p=sampling.top_p, top_k=sampling.top_k if sampling.top_k > 0 else -1,

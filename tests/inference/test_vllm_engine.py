@@ -90,3 +90,15 @@ def test_routing_is_not_captured_by_vllm_on_cpu(engine: VLLMEngine) -> None:
     # the trainer recomputes routing, e.g. with TorchEngine.score.
     [c] = engine.generate(PROMPTS[:1], n=1, sampling=SamplingParams(max_tokens=2, seed=0))
     assert c.routing is None
+
+
+def test_text_decoded_once_at_the_end_equals_vllms_incremental_text(engine: VLLMEngine) -> None:
+    # Without stop strings vLLM's per-token detokenizer is off (a quarter of a CPU generate) and
+    # the text is decoded at the end; a stop string that never matches turns it back on.
+    plain = SamplingParams(max_tokens=16, seed=3, temperature=1.0)
+    with_stop = SamplingParams(max_tokens=16, seed=3, temperature=1.0, stop=("\x00never\x00",))
+    a, b = engine.generate(PROMPTS[:2], n=2, sampling=plain), engine.generate(PROMPTS[:2], n=2, sampling=with_stop)
+    assert [c.token_ids for c in a] == [c.token_ids for c in b]
+    assert [c.text for c in a] == [c.text for c in b]
+    assert [c.logprobs for c in a] == [c.logprobs for c in b]
+    assert any(c.text for c in a)
