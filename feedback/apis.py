@@ -23,7 +23,14 @@ from rest_framework.pagination import CursorPagination
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from core.errors import BadRequest, Forbidden, PayloadTooLarge, ServiceUnavailable, Unauthorized
+from core.errors import (
+    BadRequest,
+    Forbidden,
+    PayloadTooLarge,
+    ServiceUnavailable,
+    Unauthorized,
+    refuse_repeated,
+)
 from core.notify import project_event
 from feedback import export, selectors
 from feedback.auth import (
@@ -271,6 +278,7 @@ class TrajectoryListApi(APIView):
     @extend_schema(parameters=[TrajectoryFilter, TrajectoryPageParams], operation_id="v1_trajectories_list",
                    responses=TRAJECTORY_PAGE)
     def get(self, request) -> Response:
+        refuse_repeated(request.query_params, TrajectoryFilter().fields)
         filters = TrajectoryFilter(data=request.query_params)
         filters.is_valid(raise_exception=True)
         queryset = selectors.trajectory_list(_project_of(request), **filters.validated_data,
@@ -309,6 +317,7 @@ class DatasetExportApi(APIView):
 
     @extend_schema(parameters=[ExportFilter], responses={(200, "application/jsonl"): OpenApiTypes.STR})
     def get(self, request) -> StreamingHttpResponse:
+        refuse_repeated(request.query_params, ExportFilter().fields)
         params = ExportFilter(data=request.query_params)
         params.is_valid(raise_exception=True)
         filters = dict(params.validated_data)
