@@ -99,6 +99,14 @@ _DRF_FIXES = {
 }
 
 
+def refuse_repeated(params: Any, names: Any) -> None:
+    """A filter given twice (`?signal=a&signal=b`) is refused, not silently read as its last value."""
+    repeated = sorted(name for name in names if len(params.getlist(name)) > 1)
+    if repeated:
+        raise BadRequest(f"the query parameters {repeated} are given more than once",
+                         "Give each filter once, e.g. ?signal=accept.")
+
+
 def error_response(exc: ApplicationError) -> Response:
     response = Response(exc.as_body(), status=exc.status_code)
     for name, value in exc.headers.items():

@@ -29,6 +29,7 @@ from core.errors import (
     Forbidden,
     PayloadTooLarge,
     Unauthorized,
+    refuse_repeated,
     store_unavailable,
 )
 from core.notify import project_event
@@ -279,6 +280,7 @@ class TrajectoryListApi(APIView):
     @extend_schema(parameters=[TrajectoryFilter, TrajectoryPageParams], operation_id="v1_trajectories_list",
                    responses=TRAJECTORY_PAGE)
     def get(self, request) -> Response:
+        refuse_repeated(request.query_params, TrajectoryFilter().fields)
         filters = TrajectoryFilter(data=request.query_params)
         filters.is_valid(raise_exception=True)
         queryset = selectors.trajectory_list(_project_of(request), **filters.validated_data,
@@ -317,6 +319,7 @@ class DatasetExportApi(APIView):
 
     @extend_schema(parameters=[ExportFilter], responses={(200, "application/jsonl"): OpenApiTypes.STR})
     def get(self, request) -> StreamingHttpResponse:
+        refuse_repeated(request.query_params, ExportFilter().fields)
         params = ExportFilter(data=request.query_params)
         params.is_valid(raise_exception=True)
         filters = dict(params.validated_data)

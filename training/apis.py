@@ -14,7 +14,7 @@ from rest_framework.permissions import IsAuthenticated
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from core.errors import BadRequest
+from core.errors import BadRequest, refuse_repeated
 from feedback.auth import HasReadScope, Principal
 from feedback.selectors import project_for_member
 from training.models import PolicyVersion
@@ -69,6 +69,7 @@ class VersionListApi(APIView):
     @extend_schema(parameters=[FilterSerializer], operation_id="v1_versions_list",
                    responses=inline_serializer("VersionList", {"results": VersionOutput(many=True)}))
     def get(self, request) -> Response:
+        refuse_repeated(request.query_params, self.FilterSerializer().fields)
         filters = self.FilterSerializer(data=request.query_params)
         filters.is_valid(raise_exception=True)
         versions = version_list(_project_of(request), **filters.validated_data)
