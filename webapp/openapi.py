@@ -48,7 +48,7 @@ _EVERYWHERE = (400, 401, 403, 404, 406, 503)
 _EXTRA = {("/api/v1/events", "post"): (413, 415, 429)}
 _ACTIONS = ("approve", "reject", "rollback")
 for _action in _ACTIONS:
-    _EXTRA[(f"/api/v1/versions/{{version_id}}/{_action}", "post")] = (409, 415)
+    _EXTRA[(f"/api/v1/versions/{{version_id}}/{_action}", "post")] = (409, 415, 429)  # 429: refusals rate-limited
 
 _BODY_REQUIRED = [("/api/v1/events", "post"), *((f"/api/v1/versions/{{version_id}}/{a}", "post") for a in _ACTIONS)]
 # (path, method, status) -> link name -> (target path, target method, parameter, runtime expression)

@@ -23,7 +23,7 @@ from schemathesis.core import NOT_SET
 from schemathesis.core.parameters import ParameterLocation
 from schemathesis.specs.openapi.checks import negative_data_rejection
 
-from feedback.services import api_key_create, feedback_ingest
+from feedback.services import api_key_create, feedback_ingest, membership_set, service_account_get
 from tests.factories import feedback, sign, trajectory
 from training.models import GateReport, PolicyVersion
 
@@ -51,7 +51,9 @@ def seeded(creds) -> dict[str, Any]:
     GateReport.objects.create(version=v3, baseline=v2, passed=True, policy={"version": 0},
                               checks=[{"name": "reward_improvement", "value": 0.2, "threshold": 0.0,
                                        "interval": [0.1, 0.3], "passed": True, "detail": ""}])
-    return {"creds": creds, "key": api_key_create(project, ["admin"], name="fuzzer"),
+    fuzzer = service_account_get("fuzzer")  # an approver: the decisions reach the promotion service
+    membership_set(project, fuzzer, "approver")
+    return {"creds": creds, "key": api_key_create(project, ["admin"], name="fuzzer", owner=fuzzer),
             "version_id": [v.id for v in (v1, v2, v3, v4, v5)], "external_id": ["traj-0", "traj-1", "traj-2"]}
 
 

@@ -103,18 +103,19 @@ def wait_until(check: Callable[[], Any], *, timeout: float = 60, what: str) -> A
 
 
 def _seed() -> dict[str, Any]:
-    """A project, a staff user with a session and beat's outbox entry (every second), committed in
+    """A project, a staff user (a viewer of it) with a session and beat's outbox entry (every second), committed in
     the suite's test database to be copied; the caller deletes them again."""
     from django.contrib.auth import get_user_model
     from django.test import Client
     from django_celery_beat.models import IntervalSchedule, PeriodicTask
 
-    from feedback.services import project_create
+    from feedback.services import membership_set, project_create
 
     slug = f"stores-{uuid.uuid4().hex[:6]}"
     creds = project_create("Stores down", slug)
     password = "stores-password-1"
     user = get_user_model().objects.create_user(f"dana-{slug}", password=password, is_staff=True)
+    membership_set(creds.project, user, "viewer")  # the dashboard shows a project to its members only
     client = Client()
     client.force_login(user)
     every = IntervalSchedule.objects.create(every=1, period=IntervalSchedule.SECONDS)
