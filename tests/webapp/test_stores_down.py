@@ -135,13 +135,27 @@ def _unseed(seed: dict[str, Any]) -> None:
     seed["creds"].project.delete()
 
 
+def _pg_dump_for(source: str) -> str:
+    """The pg_dump of the source server's major version where the machine has one (Debian's
+    /usr/lib/postgresql/<major>/bin): a newer pg_dump's output for an older server (CI's second pass
+    runs on the machine's PostgreSQL) does not load into the embedded server; else the embedded one."""
+    from django.db import connection
+
+    from core import embedded
+
+    own = Path(f"/usr/lib/postgresql/{connection.pg_version // 10000}/bin/pg_dump")
+    return str(own) if own.exists() else embedded._pg_bin("pg_dump")
+
+
 def _copy_database(source: str, target: str) -> None:
     from core import embedded
 
-    dump = subprocess.run([embedded._pg_bin("pg_dump"), "--no-owner", "--no-privileges", "-d", source],
-                          capture_output=True, check=True, timeout=120).stdout
-    subprocess.run([embedded._pg_bin("psql"), "-q", "-1", "-v", "ON_ERROR_STOP=1", "-d", target], input=dump,
-                   capture_output=True, check=True, timeout=120)
+    dump = subprocess.run([_pg_dump_for(source), "--no-owner", "--no-privileges", "-d", source],
+                          capture_output=True, timeout=120)
+    assert dump.returncode == 0, dump.stderr.decode(errors="replace")
+    load = subprocess.run([embedded._pg_bin("psql"), "-q", "-1", "-v", "ON_ERROR_STOP=1", "-d", target],
+                          input=dump.stdout, capture_output=True, timeout=120)
+    assert load.returncode == 0, load.stderr.decode(errors="replace")
 
 
 def _start(cmd: list[str], env: dict[str, str], cleanup: contextlib.ExitStack, **kwargs: Any) -> subprocess.Popen:
