@@ -120,13 +120,18 @@ def _prepare(args: argparse.Namespace) -> dict:
     from django.core.management import call_command
 
     from feedback.models import Project
-    from feedback.services import api_key_create, project_create
+    from feedback.services import api_key_create, project_create, service_account_get
+    from training.promotion.services import membership_grant
     from webapp.demo import _demo_loop_config
 
     call_command("migrate", verbosity=0)
     creds = project_create("Bench coding assistant", "demo")
+    # As `make demo AUTO_APPROVE=1`: an approver service account decides through a key bound to it
+    # (a key bound to nobody decides nothing); beat's runs are started by service:scheduler.
+    approver = service_account_get("auto-approver")
+    membership_grant(creds.project, approver, "approver", "system:bench", "the learning bench's auto-approval")
     state = {"project": "demo", "webhook_secret": creds.webhook_secret,
-             "approver_key": api_key_create(creds.project, ["admin", "read"], "auto-approver"),
+             "approver_key": api_key_create(creds.project, ["admin", "read"], "auto-approver", owner=approver),
              "serve_key": api_key_create(creds.project, ["serve"], "simulated-users")}
     os.environ["FLYWHEEL_DEMO_SECRET"] = state["webhook_secret"]
     os.environ["FLYWHEEL_SERVE_KEY"] = state["serve_key"]
