@@ -138,9 +138,9 @@ def sparse_child(parent: Path, out: Path, fraction: float, seed: int) -> float:
 
 
 def _prepare(args: argparse.Namespace) -> dict:
-    from django.contrib.auth.models import Permission, User
+    from django.contrib.auth.models import User
 
-    from feedback.services import api_key_create, project_create
+    from feedback.services import api_key_create, membership_set, project_create
     from training.pretrain import PolicyConfig, build_policy, stdlib_corpus
     from training.versions.services import policy_register
 
@@ -153,7 +153,7 @@ def _prepare(args: argparse.Namespace) -> dict:
     v1 = policy_register(creds.project, v1_dir, state="production")
     v2 = policy_register(creds.project, VAR / "v2", parent=v1, state="awaiting_approval")
     approver = User.objects.create_user("bench-approver", password="bench-approver-password-1")
-    approver.user_permissions.add(Permission.objects.get(codename="approve_promotion"))
+    membership_set(creds.project, approver, "approver")  # approvals are per project
     return {"project": creds.project, "v2": v2, "v2_dir": VAR / "v2", "changed": changed, "approver": User.objects.get(id=approver.id),
             "serve_key": api_key_create(creds.project, ["serve"], "bench"),
             "full_bytes": (VAR / "v2" / "model.safetensors").stat().st_size}
