@@ -123,3 +123,21 @@ def test_without_enough_clicks_there_is_no_reward_model_and_no_rollouts(creds, p
 def test_a_bad_group_config_is_refused_with_the_reason(creds, production, group):
     with pytest.raises(BadRequest, match="group"):
         training_run_start(creds.project, enqueue=False, group=group)
+
+
+def test_a_run_leaving_its_kl_region_to_production_takes_no_further_round(creds, production, tokenizer):
+    _spec(creds.project)
+    _ingest_clicks(creds.project, tokenizer, MIN_LABELS)
+    rewards_compute_pending(creds.project, now=timezone.now() + timedelta(seconds=1))
+    run, _ = training_run_start(creds.project, steps=1, batch_size=16, enqueue=False, epochs=1,
+                                rl={"lr": 1e-3, "kl_to": "production", "kl_stop": 1e-9},
+                                group={"prompts": 4, "G": 4, "max_tokens": 6, "rounds": 3})
+    run = train_policy(run.pk)
+    assert run.state == "succeeded", run.error
+    config = run.config
+    # round 0 moved the weights off production, so round 1 measured KL > 1e-9: round 2 never ran
+    assert config["rollout_rounds"] == 2 and config["kl_stopped_after_round"] == 1
+    assert set(config["kl_by_round"]) == {"1"} and config["kl_by_round"]["1"] > 1e-9
+    # the KL is only measured (beta 0): every step still reports it
+    kls = [s.kl_ref for s in TrainingStep.objects.filter(run=run).order_by("step")]
+    assert len(kls) == config["steps"] and all(math.isfinite(k) for k in kls)

@@ -19,6 +19,15 @@ class RLConfig:
     eps_high: float = 0.28  # PPO clip above (DAPO-style clip-higher): ratio <= 1 + eps_high
     is_cap: float = 2.0  # C in min(pi_old / mu, C): truncated importance weight
     beta: float = 0.0  # weight of the k3 KL to the reference policy
+    # The reference policy of that KL: "base", the weights the run starts from; or "production",
+    # what is served, whose distance to a candidate the gate bounds (kl_budget). A lineage that runs
+    # ahead of a lagging production drifts past that bound and every later candidate is refused.
+    kl_to: str = "base"
+    # A trust region around that reference: a run stops its group rounds once a round's measured
+    # KL to it (token-mean k3 on the round's own samples, the gate's estimator) exceeds kl_stop.
+    # None: no stop. With kl_to = "production" and kl_stop below the gate's kl_budget, candidates
+    # stay inside the region the gate admits instead of drifting out of it run after run.
+    kl_stop: float | None = None
     max_staleness: int = 4  # K: samples more than K policy versions behind are dropped
     group_normalize_std: bool = False  # divide group-relative advantages by the group std
     baseline_decay: float = 0.9  # EMA decay of the per-task running baseline (live samples)
@@ -40,6 +49,8 @@ class RLConfig:
             (self.eps_high > 0, "eps_high must be > 0"),
             (self.is_cap >= 1, "is_cap (C) must be >= 1"),
             (self.beta >= 0, "beta must be >= 0"),
+            (self.kl_to in ("base", "production"), 'kl_to must be "base" or "production"'),
+            (self.kl_stop is None or self.kl_stop > 0, "kl_stop must be > 0 (or null: no stop)"),
             (self.max_staleness >= 0, "max_staleness (K) must be >= 0"),
             (0 <= self.baseline_decay < 1, "baseline_decay must be in [0, 1)"),
             (self.grad_clip > 0, "grad_clip must be > 0"),

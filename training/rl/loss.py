@@ -66,7 +66,8 @@ def policy_loss(
     kl = torch.zeros_like(per_token)
     if inputs.ref_logprobs is not None:
         kl = k3(inputs.ref_logprobs.detach() - inputs.logprobs)  # (B, T)
-        per_token = per_token + beta * kl
+        if beta > 0:  # with beta 0 the KL is only measured (a trust region's stop, kl_stop)
+            per_token = per_token + beta * kl
 
     normalizer = inputs.normalizer if inputs.normalizer is not None else mask.sum().clamp(min=1)
     loss = torch.where(inputs.mask, per_token, 0.0).sum() / normalizer

@@ -308,7 +308,7 @@ def _micro_loss(
     # One update per batch: the pre-update forward *is* this forward, so pi_old = detached pi_theta.
     old = mb.old_logprobs if mb.old_logprobs is not None else logprobs.detach()
     ref = None
-    if ref_model is not None and cfg.beta > 0:
+    if ref_model is not None:  # the KL is measured whenever there is a reference; it is in the loss when beta > 0
         # No replay here: the KL is to the reference policy as it would act, with its own routing.
         with torch.no_grad():
             ref_logits = ref_model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits
