@@ -235,7 +235,11 @@ def _loop_record() -> dict:
                      "candidate": run.candidate.number if run.candidate_id else None, "samples": c.get("samples"),
                      "rollouts": c.get("rollouts"), "reward_model_auc": model.get("heldout_auc"),
                      "clip_fraction": run.steps.aggregate(v=Avg("clip_fraction"))["v"],
-                     "fresh_mismatch_kl": c.get("fresh_mismatch_kl")})
+                     "fresh_mismatch_kl": c.get("fresh_mismatch_kl"),
+                     # the trust region (rl.kl_stop): the last round's measured KL to production, and
+                     # the round after which the run stopped (None: it took every round)
+                     "kl_last_round": list((c.get("kl_by_round") or {None: None}).values())[-1],
+                     "kl_stopped_after_round": c.get("kl_stopped_after_round")})
     gates = []
     for report in GateReport.objects.filter(version__project__slug="demo").order_by("pk"):
         rows = {c["name"]: c for c in report.checks}
@@ -302,10 +306,12 @@ def _report(args: argparse.Namespace, rows: list[dict], evaluations: dict[int, d
     print("\nversion  held-out accept  silent  median chars")
     for number, e in sorted(evaluations.items()):
         print(f"v{number:<7} {e['accept_rate']:>15.3f} {e['silent_rate']:>7.3f} {e['median_chars']:>13}")
-    print("\nrun  base  cand  samples  rollouts  RM AUC  clip   mismatch KL")
+    print("\nrun  base  cand  samples  rollouts  RM AUC  clip   mismatch KL  KL to prod  stopped")
     for r in loop["runs"]:
+        stopped = "-" if r["kl_stopped_after_round"] is None else f"round {r['kl_stopped_after_round']}"
         print(f"{r['run']:<4} v{r['base']:<4} v{r['candidate'] or '-':<4} {r['samples'] or 0:>7} {r['rollouts'] or 0:>9} "
-              f"{_fmt(r['reward_model_auc']):>7} {_fmt(r['clip_fraction']):>5}  {_fmt(r['fresh_mismatch_kl'], '.1e')}")
+              f"{_fmt(r['reward_model_auc']):>7} {_fmt(r['clip_fraction']):>5}  {_fmt(r['fresh_mismatch_kl'], '.1e'):>11}"
+              f"  {_fmt(r['kl_last_round']):>10}  {stopped}")
     print("\ngate  passed  improvement  interval            width   KL     length  failed")
     for g in loop["gates"]:
         lo, hi = g["interval"]
