@@ -1,6 +1,6 @@
 """Agent rollouts/s: "make these tests pass" tasks with tools read_file / write_file / run_tests,
 every tool call in a fresh bubblewrap sandbox, G rollouts per task in lockstep through one torch
-engine (training/runs/agent_rollouts.py).
+engine (training/rewards/agents.py).
 
 Two rows: the scripted policy (the tests' deterministic agent: four turns, three tool calls, the
 tests pass; token ids and log-probs from the real tiny policy), and the tiny policy itself (a
@@ -37,7 +37,7 @@ def build(folder: Path) -> Path:
 
 
 def measure(engine: Any, G: int, max_tokens: int, budget: int) -> dict[str, Any]:
-    from training.runs.agent_rollouts import SAMPLE_TASKS, run_agent_rollouts
+    from training.rewards.agents import SAMPLE_TASKS, run_agent_rollouts
 
     start = time.perf_counter()
     events = run_agent_rollouts(engine, SAMPLE_TASKS, G=G, max_turns=6, max_tokens=max_tokens, summary_budget=budget)
@@ -60,7 +60,7 @@ def main() -> None:
     torch.set_num_threads(1)
     from inference.engine import make_engine
     from inference.scripted import ScriptedEngine
-    from training.runs.agent_rollouts import scripted_agent
+    from training.rewards.agents import scripted_agent
 
     folder = build(ROOT / "var" / "bench-agent-policy")
     tiny = make_engine("torch", folder, version=1, max_model_len=1024, seed=0)
