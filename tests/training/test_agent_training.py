@@ -92,7 +92,7 @@ def test_a_run_with_agent_tasks_plays_g_rollouts_per_task_with_its_weights_and_t
     assert 0.0 <= c["agent_tests_pass_mean"] <= 1.0 and c["agent_reward_mean"] == c["agent_tests_pass_mean"]
     assert {"agent_tool_calls", "agent_summaries"} <= set(c)
     # every turn was sampled by these very weights and is scored in its recorded context
-    assert c["fresh_samples"] == c["samples"] and c["fresh_mismatch_kl"] < 1e-3
+    assert c["fresh_samples"] == c["samples"] and c["fresh_mismatch_kl"] < 1e-6
     assert TrainingStep.objects.filter(run=run).count() == 1 and run.candidate is not None
 
 
