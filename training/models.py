@@ -295,3 +295,23 @@ class ServingReplica(models.Model):
 
     def __str__(self) -> str:
         return f"{self.project.slug} replica {self.address}"
+
+
+class AgentTask(models.Model):
+    """A "make these tests pass" task of the project (training.rewards.agents): the files to fix and
+    a tests file of `assert` lines among them. Training runs with an `agent` config play G rollouts
+    of these; the gate compares candidate and production on them (docs/agents.md)."""
+
+    project = models.ForeignKey(Project, on_delete=models.CASCADE, related_name="agent_tasks")
+    name = models.SlugField(max_length=64)
+    instruction = models.TextField()
+    files = models.JSONField(default=dict)  # {plain file name: text}, the tests file included
+    tests = models.CharField(max_length=100, default="test_task.py")  # which of `files` holds the asserts
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["project", "name"], name="uniq_agenttask_name")]
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return f"{self.project.slug} agent task {self.name}"

@@ -154,3 +154,21 @@ def test_the_gate_task_gates_the_first_version_without_a_baseline(creds):
     first.refresh_from_db()
     assert result["passed"] and first.state == "awaiting_approval"
     assert gate_run_task.name == "training.tasks.gate_run"
+
+
+@pytest.mark.django_db
+def test_with_agent_tasks_the_report_compares_the_tests_pass_share_on_the_same_seeds(creds, suite, policies):
+    from training.rewards.agents import SAMPLE_TASKS
+    from training.rewards.services import agent_task_add
+
+    for task in SAMPLE_TASKS:
+        agent_task_add(creds.project, task.name, dict(task.files), instruction=task.instruction)
+    gate_policy_update(creds.project, "system:test", "tiny models drift far", thresholds={"kl_budget": 50.0})
+    prod, cand = _versions(creds.project, policies["plain"], policies["plain"])  # the same weights
+    report = gate_run(cand.id)
+    row = next(r for r in report.checks if r["name"] == "agent_tests")
+    agent = report.policy["suite"]["agent"]
+    assert agent["tasks"] == 2 and agent["G"] == 2
+    # same weights, same seeds (common random numbers): the very same rollouts, a difference of exactly 0
+    assert agent["candidate"] == agent["production"] and row["value"] == 0.0 and row["interval"] == [0.0, 0.0]
+    assert row["passed"] and "informational" in row["detail"]

@@ -28,6 +28,11 @@ class GateThresholds:
     confidence: float = 0.95
     resamples: int = 2000
     seed: int = 0
+    # With agent tasks: G rollouts per task for each side (same seeds: common random numbers).
+    # None: the agent row is informational; a number: the candidate's mean tests pass share may not
+    # fall below production's by more than this (interval lower bound), as an aspect.
+    agent_G: int = 2
+    agent_tolerance: float | None = None
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any] | None) -> GateThresholds:
@@ -40,6 +45,8 @@ class GateThresholds:
         out = cls(**data)
         if not 0 < out.confidence < 1:
             raise ValueError(f"confidence must be in (0, 1), got {out.confidence}")
+        if not 1 <= out.agent_G <= 16:
+            raise ValueError(f"agent_G must be in [1, 16], got {out.agent_G}")
         if out.length_ratio_max < 1:
             raise ValueError(f"length_ratio_max must be >= 1, got {out.length_ratio_max}")
         return out

@@ -235,3 +235,44 @@ def _divergence_row(samples: SuiteSamples, t: GateThresholds) -> CheckRow:
     value = detectors.judge_verifiable_divergence(judge, verifiable)
     return CheckRow("judge_verifiable_divergence", value, t.divergence_max, None, value <= t.divergence_max,
                     f"judge Δ {judge:+.3f} vs verifiable Δ {verifiable:+.3f}")
+
+
+# ---------------------------------------------------------------------------------- agent tasks
+
+AGENT_MAX_TURNS, AGENT_MAX_TOKENS = 6, 96
+
+
+def agent_collect(tasks: Sequence[Any], candidate: Policy, production: Policy, G: int, seed: int
+                  ) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Each side plays G rollouts of every agent task with the same seeds (common random numbers:
+    a difference is the weights', not the dice's); returns task -> the rollouts' tests pass shares."""
+    from training.rewards.agents import run_agent_rollouts  # imported here: its tools import torch
+
+    def shares(engine: Policy) -> dict[str, list[float]]:
+        events = run_agent_rollouts(engine, tasks, G, max_turns=AGENT_MAX_TURNS,  # type: ignore[arg-type]
+                                    max_tokens=AGENT_MAX_TOKENS, seed=seed)
+        out: dict[str, list[float]] = defaultdict(list)
+        for e in events:
+            out[e["task"]].append(float(e["agent"]["tests_share"]))
+        return dict(out)
+
+    return shares(candidate), shares(production)
+
+
+def agent_row(candidate: Mapping[str, Sequence[float]], production: Mapping[str, Sequence[float]],
+              t: GateThresholds) -> CheckRow:
+    """Candidate − production mean tests pass share over the agent tasks (paired by task). A pass
+    criterion only with `agent_tolerance` (non-regression, interval lower bound); else informational."""
+    shared = sorted(set(candidate) & set(production))
+    if not shared:
+        return CheckRow("agent_tests", None, t.agent_tolerance, None, True, "not measured: no agent task played")
+    c, p = [_mean(candidate[k]) for k in shared], [_mean(production[k]) for k in shared]
+    ci = stats.paired_bootstrap(c, p, confidence=t.confidence, resamples=t.resamples, seed=t.seed)
+    what = (f"tests pass share over {len(shared)} agent tasks x {t.agent_G} rollouts, candidate {_mean(c):.3f} "
+            f"vs production {_mean(p):.3f} (same seeds)")
+    if t.agent_tolerance is None:
+        return CheckRow("agent_tests", ci.mean, None, ci.as_list(), True,
+                        f"{what}; informational (set agent_tolerance in the gate policy to require it)")
+    tol = float(t.agent_tolerance)
+    return CheckRow("agent_tests", ci.mean, -tol, ci.as_list(), ci.low >= -tol,
+                    f"{what}; may not regress beyond {tol:g} (interval lower bound)")

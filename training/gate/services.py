@@ -20,9 +20,10 @@ from core.errors import Conflict
 from core.workers import WorkerRef
 from feedback.models import Project
 from training.gate.config import GateThresholds, SuiteSpec
-from training.gate.runner import CheckRow, SuiteSamples, evaluate, suite_collect
+from training.gate.runner import CheckRow, SuiteSamples, agent_collect, agent_row, evaluate, suite_collect
 from training.models import AuditLog, EvalSuite, GatePolicy, GateReport, PolicyVersion
 from training.promotion.selectors import gate_policy_active, gate_policy_json
+from training.rewards.selectors import agent_tasks
 from training.rewards.services import accept_predicted
 from training.versions.selectors import policy_production
 from training.versions.services import (
@@ -113,15 +114,23 @@ def _gate_rows(version: PolicyVersion, baseline: PolicyVersion | None, policy: G
         return [row], {}
     suite = eval_suite_active(version.project, suite_name)
     thresholds = GateThresholds.from_json(policy.thresholds)
+    tasks = agent_tasks(version.project)
     engines = [engine_factory(version), engine_factory(baseline)]
     try:
         samples = suite_collect(suite.as_spec(), engines[0], engines[1])
+        shares = agent_collect(tasks, engines[0], engines[1], thresholds.agent_G, thresholds.seed) if tasks else None
     finally:
         for engine in engines:
             getattr(engine, "close", lambda: None)()
     info = {"name": suite.name, "version": suite.version, "prompts": len(suite.prompts),
             "accept": _accept_on_suite(version.project, suite.as_spec(), samples)}
-    return evaluate(samples, thresholds), info
+    rows = evaluate(samples, thresholds)
+    if shares is not None:  # the project's agent tasks: candidate vs production tests pass share
+        rows.append(agent_row(*shares, thresholds))
+        info["agent"] = {"tasks": len(tasks), "G": thresholds.agent_G,
+                         **{side: round(sum(map(sum, s.values())) / max(1, sum(map(len, s.values()))), 4)
+                            for side, s in zip(("candidate", "production"), shares, strict=True)}}
+    return rows, info
 
 
 def _accept_on_suite(project: Project, spec: SuiteSpec, samples: SuiteSamples) -> dict[str, Any] | None:

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from collections import defaultdict
 from datetime import datetime, timedelta
+from typing import Any
 
 from django.db.models import DateTimeField, Exists, F, Max, OuterRef, Prefetch, Q, QuerySet, Subquery
 from django.db.models.functions import Coalesce, Greatest
 
 from feedback.models import FeedbackEvent, Project, Quarantine, Step, Trajectory
-from training.models import Reward, RewardSpec, RubricScore
+from training.models import AgentTask, Reward, RewardSpec, RubricScore
 from training.rewards.calibration import Agreement, aspect_agreement
 from training.rewards.reward_model import Labelled
 
@@ -114,3 +115,12 @@ def labelled_suggestions(project: Project, spec: RewardSpec, limit: int = 4000) 
             label=1.0 if events[-1].signal == "accept" else 0.0,
         ))
     return out
+
+
+def agent_tasks(project: Project) -> list[Any]:
+    """The project's registered agent tasks (by name), as the rollouts take them
+    (training.rewards.agents.AgentTask; imported here: the rollouts' tools import torch)."""
+    from training.rewards import agents
+
+    return [agents.AgentTask(t.name, t.instruction, dict(t.files), t.tests)
+            for t in AgentTask.objects.filter(project=project).order_by("name")]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from django.db import transaction
 from django.db.models import Prefetch
@@ -18,12 +18,15 @@ from core.errors import BadRequest
 from core.notify import project_event
 from feedback.models import FeedbackEvent, Project, Step, Trajectory
 from feedback.services import quarantine_record
-from training.models import Reward, RewardSpec, RubricScore
+from training.models import AgentTask, Reward, RewardSpec, RubricScore
 from training.rewards import selectors
 from training.rewards.checks import CheckConfigError, CheckResult, SandboxUnavailable, check_from_config
 from training.rewards.judges import AspectScore, Judge, make_judge
 from training.rewards.reward_model import Labelled, RewardModel, expected_signal_reward, fit_reward_model
 from training.rewards.spec import DEFAULT_SIGNAL_REWARDS, RewardSpecData, compute_reward
+
+if TYPE_CHECKING:
+    from training.rewards.agents import AgentReward
 
 DEFAULT_JUDGE: dict[str, Any] = {"kind": "rule", "aspects": ["style", "concision"]}
 
@@ -271,3 +274,53 @@ def accept_predicted(
         out["samples"] = len(shown)
     out["reward_model"] = model.summary()
     return out
+
+
+# --------------------------------------------------------------------------------- agent tasks
+
+MAX_AGENT_TASK_CHARS = 100_000
+AGENT_TASK_HELP = ("An agent task is a folder of plain files: the code to fix, a tests file of `assert` lines "
+                   "(test_task.py unless named) and optionally INSTRUCTION.txt; see docs/agents.md.")
+
+
+def agent_task_add(project: Project, name: str, files: dict[str, str], *, instruction: str = "",
+                   tests: str = "test_task.py") -> AgentTask:
+    """Registers (or replaces) the project's agent task `name`: `files` by plain name, the asserts
+    in `files[tests]`. The instruction defaults to "Make the tests in TESTS pass."."""
+    if not name or len(name) > 64 or not all(c.isalnum() or c in "-_" for c in name):
+        raise BadRequest(f"agent task name {name!r} is not a slug", "Use letters, digits, - and _ (at most 64).")
+    if not isinstance(files, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in files.items()):
+        raise BadRequest("an agent task's files must map plain file names to text", AGENT_TASK_HELP)
+    bad = sorted(k for k in files if not k or "/" in k or k.startswith("."))
+    if bad:
+        raise BadRequest(f"agent task {name!r}: file names {bad} are not plain names", AGENT_TASK_HELP)
+    asserts = [ln for ln in files.get(tests, "").splitlines() if ln.strip().startswith("assert")]
+    if not asserts:
+        raise BadRequest(f"agent task {name!r}: no `assert` line in its tests file {tests!r}", AGENT_TASK_HELP)
+    if not any(k.endswith(".py") and k != tests for k in files):
+        raise BadRequest(f"agent task {name!r} has no Python file to fix beside {tests!r}", AGENT_TASK_HELP)
+    size = sum(len(v) for v in files.values())
+    if size > MAX_AGENT_TASK_CHARS:
+        raise BadRequest(f"agent task {name!r} is {size} characters; at most {MAX_AGENT_TASK_CHARS}",
+                         "Keep a task to the few small files it needs.")
+    task, _ = AgentTask.objects.update_or_create(
+        project=project, name=name,
+        defaults={"files": files, "tests": tests, "instruction": instruction.strip() or f"Make the tests in {tests} pass."},
+    )
+    project_event(project.pk, {"type": "agent_task_added", "name": name})
+    return task
+
+
+def agent_task_remove(project: Project, name: str) -> bool:
+    return bool(AgentTask.objects.filter(project=project, name=name).delete()[0])
+
+
+def agent_reward_of(spec: RewardSpec, tests_weight: float = 1.0) -> AgentReward:
+    """The reward of agent rollouts under the project's spec: `tests_weight` x the tests' pass share
+    plus the spec's judge on each of its aspects (aspect weight x score), as live trajectories
+    get them (training.rewards.agents.AgentReward)."""
+    from training.rewards.agents import AgentReward  # imported here: the rollouts' tools import torch
+
+    judge = _judge_for(spec.judge, spec.aspects) if spec.judge else None
+    aspects = tuple((str(a["name"]), float(a.get("weight", 1.0))) for a in spec.aspects)
+    return AgentReward(tests_weight=float(tests_weight), judge=judge, aspects=aspects)

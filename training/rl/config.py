@@ -90,3 +90,32 @@ def group_config(group: Any) -> dict[str, int] | None:
             raise ValueError(f"group.{key} must be an integer in [{low}, {high}], got {value!r}")
         out[key] = value
     return out
+
+
+AGENT_KEYS = {"tasks": (1, 256), "G": (2, 64), "max_turns": (1, 32), "max_tokens": (8, 1024),
+              "summary_budget": (64, 32_768)}
+AGENT_DEFAULTS = {"G": 4, "max_turns": 6, "max_tokens": 96, "summary_budget": 1024, "tests_weight": 1.0}
+
+
+def agent_config(agent: Any) -> dict[str, Any] | None:
+    """A run's agent rollouts ({"tasks": N, "G": G, "max_turns": T, "max_tokens": M,
+    "summary_budget": B, "tests_weight": W}), checked and completed with the defaults; None: off.
+    N of the project's agent tasks per run, G rollouts of each through the run's own weights;
+    reward W x the tests' pass share + the spec's judged aspects (docs/agents.md)."""
+    if not agent:
+        return None
+    known = [*AGENT_KEYS, "tests_weight"]
+    if not isinstance(agent, dict) or set(agent) - set(known) or "tasks" not in agent:
+        raise ValueError(f"agent must be an object with `tasks` and any of {sorted(known)}, got {agent!r}")
+    out: dict[str, Any] = {**AGENT_DEFAULTS}
+    for key, value in agent.items():
+        if key == "tests_weight":
+            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 100:
+                raise ValueError(f"agent.tests_weight must be a number in [0, 100], got {value!r}")
+            out[key] = float(value)
+            continue
+        low, high = AGENT_KEYS[key]
+        if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+            raise ValueError(f"agent.{key} must be an integer in [{low}, {high}], got {value!r}")
+        out[key] = value
+    return out

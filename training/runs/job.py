@@ -21,13 +21,14 @@ import torch
 from django.db.models import Prefetch, QuerySet
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from feedback.models import Step
+from feedback.models import Step, Trajectory
 from feedback.services import quarantine_record
 from inference.engine import SamplingParams, make_engine
 from training.models import Reward, RewardSpec, TrainingRun
+from training.rewards.agents import run_agent_rollouts
 from training.rewards.reward_model import RewardModel, fit_reward_model
-from training.rewards.selectors import labelled_suggestions, rewarded_trajectories_since
-from training.rewards.services import suggestions_reward
+from training.rewards.selectors import agent_tasks, labelled_suggestions, rewarded_trajectories_since
+from training.rewards.services import agent_reward_of, suggestions_reward
 from training.rl.advantages import RunningBaseline
 from training.rl.config import RLConfig
 from training.rl.trainer import Batch, Sample, compute_logprobs, filter_stale, prepare_batch, rl_step
@@ -53,7 +54,12 @@ def run(run: TrainingRun, folder: Path, on_step: StepCallback) -> dict[str, Any]
     tokenizer = AutoTokenizer.from_pretrained(str(base_dir))
     pad_id = _pad_id(tokenizer)
     model = setup_model(base_dir)
-    samples, rewards = setup_samples(run, tokenizer, ModelLimits.of(model))
+    limits = ModelLimits.of(model)
+    samples, rewards = setup_samples(run, tokenizer, limits, allow_empty=bool(run.config.get("agent")))
+    agent, agent_report = agent_samples(run, base_dir, tokenizer, limits)
+    samples += agent
+    if not samples:
+        raise ValueError("nothing to train on: no rewarded trajectory and no agent rollout with an assistant turn")
     recorded = [s for s in samples if s.behaviour_logprobs is not None]  # mu as served, not recomputed
     unknown_mu = fill_behaviour_logprobs(run, samples, model, cfg, pad_id)
     rollouts, not_sampled = GroupRollouts.setup(run, base_dir, rewards, tokenizer)
@@ -103,7 +109,7 @@ def run(run: TrainingRun, folder: Path, on_step: StepCallback) -> dict[str, Any]
     return {"baseline": baseline.state_dict(), "samples": len(samples), "dropped_stale": batch.dropped_stale,
             "behaviour_unknown": unknown_mu, "retokenised": sum(s.retokenised for s in samples),
             "trajectories": len({s.episode for s in samples if s.episode}), "steps": done, **region.report(),
-            **(rollouts.report() if rollouts else not_sampled), **fresh}
+            **(rollouts.report() if rollouts else not_sampled), **agent_report, **fresh}
 
 
 class TrustRegion:
@@ -180,10 +186,11 @@ def _rewards_of(run: TrainingRun) -> QuerySet[Reward]:
     return rewarded_trajectories_since(run.project, spec, since, until)
 
 
-def setup_samples(run: TrainingRun, tokenizer: Any, limits: ModelLimits | None = None
+def setup_samples(run: TrainingRun, tokenizer: Any, limits: ModelLimits | None = None, allow_empty: bool = False
                   ) -> tuple[list[Sample], list[Reward]]:
     """The run's rewarded trajectories as Samples (and the Reward rows they came from); one the
-    model cannot take is quarantined (kind "training") instead of failing the run."""
+    model cannot take is quarantined (kind "training") instead of failing the run. None is an
+    error unless `allow_empty` (a run with agent rollouts has its own data)."""
     limit = int(run.config.get("max_samples", DEFAULT_MAX_SAMPLES))
     rewards = _rewards_of(run).select_related("trajectory").prefetch_related(
         Prefetch("trajectory__steps", queryset=Step.objects.order_by("index"))
@@ -199,9 +206,75 @@ def setup_samples(run: TrainingRun, tokenizer: Any, limits: ModelLimits | None =
             continue
         samples += turns
         kept.append(r)
-    if not samples:
+    if not samples and not allow_empty:
         raise ValueError(f"no rewarded trajectories with an assistant turn to train on ({len(rewards)} rewarded)")
     return samples, kept
+
+
+# --------------------------------------------------------------------------------- agent rollouts
+
+
+def agent_samples(run: TrainingRun, base_dir: Path, tokenizer: Any, limits: ModelLimits
+                  ) -> tuple[list[Sample], dict[str, Any]]:
+    """With `agent` in the run config: G rollouts of `agent.tasks` of the project's agent tasks (a
+    slice that moves with the run id) played with the run's base weights through the torch engine
+    (training.rewards.agents), rewarded by the tests and the spec's judge (`agent_reward_of`).
+    Every assistant turn is a Sample (turns.samples_from, in the context it was sampled in) with
+    its reward-to-go; the G rollouts of a task share a group (group-relative advantages). Nothing
+    is stored: the rollouts are this run's data, not trajectories for later runs."""
+    agent = run.config.get("agent")
+    if not agent:
+        return [], {}
+    tasks = agent_tasks(run.project)
+    if not tasks:
+        raise ValueError(f"the run asks for agent rollouts but project {run.project.slug!r} has no agent tasks; "
+                         "register some with manage.py agent_tasks --project SLUG --add DIR")
+    n = min(int(agent["tasks"]), len(tasks))
+    start = (run.pk * n) % len(tasks)
+    chosen = [tasks[(start + i) % len(tasks)] for i in range(n)]
+    seed = int(run.config.get("seed", 0)) * 1_000_003 + run.pk
+    positions = limits.max_positions or 4096
+    reward = agent_reward_of(RewardSpec.objects.get(pk=run.config["spec"]), agent.get("tests_weight", 1.0))
+    engine = make_engine("torch", base_dir, version=run.base_version.number, seed=seed, max_model_len=positions)
+    try:
+        events = run_agent_rollouts(engine, chosen, int(agent["G"]), max_turns=int(agent["max_turns"]),
+                                    max_tokens=int(agent["max_tokens"]), seed=seed, reward=reward,
+                                    summary_budget=min(int(agent["summary_budget"]), positions))
+    finally:
+        engine.close()
+    samples, dropped = [], 0
+    for event in events:
+        trajectory, steps = _unsaved(run, event)
+        try:
+            turns = samples_from(trajectory, 0.0, tokenizer, limits, steps=steps)  # the outcome is a step reward
+        except BadSample:
+            dropped += 1
+            continue
+        for s in turns:
+            s.episode = event["id"]
+        samples += turns
+    stats = [e["agent"] for e in events]
+    return samples, {
+        "agent_tasks": [t.name for t in chosen], "agent_rollouts": len(events), "agent_samples": len(samples),
+        "agent_dropped": dropped, "agent_reward_mean": round(sum(a["reward"] for a in stats) / len(stats), 4),
+        "agent_tests_pass_mean": round(sum(a["tests_share"] for a in stats) / len(stats), 4),
+        "agent_turns": sum(a["turns"] for a in stats), "agent_tool_calls": sum(a["tool_calls"] for a in stats),
+        "agent_summaries": sum(a["summaries"] for a in stats),
+    }
+
+
+STEP_FIELDS = ("role", "content", "tool_calls", "token_ids", "logprobs", "reward")
+
+
+def _unsaved(run: TrainingRun, event: dict[str, Any]) -> tuple[Trajectory, list[Step]]:
+    """A rollout event as unsaved rows, as feedback_ingest would store it (other keys in extra)."""
+    trajectory = Trajectory(project_id=run.project_id, external_id=event["id"], policy_version=event["policy_version"],
+                            source="simulated", task=event["task"], prompt=event["prompt"],
+                            extra={"group": event["group"], "agent": event["agent"]})
+    steps = [Step(index=i, **{k: raw.get(k) for k in STEP_FIELDS if k != "content"}, content=raw.get("content", ""),
+                  extra={k: v for k, v in raw.items() if k not in STEP_FIELDS})
+             for i, raw in enumerate(event["steps"])]
+    return trajectory, steps
 
 
 # --------------------------------------------------------------------------------- group rollouts

@@ -29,10 +29,10 @@ from core.workers import WorkerRef
 from feedback.models import Project
 from feedback.services import service_account_get
 from training.gate.tasks import gate_run_enqueue
-from training.models import PolicyVersion, TrainingRun, TrainingStep
+from training.models import AgentTask, PolicyVersion, TrainingRun, TrainingStep
 from training.rewards.selectors import rewarded_trajectories_since
 from training.rewards.services import reward_spec_current
-from training.rl.config import RLConfig, group_config
+from training.rl.config import RLConfig, agent_config, group_config
 from training.runs import job, selectors
 from training.versions.selectors import policy_production
 from training.versions.services import policy_register
@@ -81,12 +81,16 @@ def training_run_start(
     project: Project, *, steps: int = DEFAULT_TRAIN_STEPS, rl: dict[str, Any] | None = None,
     batch_size: int = DEFAULT_BATCH_SIZE, trajectory_ids: Sequence[int] | None = None,
     started_by: Any = None, enqueue: bool = True, group: dict[str, Any] | None = None, epochs: float | None = None,
+    agent: dict[str, Any] | None = None,
 ) -> tuple[TrainingRun, bool]:
     """Claims the project's lineage: returns (new run, True), or (the active run, False) when one
     is alive. An active run whose worker died is marked failed first, then the new run starts.
 
     `started_by`: the person or service account starting it (recorded for the two-person rule);
     None means the scheduler's service account (`service:scheduler`).
+
+    `agent` ({"tasks": N, "G": 4, ...}, training.rl.config.agent_config): the run also plays G
+    rollouts of N of the project's agent tasks with its own weights and trains on every turn.
 
     The project row lock serialises concurrent starts: the second sees the first's run and leaves."""
     cfg = RLConfig.from_dict(rl or {})
@@ -106,7 +110,7 @@ def training_run_start(
                            "Run `manage.py bootstrap_policy --project SLUG` first.")
         run = TrainingRun.objects.create(
             project=project, base_version=base, state="queued", started_by=started_by,
-            config=_run_config(project, cfg, steps, batch_size, trajectory_ids, group, epochs),
+            config=_run_config(project, cfg, steps, batch_size, trajectory_ids, group, epochs, agent),
         )
         if enqueue:
             enqueue_after_commit("training.tasks.train_policy", run.pk)
@@ -116,11 +120,12 @@ def training_run_start(
 
 def _run_config(
     project: Project, cfg: RLConfig, steps: int, batch_size: int, trajectory_ids: Sequence[int] | None,
-    group: dict[str, Any] | None = None, epochs: float | None = None,
+    group: dict[str, Any] | None = None, epochs: float | None = None, agent: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     if steps < 1 or batch_size < 1:
         raise BadRequest("steps and batch_size must be >= 1", "Give positive numbers.")
     group = run_group_validate(group)
+    agent = run_agent_validate(project, agent)
     if epochs is not None and not 0 < float(epochs) <= 16:
         raise BadRequest(f"epochs must be in (0, 16], got {epochs!r}", "Give the passes over a run's data, e.g. 2.")
     previous = selectors.training_run_last(project)
@@ -130,7 +135,7 @@ def _run_config(
         "data_since": previous.config.get("data_until") if previous else None,
         "data_until": timezone.now().isoformat(),
         "trajectory_ids": list(trajectory_ids) if trajectory_ids is not None else None,
-        **({"group": group} if group else {}), **({"epochs": float(epochs)} if epochs is not None else {}),
+        **({"group": group} if group else {}), **({"agent": agent} if agent else {}), **({"epochs": float(epochs)} if epochs is not None else {}),
     }
 
 
@@ -139,6 +144,17 @@ def run_group_validate(group: dict[str, Any] | None) -> dict[str, int] | None:
         return group_config(group)
     except ValueError as exc:
         raise BadRequest(str(exc), 'E.g. {"prompts": 64, "G": 8, "max_tokens": 16}.') from exc
+
+
+def run_agent_validate(project: Project, agent: dict[str, Any] | None) -> dict[str, Any] | None:
+    try:
+        out = agent_config(agent)
+    except ValueError as exc:
+        raise BadRequest(str(exc), 'E.g. {"tasks": 8, "G": 4, "max_turns": 6}.') from exc
+    if out and not AgentTask.objects.filter(project=project).exists():
+        raise BadRequest(f"project {project.slug!r} has no agent tasks to roll out",
+                         "Register some: manage.py agent_tasks --project SLUG --add DIR (docs/agents.md).")
+    return out
 
 
 def _run_claim(run_id: int, worker: WorkerRef) -> TrainingRun | None:

@@ -54,12 +54,13 @@ class BadSample(ValueError):
     shape): quarantined, and the run trains on the others."""
 
 
-def samples_from(trajectory: Trajectory, reward: float, tokenizer: Any, limits: ModelLimits | None = None
-                 ) -> list[Sample]:
+def samples_from(trajectory: Trajectory, reward: float, tokenizer: Any, limits: ModelLimits | None = None,
+                 steps: list[Step] | None = None) -> list[Sample]:
     """One Sample per assistant turn (steps in index order; prefetch them), its reward the turn's
     reward-to-go. Raises BadSample when any turn does not fit the model (`limits`) or the
-    trainer's shapes: the trajectory is then quarantined whole."""
-    steps = list(trajectory.steps.all())
+    trainer's shapes: the trajectory is then quarantined whole. `steps`: the trajectory's steps
+    when it is not stored (a run's own agent rollouts); default, its stored ones."""
+    steps = list(steps) if steps is not None else list(trajectory.steps.all())
     turns = [i for i, s in enumerate(steps) if s.role == "assistant" and (s.token_ids or s.content or s.tool_calls)]
     if not turns:
         return []

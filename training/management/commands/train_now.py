@@ -1,4 +1,5 @@
 """python manage.py train_now --project SLUG [--steps 4] [--batch-size 32] [--lr 1e-5] [--queue] [--as USERNAME]
+                             [--agent '{"tasks": 8, "G": 4}']
 
 Starts a training run for the project's lineage and waits for it: in this process by default,
 or queued for the Celery train workers with --queue. Prints one line per optimiser step.
@@ -6,6 +7,7 @@ or queued for the Celery train workers with --queue. Prints one line per optimis
 
 from __future__ import annotations
 
+import json
 import time
 
 from django.contrib.auth import get_user_model
@@ -27,6 +29,8 @@ class Command(BaseCommand):
         parser.add_argument("--lr", type=float, default=None)
         parser.add_argument("--queue", action="store_true", help="run on a Celery train worker, wait here")
         parser.add_argument("--timeout", type=float, default=3600.0)
+        parser.add_argument("--agent", default=None, metavar="JSON",
+                            help='agent rollouts of the project\'s agent tasks, e.g. \'{"tasks": 8, "G": 4}\'')
         parser.add_argument("--as", dest="as_user", default=None, metavar="USERNAME",
                             help="who starts the run (recorded: under the two-person rule they cannot approve "
                                  "its candidate); default the scheduler's service account")
@@ -42,8 +46,12 @@ class Command(BaseCommand):
             starter = get_user_model().objects.filter(username=opts["as_user"], is_active=True).first()
             if starter is None:
                 raise CommandError(f"no active account {opts['as_user']!r}")
+        try:
+            agent = json.loads(opts["agent"]) if opts["agent"] else None
+        except ValueError as exc:
+            raise CommandError(f"--agent is not JSON: {exc}") from exc
         run, created = training_run_start(project, steps=opts["steps"], rl=rl, batch_size=opts["batch_size"],
-                                          enqueue=opts["queue"], started_by=starter)
+                                          enqueue=opts["queue"], started_by=starter, agent=agent)
         if not created:
             raise CommandError(f"run {run.pk} is already {run.state} for {project.slug}; wait for it to end")
         self.stdout.write(f"run {run.pk}: training from v{run.base_version.number}")

@@ -12,8 +12,11 @@ for a summary (a user step asking for it, then the summary as an assistant step 
 then the summary, then what follows. The summary is a trained turn like any other, so the outcome
 reinforces summaries that kept what mattered.
 
-The outcome (the share of the task's tests that pass on the final files) is sent as the last
-assistant turn's step `reward`, so reward-to-go gives it to every turn (docs/agents.md).
+The outcome is sent as the last assistant turn's step `reward`, so reward-to-go gives it to every
+turn (docs/agents.md). It is `AgentReward.score`: the tests' weight times the share of the task's
+tests that pass on the final files, plus the judge's aspects (the project's reward spec: each
+aspect's weight times its score) on the code the rollout changed. `AgentReward()` is the tests
+alone.
 
     .venv/bin/python bench/agent_rollouts.py --json
 """
@@ -25,14 +28,17 @@ import re
 import shutil
 import tempfile
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from inference.engine import Engine, SamplingParams
 from inference.tools import answer_of
+from training.rewards.judges import Judge
 from training.rewards.sandbox import SandboxLimits, run_script
+
+if TYPE_CHECKING:
+    from inference.engine import Engine
 
 SUMMARY_REQUEST = "Summarize the task, what you did and what is left, briefly."
 MAX_FILE_CHARS = 20_000
@@ -111,6 +117,41 @@ SAMPLE_TASKS = [
 ]
 
 
+@dataclass(frozen=True)
+class AgentReward:
+    """A rollout's reward: `tests_weight` x (share of the tests passing on its final files) + for
+    each judged aspect, its weight x its score in [0, 1] (an aspect the judge could not score is
+    left out, as for live trajectories). The judge reads the code the rollout changed (the final
+    text of every file that differs from the task's, by name), or its last answer when it changed
+    nothing. Without a judge or aspects it is the tests' share alone (times `tests_weight`)."""
+
+    tests_weight: float = 1.0
+    judge: Judge | None = None
+    aspects: tuple[tuple[str, float], ...] = ()  # (aspect name, weight), as in the reward spec
+
+    def score(self, share: float, judged: str, instruction: str) -> tuple[float, dict[str, float]]:
+        scores = {}
+        if self.judge is not None and self.aspects:
+            scores = self.judge.judge(instruction, judged, {}).values()
+        return agent_reward(share, self.tests_weight, scores, self.aspects)
+
+
+def agent_reward(share: float, tests_weight: float, scores: Mapping[str, float | None],
+                 aspects: Sequence[tuple[str, float]]) -> tuple[float, dict[str, float]]:
+    """(total, components): {"tests": tests_weight * share, "aspect:NAME": weight * score, ...}."""
+    components = {"tests": tests_weight * share}
+    for name, weight in aspects:
+        if scores.get(name) is not None:
+            components[f"aspect:{name}"] = weight * float(scores[name])  # type: ignore[arg-type]
+    return sum(components.values()), components
+
+
+def judged_text(task: AgentTask, files: Mapping[str, str], answer: str) -> str:
+    """What the judge reads: the final text of the files the rollout changed, else its answer."""
+    changed = [files[name] for name in sorted(files) if files[name] != task.files.get(name)]
+    return "\n".join(changed) if changed else answer
+
+
 @dataclass
 class Rollout:
     task: AgentTask
@@ -141,10 +182,13 @@ class Rollout:
 
 def run_agent_rollouts(engine: Engine, tasks: Sequence[AgentTask], G: int, *, max_turns: int = 8,
                        max_tokens: int = 96, summary_budget: int = 384, seed: int = 0,
-                       limits: SandboxLimits | None = None) -> list[dict[str, Any]]:
+                       limits: SandboxLimits | None = None, reward: AgentReward | None = None
+                       ) -> list[dict[str, Any]]:
     """G rollouts per task; returns them as trajectory events (feedback_ingest's contract), each
-    with `extra.agent` = {reward, passed, failed, turns, tool_calls, summaries}."""
+    with `extra.agent` = {reward, tests_share, components, passed, failed, turns, tool_calls,
+    summaries}. Same engine weights and seed: same rollouts (the gate's common random numbers)."""
     limits = limits or SandboxLimits(wall_s=10.0, cpu_s=5)
+    reward = reward or AgentReward()
     batch = uuid.uuid4().hex[:12]
     events = []
     for t, task in enumerate(tasks):
@@ -156,7 +200,7 @@ def run_agent_rollouts(engine: Engine, tasks: Sequence[AgentTask], G: int, *, ma
                     break
                 _compact(engine, live, summary_budget, max_tokens, seed + 7919 * turn + 104729 * t)
                 _turn(engine, live, max_tokens, seed + 7919 * turn + 104729 * t + 1, limits)
-            events += [_event(r, batch, limits) for r in rollouts]
+            events += [_event(r, batch, limits, reward) for r in rollouts]
         finally:
             for r in rollouts:
                 shutil.rmtree(r.workdir, ignore_errors=True)
@@ -174,6 +218,8 @@ def _ids(engine: Engine, messages: list[dict[str, Any]]) -> list[int]:
 
 
 def _generate(engine: Engine, prompts: list[list[int]], max_tokens: int, seed: int) -> list[Any]:
+    from inference.engine import SamplingParams  # imported here: it imports torch
+
     return engine.generate(prompts, n=1, sampling=SamplingParams(max_tokens=max_tokens, seed=seed))
 
 
@@ -219,11 +265,13 @@ def _turn(engine: Engine, live: list[Rollout], max_tokens: int, seed: int, limit
             r.steps.append({"role": "tool", "tool_call_id": call["id"], "content": result})
 
 
-def _event(r: Rollout, batch: str, limits: SandboxLimits) -> dict[str, Any]:
+def _event(r: Rollout, batch: str, limits: SandboxLimits, scorer: AgentReward) -> dict[str, Any]:
     tests = json.loads(r.call("run_tests", {}, limits) or "{}") if r.steps else {"passed": 0, "failed": 0}
     total = tests.get("passed", 0) + tests.get("failed", 0)
-    reward = tests.get("passed", 0) / total if total else 0.0
+    share = tests.get("passed", 0) / total if total else 0.0
     last = max((i for i, s in enumerate(r.steps) if s["role"] == "assistant"), default=None)
+    answer = r.steps[last]["content"] if last is not None else ""
+    reward, components = scorer.score(share, judged_text(r.task, r.files, answer), r.task.instruction)
     if last is not None:
         r.steps[last]["reward"] = reward
     turns = sum(s["role"] == "assistant" for s in r.steps)
@@ -232,8 +280,8 @@ def _event(r: Rollout, batch: str, limits: SandboxLimits) -> dict[str, Any]:
         "source": "simulated", "task": f"agent:{r.task.name}", "group": f"agent-{batch}-{r.task.name}",
         "prompt": [{"role": "user", "content": _prompt(r.task)}],
         "steps": r.steps,
-        "agent": {"reward": reward, "passed": tests.get("passed", 0), "failed": tests.get("failed", 0),
-                  "turns": turns, "tool_calls": r.tool_calls, "summaries": r.summaries},
+        "agent": {"reward": reward, "tests_share": share, "components": components,
+                  "passed": tests.get("passed", 0), "failed": tests.get("failed", 0), "turns": turns, "tool_calls": r.tool_calls, "summaries": r.summaries},
     }
 
 
