@@ -183,14 +183,14 @@ Render = Callable[[Engine, list[dict[str, Any]]], list[int]]  # messages -> the 
 
 @dataclass
 class Link:
-    """A request's place in a conversation: where its turn is recorded, the trajectory id, and
-    the summary this request compacted the conversation with (if any)."""
+    """A request's place in a conversation: where its turn is recorded, the trajectory id, the
+    client's full history, and whether this request compacted the conversation."""
 
     conversation: Conversation
     record: Callable[[list[dict[str, Any]]], None]
     registry: Conversations | None = None
     messages: list[dict[str, Any]] = field(default_factory=list)
-    summarized: dict[str, Any] | None = None
+    summary_tokens: int | None = None  # the summary this request compacted the conversation with
 
     @property
     def trajectory_id(self) -> str:
@@ -222,9 +222,10 @@ class Link:
         summary = served.completions[0]
         step = {**server.step_of(request, summary, c.trajectory_id, engine.tokenizer), "summary": True}
         assert self.registry is not None
-        self.registry.compacted(c, [{"role": "user", "content": SUMMARY_REQUEST}, step], start, summary.text)
-        self.summarized = {"summary": summary.text, "summary_tokens": len(summary.token_ids),
-                           "summary_policy_version": summary.version}
+        # The summary stands in the context as recorded (its text, NUL-free): the trainer's
+        # re-rendering of a text-only trajectory then matches what the engine was fed.
+        self.registry.compacted(c, [{"role": "user", "content": SUMMARY_REQUEST}, step], start, step["content"])
+        self.summary_tokens = len(summary.token_ids)
         return self.read()
 
     def extension(self) -> dict[str, Any]:
@@ -232,9 +233,10 @@ class Link:
         c = self.conversation
         if c.summary is None:
             return {}
-        return {"compaction": {"summarized_now": self.summarized is not None, "summary": c.summary,
+        now = self.summary_tokens is not None
+        return {"compaction": {"summarized_now": now, "summary": c.summary,
                                "messages_summarized": c.kept_from - c.prompt_len, "kept_from": c.kept_from,
-                               **({"summary_tokens": self.summarized["summary_tokens"]} if self.summarized else {})}}
+                               **({"summary_tokens": self.summary_tokens} if now else {})}}
 
 
 def _discard(events: list[dict[str, Any]]) -> None:
@@ -242,6 +244,7 @@ def _discard(events: list[dict[str, Any]]) -> None:
 
 
 def check_read_size(messages: list[dict[str, Any]]) -> None:
+    """The message bound, on what the server reads (a compacted conversation's full history may be longer)."""
     if len(messages) > MAX_MESSAGES:
         raise ServingError(400, f"'messages' must be a list of 1 to {MAX_MESSAGES} messages (after a conversation's "
                            "summary: its prompt and the messages since)",

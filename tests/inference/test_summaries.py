@@ -26,6 +26,9 @@ from inference.conversations import SUMMARY_REQUEST
 from inference.engine import make_engine
 from inference.scripted import ScriptedEngine
 from inference.serving import ServingError
+from tests.factories import feedback
+from tests.training.test_services import later, plain_spec
+from training.rewards.services import rewards_compute_pending
 from training.rl.config import RLConfig
 from training.rl.trainer import Batch, compute_logprobs
 from training.runs.turns import context_messages, samples_from
@@ -108,7 +111,7 @@ def _assert_bitwise(policy, turns) -> None:
 
 
 def test_a_conversation_over_the_budget_is_answered_after_a_summary_and_trained_in_that_context(
-        client, creds, make_server, dense_dir):
+        client, creds, bob, make_server, dense_dir):
     server, events = make_server("third")
     tokenizer = server.engine.tokenizer
     messages, answers = _converse(client, creds.api_key)
@@ -146,6 +149,16 @@ def test_a_conversation_over_the_budget_is_answered_after_a_summary_and_trained_
     for i in (4, 6, 8):  # the trainer's re-rendering of a text-only trajectory follows the same rule
         assert _ids(tokenizer, context_messages(trajectory, stored, i)) == steps[i]["prompt_token_ids"]
     _assert_bitwise(AutoModelForCausalLM.from_pretrained(str(dense_dir), dtype=torch.float32).eval(), turns)
+
+    plain_spec(creds.project, settle_seconds=0)  # the replay marks the compaction once the turns have credit
+    feedback_ingest(creds.project, [feedback("fb-1", event["id"], signal="accept")])
+    rewards_compute_pending(creds.project, now=later(1))
+    client.force_login(bob)
+    with override_settings(ROOT_URLCONF="webapp.urls"):
+        page = client.get(f"/p/{creds.project.slug}/rollouts/{trajectory.pk}/")
+    assert page.status_code == 200
+    assert [bool(v.turn and v.turn["summary"]) for v in page.context["steps"]] == [i == 4 for i in range(9)]
+    assert page.content.decode().count('data-compacted="4"') == 1
 
 
 @pytest.mark.parametrize("budget", [0, 511], ids=["off", "under"])
