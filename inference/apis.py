@@ -191,12 +191,12 @@ def _model(body: dict) -> str:
     return model
 
 
-def _messages(body: dict, offered: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Messages with tool calls and tool results (inference/tools.py), within the prompt bound."""
-    messages = tools.messages_of(body.get("messages"), serving.MAX_MESSAGES)
+def _check_messages_size(messages: list[dict[str, Any]], offered: list[dict[str, Any]]) -> None:
+    """The messages the engine will read (a compacted conversation's: its prompt and the messages
+    since its summary) within the message and prompt bounds."""
+    conversations.check_read_size(messages)
     calls = [json.dumps(m["tool_calls"]) for m in messages if m.get("tool_calls")]
     _check_prompt_size([m["content"] for m in messages] + calls + ([json.dumps(offered)] if offered else []))
-    return messages
 
 
 def _task(body: dict) -> str:
@@ -217,13 +217,17 @@ def _usage(request: CompletionRequest, served: Served) -> dict[str, int]:
             "total_tokens": len(request.prompt_ids) + completion}
 
 
-async def _serve(body: dict[str, Any], messages: list[dict[str, Any]], encode, want_logprobs: bool, **hooks: Any):
+async def _serve(body: dict[str, Any], messages: list[dict[str, Any]], encode, want_logprobs: bool,
+                 linked: conversations.Link | None = None, **hooks: Any):
     """Checks every bound, picks the engine once (a canary draw included), then tokenises with
-    it, generates (sharing the engine's batches with the other requests in flight), records."""
+    it (a conversation over the summary budget is first compacted on it: inference/conversations.py),
+    generates (sharing the engine's batches with the other requests in flight), records."""
     server, model = serving.current(), _model(body)
     n, sampling, task = _number(body, "n", 1, 1, serving.MAX_N, integer=True), _sampling(body), _task(body)
     engine = server.pick_engine(model)
-    req = CompletionRequest(model, encode(engine), messages, n, sampling, want_logprobs, task, **hooks)
+    if linked is not None:
+        messages = await linked.prepare(server, engine, model, sampling, encode)
+    req = CompletionRequest(model, encode(engine, messages), messages, n, sampling, want_logprobs, task, **hooks)
     return server, engine, req, await server.acomplete(req, engine)
 
 
@@ -247,11 +251,13 @@ async def chat_completions(request: HttpRequest) -> JsonResponse:
     await _aserve_auth(request)
     body = _json_body(request)
     offered = tools.tools_of(body)
-    messages = _messages(body, offered)
+    messages = tools.messages_of(body.get("messages"), serving.MAX_HISTORY)
     linked = conversations.link(serving.current(), body, messages)
-    server, engine, req, served = await _serve(body, messages, lambda e: list(e.tokenizer.apply_chat_template(
-        messages, tools=offered or None, add_generation_prompt=True, tokenize=True, return_dict=False)),
-        bool(body.get("logprobs")), step_fields=tools.recorded_fields(offered), record=linked and linked.record)
+    _check_messages_size(linked.read() if linked else messages, offered)
+    server, engine, req, served = await _serve(body, messages, lambda e, m: list(e.tokenizer.apply_chat_template(
+        m, tools=offered or None, add_generation_prompt=True, tokenize=True, return_dict=False)),
+        bool(body.get("logprobs")), linked, step_fields=tools.recorded_fields(offered),
+        record=linked and linked.record)
     decode = engine.tokenizer.decode
     answers = [tools.answer_of(offered, c.text, c.finish_reason, tid) for c, tid in zip(served.completions, served.trajectory_ids, strict=True)]
     choices = [{
@@ -264,8 +270,10 @@ async def chat_completions(request: HttpRequest) -> JsonResponse:
         ]} if req.want_logprobs else None,
         "trajectory_id": linked.trajectory_id if linked else tid,
     } for (i, (c, tid)), a in zip(_pairs(served), answers, strict=True)]
+    extension = linked.extension() if linked else {}
     return _envelope(server, req, served, True, choices,
-                     **({"conversation_id": linked.conversation.key} if linked else {}))
+                     **({"conversation_id": linked.conversation.key} if linked else {}),
+                     **({"flywheel": extension} if extension else {}))
 
 
 @csrf_exempt
@@ -279,7 +287,7 @@ async def completions(request: HttpRequest) -> JsonResponse:
         raise ServingError(400, "'prompt' must be a non-empty string", "Send the text to continue.")
     _check_prompt_size([prompt])
     logprobs = body.get("logprobs")
-    server, engine, req, served = await _serve(body, [{"role": "user", "content": prompt}], lambda e: e.encode(prompt),
+    server, engine, req, served = await _serve(body, [{"role": "user", "content": prompt}], lambda e, _: e.encode(prompt),
                                          logprobs is not None and logprobs is not False)
     decode = engine.tokenizer.decode
     choices = [{

@@ -12,6 +12,17 @@ trained in exactly its context; the messages the client sent between two answers
 user turns) become the context steps between them. The state is per process: behind several
 serving replicas, route a conversation to one replica (sticky on the conversation id).
 
+Self-summarization (the server's `summary_budget`, serve_policy --summary-budget): when a turn's
+prompt + max_tokens would pass the budget, the policy is first asked for a summary of the
+conversation up to its last answer (a `user` step with SUMMARY_REQUEST, then the summary as an
+`assistant` step marked `summary: true`, recorded like any answer), and the turn is answered in
+the compacted context: the first request's messages, the summary as an assistant turn, then the
+messages the client sent since the last answer. The client keeps sending its full history; the
+server maps it onto the compacted context by count: of the client's messages it reads the first
+`prompt_len` (the prompt, as recorded) and those from `kept_from` on, and the summary stands in for
+the ones between. The trainer's re-rendering follows the same rule (training/runs/turns.py
+`context_messages`).
+
     .venv/bin/python -m pytest tests/inference/test_tools.py -q
 """
 
@@ -25,8 +36,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from inference.serving import PolicyServer, ServingError
+from inference.engine import Engine, SamplingParams
+from inference.serving import MAX_MESSAGES, CompletionRequest, PolicyServer, ServingError
 
+SUMMARY_REQUEST = "Summarize the task, what you did and what is left, briefly."
 IDLE_S = 300.0
 MAX_TURNS = 64
 MAX_OPEN = 10_000
@@ -40,6 +53,20 @@ class Conversation:
     seen: int = 0  # messages of the last request already in the trajectory (its prompt or steps)
     turns: int = 0
     last: float = field(default_factory=time.monotonic)
+    prompt_len: int = 0  # messages of the first request: the trajectory's prompt
+    kept_from: int = 0  # the client's messages before this (after the prompt) are stood in for by the summary
+    summary: str | None = None  # the latest summary's text (None: never compacted)
+
+    def context(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The messages the engine sees for the client's full history `messages`."""
+        if self.summary is None or self.event is None:
+            return messages
+        if len(messages) < self.kept_from:
+            raise ServingError(400, f"this conversation was compacted: a summary stands in for its messages "
+                               f"{self.prompt_len} to {self.kept_from - 1}, but only {len(messages)} messages were sent",
+                               "Send the conversation's full history as before (the server drops the summarized "
+                               "messages itself), or start a new conversation.")
+        return [*self.event["prompt"], {"role": "assistant", "content": self.summary}, *messages[self.kept_from:]]
 
 
 class Conversations:
@@ -81,6 +108,7 @@ class Conversations:
             step = event["steps"][0]
             if conversation.event is None:
                 conversation.event = {**event, "id": conversation.trajectory_id, "steps": [step]}
+                conversation.prompt_len = conversation.kept_from = len(messages)
             else:
                 new = messages[_after_last_answer(messages, conversation.seen):]
                 conversation.event["steps"] += [_context_step(m) for m in new] + [step]
@@ -91,6 +119,15 @@ class Conversations:
             done = end or conversation.turns >= self.max_turns
         if done:
             self._finish([conversation])
+
+    def compacted(self, conversation: Conversation, steps: list[dict[str, Any]], kept_from: int, summary: str) -> None:
+        """The summary request and the summary join the trajectory; later turns read the client's
+        messages from `kept_from` on after the summary."""
+        with self._lock:
+            assert conversation.event is not None
+            conversation.event["steps"] += steps
+            conversation.kept_from, conversation.summary = kept_from, summary
+            conversation.last = time.monotonic()
 
     def sweep(self, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
@@ -141,16 +178,78 @@ def conversations_for(server: PolicyServer) -> Conversations:
     return found
 
 
+Render = Callable[[Engine, list[dict[str, Any]]], list[int]]  # messages -> the prompt ids the engine is fed
+
+
 @dataclass
 class Link:
-    """A request's place in a conversation: where its turn is recorded, the trajectory id."""
+    """A request's place in a conversation: where its turn is recorded, the trajectory id, the
+    client's full history, and whether this request compacted the conversation."""
 
     conversation: Conversation
     record: Callable[[list[dict[str, Any]]], None]
+    registry: Conversations | None = None
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    summary_tokens: int | None = None  # the summary this request compacted the conversation with
 
     @property
     def trajectory_id(self) -> str:
         return self.conversation.trajectory_id
+
+    def read(self) -> list[dict[str, Any]]:
+        """The messages the engine will see (before any compaction this turn)."""
+        return self.conversation.context(self.messages)
+
+    async def prepare(self, server: PolicyServer, engine: Engine, model: str, sampling: SamplingParams,
+                      render: Render) -> list[dict[str, Any]]:
+        """The turn's context; first compacted with a summary when it would pass the budget."""
+        c, context = self.conversation, self.read()
+        if not server.summary_budget or len(render(engine, context)) + sampling.max_tokens <= server.summary_budget:
+            return context
+        start = _after_last_answer(self.messages, c.seen)
+        if c.event is None or start <= c.kept_from:  # no answer since the last summary: nothing to summarize
+            return context
+        ask = [*c.context(self.messages[:start]), {"role": "user", "content": SUMMARY_REQUEST}]
+        ids = render(engine, ask)
+        if len(ids) + sampling.max_tokens > server.max_model_len:
+            raise ServingError(400, f"this conversation is over the summary budget ({server.summary_budget} tokens) "
+                               f"but asking for its summary takes {len(ids)} tokens + max_tokens "
+                               f"{sampling.max_tokens}; the context holds {server.max_model_len}",
+                               "Lower max_tokens, start the serving process with a lower --summary-budget, "
+                               "or start a new conversation.")
+        request = CompletionRequest(model, ids, ask, 1, sampling, False, "summary", record=_discard)
+        served = await server.acomplete(request, engine)
+        summary = served.completions[0]
+        step = {**server.step_of(request, summary, c.trajectory_id, engine.tokenizer), "summary": True}
+        assert self.registry is not None
+        # The summary stands in the context as recorded (its text, NUL-free): the trainer's
+        # re-rendering of a text-only trajectory then matches what the engine was fed.
+        self.registry.compacted(c, [{"role": "user", "content": SUMMARY_REQUEST}, step], start, step["content"])
+        self.summary_tokens = len(summary.token_ids)
+        return self.read()
+
+    def extension(self) -> dict[str, Any]:
+        """The response's `flywheel.compaction` once the conversation has been compacted."""
+        c = self.conversation
+        if c.summary is None:
+            return {}
+        now = self.summary_tokens is not None
+        return {"compaction": {"summarized_now": now, "summary": c.summary,
+                               "messages_summarized": c.kept_from - c.prompt_len, "kept_from": c.kept_from,
+                               **({"summary_tokens": self.summary_tokens} if now else {})}}
+
+
+def _discard(events: list[dict[str, Any]]) -> None:
+    """A summary is recorded as a step of its conversation, never as a trajectory of its own."""
+
+
+def check_read_size(messages: list[dict[str, Any]]) -> None:
+    """The message bound, on what the server reads (a compacted conversation's full history may be longer)."""
+    if len(messages) > MAX_MESSAGES:
+        raise ServingError(400, f"'messages' must be a list of 1 to {MAX_MESSAGES} messages (after a conversation's "
+                           "summary: its prompt and the messages since)",
+                           'Send [{"role": "user", "content": "..."}], or continue a long conversation with '
+                           "metadata.conversation_id so that the server summarizes it.")
 
 
 def link(server: PolicyServer, body: dict[str, Any], messages: list[dict[str, Any]]) -> Link | None:
@@ -168,4 +267,4 @@ def link(server: PolicyServer, body: dict[str, Any], messages: list[dict[str, An
     def record(events: list[dict[str, Any]]) -> None:
         registry.add(conversation, events[0], messages, events[0]["id"], end)
 
-    return Link(conversation, record)
+    return Link(conversation, record, registry, messages)

@@ -39,6 +39,9 @@ MAX_TOKENS = 512
 # still fit the context (a byte-level BPE token rarely spans more), messages and stop strings.
 PROMPT_CHARS_PER_TOKEN = 16
 MAX_MESSAGES = 64
+# A conversation's history as the client sends it (all of it, every turn): past a summary the
+# server reads only its prompt and the messages since (at most MAX_MESSAGES; inference/conversations.py).
+MAX_HISTORY = 1024
 
 
 class ServingError(Exception):
@@ -170,8 +173,12 @@ class PolicyServer:
 
     def __init__(self, project_slug: str, engine: Engine, recorder: Recorder | None,
                  max_model_len: int = 512, canary_seed: int | None = None,
-                 engines: EngineFactory | None = None, resolve: WeightsResolver = _no_versions) -> None:
+                 engines: EngineFactory | None = None, resolve: WeightsResolver = _no_versions,
+                 summary_budget: int = 0) -> None:
         self.project_slug = project_slug
+        # Conversation turns whose prompt + max_tokens would pass this many tokens are answered in a
+        # compacted context (inference/conversations.py); 0: never.
+        self.summary_budget = summary_budget_of(summary_budget, max_model_len)
         self.engine = engine
         self.engines = engines
         self.resolve = resolve
@@ -256,16 +263,20 @@ class PolicyServer:
                     tokenizer: Any) -> dict[str, Any]:
         return {
             "type": "trajectory", "id": trajectory_id, "policy_version": c.version, "task": request.task,
-            "prompt": request.messages,
-            # PostgreSQL text cannot hold NUL; the token ids keep the exact sample.
-            "steps": [{"role": "assistant", "content": c.text.replace("\x00", "\ufffd"), "token_ids": c.token_ids, "logprobs": c.logprobs,
-                       "routing": c.routing, "prompt_token_ids": c.prompt_token_ids,
-                       "tokens": [tokenizer.decode([t]).replace("\x00", "\ufffd") for t in c.token_ids],
-                       "finish_reason": c.finish_reason,
-                       "sampling": {"temperature": request.sampling.temperature, "top_p": request.sampling.top_p},
-                       **(request.step_fields(c, trajectory_id) if request.step_fields else {})}],
+            "prompt": request.messages, "steps": [self.step_of(request, c, trajectory_id, tokenizer)],
             "occurred_at": datetime.now(tz=UTC).isoformat(),
         }
+
+    def step_of(self, request: CompletionRequest, c: Completion, trajectory_id: str, tokenizer: Any) -> dict[str, Any]:
+        """The assistant step a completion is recorded as: what was sampled, in which context, by
+        which version."""
+        # PostgreSQL text cannot hold NUL; the token ids keep the exact sample.
+        return {"role": "assistant", "content": c.text.replace("\x00", "\ufffd"), "token_ids": c.token_ids,
+                "logprobs": c.logprobs, "routing": c.routing, "prompt_token_ids": c.prompt_token_ids,
+                "tokens": [tokenizer.decode([t]).replace("\x00", "\ufffd") for t in c.token_ids],
+                "finish_reason": c.finish_reason, "policy_version": c.version,
+                "sampling": {"temperature": request.sampling.temperature, "top_p": request.sampling.top_p},
+                **(request.step_fields(c, trajectory_id) if request.step_fields else {})}
 
     # --- weights ----------------------------------------------------------------------------
     def load_version(self, folder: str | Path, version: int) -> None:
@@ -325,6 +336,21 @@ def _engine_failed(exc: Exception) -> ServingError:
     log.error("generation failed", exc_info=exc)
     return ServingError(503, f"the engine failed: {type(exc).__name__}", "Retry; if it persists, "
                         "restart the serving process (manage.py serve_policy).")
+
+
+def default_summary_budget(max_model_len: int) -> int:
+    """Three quarters of the context: room left for the summary request and the summary itself."""
+    return max_model_len * 3 // 4
+
+
+def summary_budget_of(value: Any, max_model_len: int) -> int:
+    """A checked summary budget: 0 (off) or a token count below the context length."""
+    if type(value) is not int or not 0 <= value < max_model_len:
+        raise ServingError(400, f"the summary budget must be 0 (off) or 1 to {max_model_len - 1} tokens (below the "
+                           f"context length {max_model_len}), got {repr(value)[:40]}",
+                           f"Pass e.g. --summary-budget {default_summary_budget(max_model_len)} (the default: 3/4 of "
+                           "--max-model-len), or 0 to never summarize conversations.")
+    return value
 
 
 def _version_number(value: Any) -> int:

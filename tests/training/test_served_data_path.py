@@ -104,3 +104,32 @@ def test_every_turn_of_a_served_conversation_is_scored_in_the_context_it_was_sam
     assert len(second.prompt_ids) > len(first.prompt_ids) + len(first.completion_ids)  # the first turn is in it
     for sample in (first, second):
         _assert_scored_as_served(kind, policy, sample)
+
+
+def test_a_served_conversation_compacted_by_a_summary_is_scored_in_the_contexts_it_was_sampled_in(
+        client, creds, served):
+    kind, server, events, folder = served
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    messages, meta = list(CHAT), {"conversation_id": "c-1"}
+    first = _ask(client, "/v1/chat/completions", {"model": "acme", "messages": messages, "max_tokens": 6,
+                                                  "seed": 5, "metadata": meta}, creds.api_key)
+    messages += [first["choices"][0]["message"], {"role": "user", "content": "and then?"}]
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    server.summary_budget = serving.summary_budget_of(len(prompt) + 6 - 1, server.max_model_len)  # this turn passes it
+    second = _ask(client, "/v1/chat/completions", {"model": "acme", "messages": messages, "max_tokens": 6, "seed": 6,
+                                                   "metadata": {**meta, "conversation_end": True}}, creds.api_key)
+    assert second["flywheel"]["compaction"]["summarized_now"] is True
+    server.recorder.close()
+    (event,) = events
+    steps = event["steps"]
+    assert [s["role"] for s in steps] == ["assistant", "user", "assistant", "user", "assistant"] and steps[2]["summary"]
+    compacted = [CHAT[0], {"role": "assistant", "content": steps[2]["content"]}, messages[-1]]
+    assert steps[4]["prompt_token_ids"] == tokenizer.apply_chat_template(
+        compacted, add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert [r.status for r in feedback_ingest(creds.project, events)] == ["accepted"]
+
+    policy = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    turns = samples_from(Trajectory.objects.prefetch_related("steps").get(), 0.0, tokenizer)
+    assert [t.prompt_ids for t in turns] == [s["prompt_token_ids"] for s in steps[::2]]  # the summary is a turn
+    for sample in turns:
+        _assert_scored_as_served(kind, policy, sample)

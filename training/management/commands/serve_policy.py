@@ -1,5 +1,5 @@
 """python manage.py serve_policy --project SLUG [--port 8001] [--internal-port 8002] [--engine vllm|torch]
-    [--internal-host 127.0.0.1] [--advertise URL] [--model-dir DIR] [--serial]
+    [--internal-host 127.0.0.1] [--advertise URL] [--model-dir DIR] [--serial] [--summary-budget TOKENS]
 
 With --engine vllm, requests run on vLLM's async engine: concurrent requests share its batches
 (continuous batching) and a weight swap waits for the requests in flight. --serial runs them one
@@ -9,6 +9,10 @@ the torch engine always runs one at a time.
 Serves what the project should serve (`serving_target`: production, and its canary on a share of
 traffic) in the foreground over an OpenAI-compatible HTTP API (bearer keys of scope `serve`);
 every completion is recorded as a trajectory. Ctrl-C flushes and stops.
+
+A conversation turn whose prompt + max_tokens would pass --summary-budget tokens (default 3/4 of
+--max-model-len; 0: never) is answered in a compacted context: the policy first summarizes the
+conversation, and the summary stands in for the earlier turns (inference/conversations.py).
 
 /internal/load and /internal/push listen on their own port (default: the public port + 1), on
 loopback unless --internal-host (FLYWHEEL_INTERNAL_HOST) names another address, always behind
@@ -74,10 +78,14 @@ class Command(BaseCommand):
         parser.add_argument("--policy-version", type=int, default=None, help="serve this version, not production")
         parser.add_argument("--max-model-len", type=int, default=512)
         parser.add_argument("--no-record", action="store_true", help="do not store completions as trajectories")
+        parser.add_argument("--summary-budget", type=int, default=None,
+                            help="tokens (prompt + max_tokens) past which a conversation is summarized before the "
+                                 "turn is answered (default: 3/4 of --max-model-len; 0: never)")
         parser.add_argument("--serial", action="store_true",
                             help="vllm: one request at a time on the in-process engine (no batching across requests)")
 
     def handle(self, *args, **opts):
+        opts["summary_budget"] = summary_budget(opts["summary_budget"], opts["max_model_len"])
         internal_host, internal_port = opts["internal_host"], opts["internal_port"] or opts["port"] + 1
         if internal_host not in LOOPBACK and not settings.FLYWHEEL_INTERNAL_TOKEN:
             raise CommandError(f"--internal-host {internal_host} exposes /internal/* beyond this machine: set "
@@ -124,7 +132,7 @@ class Command(BaseCommand):
             recorder = None if opts["no_record"] else recorder_for(project)
             server = PolicyServer(project.slug, engines(folder, number), recorder,
                                   max_model_len=opts["max_model_len"], engines=engines,
-                                  resolve=_servable(project, resolve))
+                                  resolve=_servable(project, resolve), summary_budget=opts["summary_budget"])
             if opts["model_dir"] is None and opts["policy_version"] is None and target.canary is not None:
                 server.load({"canary": target.canary, "share": target.canary_share})
         except ServingError as exc:
@@ -132,6 +140,17 @@ class Command(BaseCommand):
         if recorder is not None:
             recorder.start()
         return server
+
+
+def summary_budget(value: int | None, max_model_len: int) -> int:
+    """--summary-budget, checked before any engine starts (default: 3/4 of --max-model-len)."""
+    if type(max_model_len) is not int or max_model_len < 2:
+        raise CommandError(f"--max-model-len must be an integer of at least 2 tokens, got {max_model_len!r}")
+    try:
+        return serving.summary_budget_of(serving.default_summary_budget(max_model_len) if value is None else value,
+                                         max_model_len)
+    except ServingError as exc:
+        raise CommandError(f"--summary-budget: {exc.message}. {exc.fix}") from None
 
 
 def engine_kind(engine: str, serial: bool) -> str:
