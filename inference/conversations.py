@@ -38,8 +38,8 @@ from typing import Any
 
 from inference.engine import Engine, SamplingParams
 from inference.serving import MAX_MESSAGES, CompletionRequest, PolicyServer, ServingError
+from inference.tools import SUMMARY_REQUEST
 
-SUMMARY_REQUEST = "Summarize the task, what you did and what is left, briefly."
 IDLE_S = 300.0
 MAX_TURNS = 64
 MAX_OPEN = 10_000

@@ -27,6 +27,9 @@ ROLES = ("system", "user", "assistant", "tool")
 MAX_TOOLS = 32
 MAX_NAME_CHARS = 64
 INVALID = "invalid_tool_call"
+# What the policy is asked when a context is compacted: by the serving process in a conversation
+# over its budget, and by sandboxed agent rollouts (one text, so the trained summaries are alike).
+SUMMARY_REQUEST = "Summarize the task, what you did and what is left, briefly."
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _CALL = re.compile(re.escape(OPEN) + r"(.*?)" + re.escape(CLOSE), re.DOTALL)
 

@@ -33,14 +33,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from inference.tools import answer_of
+from inference.tools import SUMMARY_REQUEST, answer_of
 from training.rewards.judges import Judge
 from training.rewards.sandbox import SandboxLimits, run_script
 
 if TYPE_CHECKING:
     from inference.engine import Engine
 
-SUMMARY_REQUEST = "Summarize the task, what you did and what is left, briefly."
 MAX_FILE_CHARS = 20_000
 TOOLS = [
     {"type": "function", "function": {"name": "read_file", "description": "Read a file of the work dir.",
