@@ -9,14 +9,14 @@ from django_celery_beat.models import IntervalSchedule
 
 from core.errors import BadRequest
 from feedback.models import Project
-from training.rl.config import RLConfig, group_config
+from training.rl.config import RLConfig, agent_config, group_config
 
 
 def training_schedule_install(
     projects: Iterable[Project] | None = None, rewards_every_s: int = 30, train_check_every_s: int = 60,
     min_new: int = 64, every_minutes: float = 60.0, *, steps: int | None = None, batch_size: int | None = None,
     rl: dict[str, Any] | None = None, group: dict[str, Any] | None = None, epochs: float | None = None,
-    outbox_every_s: int = 10, sweep_every_s: int = 60,
+    agent: dict[str, Any] | None = None, outbox_every_s: int = 10, sweep_every_s: int = 60,
 ) -> list[Any]:
     """Creates or updates the beat entries (django-celery-beat, editable in the admin) per project:
     rewards every `rewards_every_s`, the train check every `train_check_every_s`. Idempotent.
@@ -44,6 +44,11 @@ def training_schedule_install(
             train_kwargs["group"] = group_config(group)
         except ValueError as exc:
             raise BadRequest(str(exc), 'E.g. {"prompts": 64, "G": 8, "max_tokens": 16}.') from exc
+    if agent is not None:
+        try:
+            train_kwargs["agent"] = agent_config(agent)
+        except ValueError as exc:
+            raise BadRequest(str(exc), 'E.g. {"tasks": 2, "G": 4}.') from exc
     if epochs is not None:
         if not 0 < float(epochs) <= 16:
             raise BadRequest(f"epochs must be in (0, 16], got {epochs!r}", "Give the passes over a run's data, e.g. 2.")

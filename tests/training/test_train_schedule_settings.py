@@ -68,7 +68,28 @@ def test_the_schedule_leaves_run_settings_out_unless_given(creds):
     assert json.loads(entry.kwargs) == {"min_new": 8, "every_minutes": 5}
 
 
-@pytest.mark.parametrize("bad", [{"steps": 0}, {"batch_size": -1}, {"rl": {"lr": 0}}, {"rl": {"no_such_knob": 1}}])
+def test_the_schedule_carries_agent_rollouts_to_every_run_it_starts(creds, production, tokenizer,
+                                                                    django_capture_on_commit_callbacks):
+    from training.rewards.agents import SAMPLE_TASKS
+    from training.rewards.services import agent_task_add
+
+    task = SAMPLE_TASKS[0]
+    agent_task_add(creds.project, task.name, dict(task.files), instruction=task.instruction)
+    plain_spec(creds.project, settle_seconds=0)
+    ingest_live(creds.project, tokenizer, 4)
+    rewards_compute_pending(creds.project, now=later(1))
+    training_schedule_install([creds.project], min_new=4, every_minutes=60, agent={"tasks": 1, "G": 2})
+    from django_celery_beat.models import PeriodicTask
+
+    kwargs = json.loads(PeriodicTask.objects.get(name=f"flywheel train {creds.project.slug}").kwargs)
+    assert kwargs["agent"]["tasks"] == 1 and kwargs["agent"]["G"] == 2
+    with django_capture_on_commit_callbacks(execute=False):
+        run_id = tasks.train_maybe.run(creds.project.pk, **kwargs)
+    assert TrainingRun.objects.get(pk=run_id).config["agent"] == kwargs["agent"]
+
+
+@pytest.mark.parametrize("bad", [{"steps": 0}, {"batch_size": -1}, {"rl": {"lr": 0}}, {"rl": {"no_such_knob": 1}},
+                                 {"agent": {"G": 4}}, {"agent": {"tasks": 0}}])
 def test_the_schedule_refuses_invalid_run_settings(creds, bad):
     with pytest.raises(BadRequest):
         training_schedule_install([creds.project], **bad)

@@ -259,13 +259,14 @@ def training_run_finish(run: TrainingRun, folder: Path, extra_config: dict[str, 
 def train_maybe(
     project: Project, min_new: int = 64, every_minutes: float = 60.0, *, steps: int = DEFAULT_TRAIN_STEPS,
     batch_size: int = DEFAULT_BATCH_SIZE, rl: dict[str, Any] | None = None,
-    group: dict[str, Any] | None = None, epochs: float | None = None,
+    group: dict[str, Any] | None = None, epochs: float | None = None, agent: dict[str, Any] | None = None,
 ) -> TrainingRun | None:
     """Starts a run when >= min_new rewarded trajectories arrived since the last run, or when
     every_minutes passed since it and at least one did (the first run always waits for min_new).
     Returns the new run or None.
 
-    `steps`, `batch_size` and `rl` (RLConfig overrides, e.g. {"lr": 1e-3}) go to the run."""
+    `steps`, `batch_size`, `rl` (RLConfig overrides, e.g. {"lr": 1e-3}), `group` and `agent` go
+    to the run."""
     if policy_production(project) is None:
         return None
     last = selectors.training_run_last(project, ("succeeded", "failed", "queued", "running"))
@@ -276,7 +277,7 @@ def train_maybe(
     due = last is not None and timezone.now() - last.created_at >= timedelta(minutes=every_minutes)
     if new >= min_new or (due and new > 0):
         run, created = training_run_start(project, steps=steps, batch_size=batch_size, rl=rl, group=group,
-                                          epochs=epochs, started_by=service_account_get(SCHEDULER_ACCOUNT))
+                                          epochs=epochs, agent=agent, started_by=service_account_get(SCHEDULER_ACCOUNT))
         return run if created else None
     return None
 

@@ -24,9 +24,9 @@ def train_policy_task(self: Any, run_id: int) -> str:
 def train_maybe(project_id: int, min_new: int = 64, every_minutes: float = 60.0,
                 steps: int = services.DEFAULT_TRAIN_STEPS, batch_size: int = services.DEFAULT_BATCH_SIZE,
                 rl: dict[str, Any] | None = None, group: dict[str, Any] | None = None,
-                epochs: float | None = None) -> int | None:
+                epochs: float | None = None, agent: dict[str, Any] | None = None) -> int | None:
     run = services.train_maybe(Project.objects.get(pk=project_id), min_new, every_minutes, steps=steps,
-                               batch_size=batch_size, rl=rl, group=group, epochs=epochs)
+                               batch_size=batch_size, rl=rl, group=group, epochs=epochs, agent=agent)
     return run.pk if run is not None else None
 
 
