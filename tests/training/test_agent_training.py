@@ -62,6 +62,9 @@ def test_a_runs_agent_config_is_checked_with_errors_that_say_how_to_fix_it(creds
                            ({"tasks": 2, "tests_weight": "1"}, r"agent.tests_weight must be a number in \[0, 100\]")]:
         with pytest.raises(BadRequest, match=message):
             training_run_start(creds.project, enqueue=False, agent=agent)
+    # the command says the same, as a one-line error with the fix (no traceback)
+    with pytest.raises(CommandError, match=r"agent.G must be an integer in \[2, 64\], got 1\. "):
+        call_command("train_now", "--project", creds.project.slug, "--agent", '{"tasks": 2, "G": 1}')
     run, _ = training_run_start(creds.project, enqueue=False, agent={"tasks": 2, "tests_weight": 2})
     assert run.config["agent"] == {"tasks": 2, "G": 4, "max_turns": 6, "max_tokens": 96, "summary_budget": 1024,
                                    "tests_weight": 2.0}

@@ -13,6 +13,7 @@ import time
 from django.contrib.auth import get_user_model
 from django.core.management.base import BaseCommand, CommandError
 
+from core.errors import ApplicationError
 from feedback.models import Project
 from training.models import TrainingRun
 from training.runs.selectors import training_step_list
@@ -50,8 +51,11 @@ class Command(BaseCommand):
             agent = json.loads(opts["agent"]) if opts["agent"] else None
         except ValueError as exc:
             raise CommandError(f"--agent is not JSON: {exc}") from exc
-        run, created = training_run_start(project, steps=opts["steps"], rl=rl, batch_size=opts["batch_size"],
-                                          enqueue=opts["queue"], started_by=starter, agent=agent)
+        try:
+            run, created = training_run_start(project, steps=opts["steps"], rl=rl, batch_size=opts["batch_size"],
+                                              enqueue=opts["queue"], started_by=starter, agent=agent)
+        except ApplicationError as exc:  # a refused setting: say what and how to fix it, no traceback
+            raise CommandError(f"{exc.message}. {exc.fix}".strip()) from exc
         if not created:
             raise CommandError(f"run {run.pk} is already {run.state} for {project.slug}; wait for it to end")
         self.stdout.write(f"run {run.pk}: training from v{run.base_version.number}")
@@ -61,6 +65,12 @@ class Command(BaseCommand):
         if run.state != "succeeded":
             raise CommandError(f"run {run.pk} {run.state}: {run.error}")
         self.stdout.write(self.style.SUCCESS(f"run {run.pk} succeeded: candidate v{run.candidate.number}"))
+        c = run.config
+        if c.get("agent_rollouts") is not None:
+            self.stdout.write(f"  agent: {c['agent_rollouts']} rollouts of {', '.join(c.get('agent_tasks') or [])}, "
+                              f"{c.get('agent_turns')} turns, {c.get('agent_tool_calls')} tool calls, "
+                              f"{c.get('agent_summaries')} summaries; tests passed {c.get('agent_tests_pass_mean')}, "
+                              f"reward {c.get('agent_reward_mean')}")
 
     def _wait(self, run_id: int, timeout: float):
 
