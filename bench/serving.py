@@ -1,6 +1,7 @@
 """Serving under concurrent clients: Flywheel's serving process against vLLM's own OpenAI server.
 
     nice -n 19 .venv/bin/python bench/serving.py [--model-dir DIR] [--seconds 6] [--json]
+        [--no-serial] [--baseline CHECKOUT]
 
 The same tiny policy (the dense one the tests build, fp32, max_model_len 512, eager, 1 GiB of KV
 cache) is served three ways, all up at once and driven in turn (interleaved, the order rotating
@@ -11,7 +12,10 @@ each round, so each system sees the same machine load):
 - vllm:   `python -m vllm.entrypoints.openai.api_server` (what `vllm serve` runs), default settings
           but the shared ones (VLLM_CPU_KVCACHE_SPACE=1 --gpu-memory-utilization 0.2 --enforce-eager);
 - serial: `serve_policy --serial` (one request at a time, in-process vLLM; recording on): the
-          reference column.
+          reference column (--no-serial leaves it out: at 64 clients it takes minutes);
+- baseline (with --baseline CHECKOUT): `serve_policy` as another checkout of Flywheel has it (e.g.
+          `git worktree add /tmp/base main`), driven in the same rounds: a change's before/after
+          under the same machine load.
 
 Load: the `openai` client (AsyncOpenAI), C concurrent clients (1, 4, 16, 64), each sending chat
 completions back to back for `--seconds`, max_tokens drawn in [16, 64] and a seed per request
@@ -19,7 +23,8 @@ completions back to back for `--seconds`, max_tokens drawn in [16, 64] and a see
 time) and p50/p95 request latency, and where the CPU went per output token (the server process,
 vLLM's engine processes, PostgreSQL). With --json the last line is one JSON object with
 ours_tokens_per_s_C, vllm_serve_tokens_per_s_C, serial_tokens_per_s_C, *_p50_s_C, *_p95_s_C,
-and at 16 clients ratio_16 (ours / vllm throughput) and p95_ratio_16 (ours / vllm p95).
+and at 16 clients ratio_16 (ours / vllm throughput) and p95_ratio_16 (ours / vllm p95) (and
+baseline_ratio_16, baseline_p95_ratio_16 for the baseline checkout).
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ from bench._django import setup_django  # noqa: E402
 BENCH_DB = "flywheel_bench_serving"
 VLLM_SERVE_VENV = ROOT / "var" / "bench-vllm-serve-venv"
 LEVELS = (1, 4, 16, 64)
-SYSTEMS = ("ours", "vllm_serve", "serial")
+SYSTEMS = ("ours", "vllm_serve", "serial")  # and "baseline" with --baseline
 MAX_MODEL_LEN = 512
 PROMPTS = ["def add(a, b):", "import os\n", "class Stack:", "for i in range(10):", "with open(path) as f:",
            "try:\n    import json", "def __init__(self):", "if __name__ == '__main__':"]
@@ -110,13 +115,15 @@ def _env() -> dict[str, str]:
             "DJANGO_SETTINGS_MODULE": "webapp.settings"}
 
 
-def start_ours(model_dir: Path, project: str, logs: Path, serial: bool) -> tuple[subprocess.Popen, str]:
+def start_ours(model_dir: Path, project: str, logs: Path, serial: bool,
+               checkout: Path = ROOT) -> tuple[subprocess.Popen, str]:
     port = _free_port()
+    name = "baseline" if checkout != ROOT else "serial" if serial else "ours"
     cmd = [sys.executable, "manage.py", "serve_policy", "--project", project, "--model-dir", str(model_dir),
            "--policy-version", "1", "--engine", "vllm", "--port", str(port), "--internal-port", str(_free_port()),
            "--max-model-len", str(MAX_MODEL_LEN)] + (["--serial"] if serial else [])
-    log = open(logs / f"serve-{'serial' if serial else 'ours'}.log", "wb")
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=log, stderr=subprocess.STDOUT)
+    log = open(logs / f"serve-{name}.log", "wb")
+    proc = subprocess.Popen(cmd, cwd=checkout, env=_env(), stdout=log, stderr=subprocess.STDOUT)
     return proc, f"http://127.0.0.1:{port}"
 
 
@@ -233,15 +240,19 @@ def prepare_project() -> tuple[str, str]:
     return project.slug, api_key_create(project, ["serve"], name=f"bench-{os.getpid()}")
 
 
-def run(model_dir: Path, seconds: float, rounds: int, logs: Path) -> dict[str, dict[int, Run]]:
+def run(model_dir: Path, seconds: float, rounds: int, logs: Path, systems: tuple[str, ...],
+        baseline: Path | None = None) -> dict[str, dict[int, Run]]:
     setup_django(BENCH_DB)
 
     project, key = prepare_project()
     servers = {"ours": start_ours(model_dir, project, logs, serial=False),
-               "vllm_serve": start_vllm_serve(model_dir, logs),
-               "serial": start_ours(model_dir, project, logs, serial=True)}
-    models = {"ours": project, "serial": project, "vllm_serve": "tiny"}
-    results: dict[str, dict[int, Run]] = {s: {c: Run() for c in LEVELS} for s in SYSTEMS}
+               "vllm_serve": start_vllm_serve(model_dir, logs)}
+    if "serial" in systems:
+        servers["serial"] = start_ours(model_dir, project, logs, serial=True)
+    if baseline is not None:
+        servers["baseline"] = start_ours(model_dir, project, logs, serial=False, checkout=baseline)
+    models = {"ours": project, "serial": project, "baseline": project, "vllm_serve": "tiny"}
+    results: dict[str, dict[int, Run]] = {s: {c: Run() for c in LEVELS} for s in systems}
     try:
         for name, (proc, base) in servers.items():
             _wait(base + ("/health" if name == "vllm_serve" else "/healthz"), proc)
@@ -249,7 +260,7 @@ def run(model_dir: Path, seconds: float, rounds: int, logs: Path) -> dict[str, d
             asyncio.run(drive(base, key, models[name], 2, 1.0, seed=99))
         for clients in LEVELS:
             for r in range(rounds):
-                order = SYSTEMS[r % 3:] + SYSTEMS[:r % 3]
+                order = systems[r % len(systems):] + systems[:r % len(systems)]
                 for name in order:
                     proc, base = servers[name]
                     before = cpu_snapshot(proc.pid)
@@ -272,7 +283,7 @@ def run(model_dir: Path, seconds: float, rounds: int, logs: Path) -> dict[str, d
 
 def summary(results: dict[str, dict[int, Run]]) -> dict[str, float]:
     out: dict[str, float] = {}
-    for name in SYSTEMS:
+    for name in results:
         for clients, r in results[name].items():
             prefix = "vllm_serve" if name == "vllm_serve" else name
             out[f"{prefix}_tokens_per_s_{clients}"] = round(r.tokens_per_s(), 1)
@@ -284,28 +295,38 @@ def summary(results: dict[str, dict[int, Run]]) -> dict[str, float]:
     ours, theirs = results["ours"][16], results["vllm_serve"][16]
     out["ratio_16"] = round(ours.tokens_per_s() / max(theirs.tokens_per_s(), 1e-9), 3)
     out["p95_ratio_16"] = round(ours.quantile(0.95) / max(theirs.quantile(0.95), 1e-9), 3)
+    if "baseline" in results:
+        before = results["baseline"][16]
+        out["baseline_ratio_16"] = round(before.tokens_per_s() / max(theirs.tokens_per_s(), 1e-9), 3)
+        out["baseline_p95_ratio_16"] = round(before.quantile(0.95) / max(theirs.quantile(0.95), 1e-9), 3)
     return out
 
 
 def print_table(results: dict[str, dict[int, Run]]) -> None:
-    print(f"{'clients':>7} | {'ours tok/s':>10} {'p50':>6} {'p95':>6} | {'vllm serve':>10} {'p50':>6} {'p95':>6} | "
-          f"{'serial':>8} {'p50':>6} {'p95':>6} | {'ours/vllm':>9}")
+    systems = list(results)
+    print(f"{'clients':>7} | " + " | ".join(f"{TITLES[name]:>10} {'p50':>6} {'p95':>6}" for name in systems)
+          + f" | {'ours/vllm':>9}" + (f" | {'base/vllm':>9}" if "baseline" in results else ""))
     for c in LEVELS:
         cells = []
-        for name in SYSTEMS:
+        for name in systems:
             r = results[name][c]
-            cells.append(f"{r.tokens_per_s():>{10 if name != 'serial' else 8}.1f} {r.quantile(0.5):6.3f} "
-                         f"{r.quantile(0.95):6.3f}")
-        ratio = results["ours"][c].tokens_per_s() / max(results["vllm_serve"][c].tokens_per_s(), 1e-9)
-        print(f"{c:>7} | " + " | ".join(cells) + f" | {ratio:9.2f}")
+            cells.append(f"{r.tokens_per_s():>10.1f} {r.quantile(0.5):6.3f} {r.quantile(0.95):6.3f}")
+        vllm = max(results["vllm_serve"][c].tokens_per_s(), 1e-9)
+        ratios = [results["ours"][c].tokens_per_s() / vllm]
+        if "baseline" in results:
+            ratios.append(results["baseline"][c].tokens_per_s() / vllm)
+        print(f"{c:>7} | " + " | ".join(cells) + "".join(f" | {ratio:9.2f}" for ratio in ratios))
     print("\nCPU ms per output token (where the time goes): frontend = the HTTP server process (API, engine")
     print("frontend, recording), engine = vLLM's engine core and workers, db = PostgreSQL (recorded writes)")
-    print(f"{'clients':>7} | " + " | ".join(f"{name:>22}" for name in SYSTEMS))
-    print(f"{'':>7} | " + " | ".join(f"{'front engine     db':>22}" for _ in SYSTEMS))
+    print(f"{'clients':>7} | " + " | ".join(f"{name:>22}" for name in systems))
+    print(f"{'':>7} | " + " | ".join(f"{'front engine     db':>22}" for _ in systems))
     for c in LEVELS:
         cells = [" ".join(f"{results[name][c].cpu_ms_per_token(part):6.2f}" for part in ("frontend", "engine", "db"))
-                 for name in SYSTEMS]
+                 for name in systems]
         print(f"{c:>7} | " + " | ".join(f"{cell:>22}" for cell in cells))
+
+
+TITLES = {"ours": "ours tok/s", "vllm_serve": "vllm serve", "serial": "serial", "baseline": "baseline"}
 
 
 def main() -> None:
@@ -314,7 +335,12 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=6.0, help="per system, level and round")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--no-serial", action="store_true", help="leave out the serialised reference")
+    parser.add_argument("--baseline", type=Path, help="another checkout whose serve_policy is driven alike")
     args = parser.parse_args()
+    systems = tuple(s for s in SYSTEMS if not (args.no_serial and s == "serial"))
+    if args.baseline is not None:
+        systems += ("baseline",)
     with tempfile.TemporaryDirectory() as tmp:
         folder = args.model_dir
         if folder is None:
@@ -323,7 +349,7 @@ def main() -> None:
             folder = build_policy(Path(tmp) / "policy", PolicyConfig(kind="dense"), stdlib_corpus(20_000))
         logs = ROOT / "var" / "bench-serving"
         logs.mkdir(parents=True, exist_ok=True)
-        results = run(folder, args.seconds, args.rounds, logs)
+        results = run(folder, args.seconds, args.rounds, logs, systems, args.baseline)
     print_table(results)
     if args.json:
         print(json.dumps(summary(results)))

@@ -25,6 +25,7 @@ from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_GET, require_POST
 
+from core.db import keep_connections
 from core.errors import ApplicationError
 from core.metrics import metrics_response
 from feedback.auth import Principal, api_key_principal, bearer_token
@@ -136,6 +137,8 @@ def _principal(token: str) -> Principal:
     cached = _keys.get(digest)
     if cached is not None and cached[0] > now:
         return cached[1]
+    # On Django's sync thread (inference/listeners.py): its connection is kept between look-ups.
+    keep_connections()
     try:
         principal = api_key_principal(token)
     except ApplicationError as exc:
@@ -258,15 +261,14 @@ async def chat_completions(request: HttpRequest) -> JsonResponse:
         m, tools=offered or None, add_generation_prompt=True, tokenize=True, return_dict=False)),
         bool(body.get("logprobs")), linked, step_fields=tools.recorded_fields(offered),
         record=linked and linked.record)
-    decode = engine.tokenizer.decode
     answers = [tools.answer_of(offered, c.text, c.finish_reason, tid) for c, tid in zip(served.completions, served.trajectory_ids, strict=True)]
     choices = [{
         "index": i, "message": {"role": "assistant", "content": a.content,
                                 **({"tool_calls": a.tool_calls} if a.tool_calls else {})},
         "finish_reason": a.finish_reason,
         "logprobs": {"content": [
-            {"token": decode([t]), "logprob": lp, "bytes": list(decode([t]).encode()), "top_logprobs": []}
-            for t, lp in zip(c.token_ids, c.logprobs, strict=True)
+            {"token": text, "logprob": lp, "bytes": list(text.encode()), "top_logprobs": []}
+            for text, lp in zip(serving.token_texts(engine.tokenizer, c.token_ids), c.logprobs, strict=True)
         ]} if req.want_logprobs else None,
         "trajectory_id": linked.trajectory_id if linked else tid,
     } for (i, (c, tid)), a in zip(_pairs(served), answers, strict=True)]
@@ -289,10 +291,9 @@ async def completions(request: HttpRequest) -> JsonResponse:
     logprobs = body.get("logprobs")
     server, engine, req, served = await _serve(body, [{"role": "user", "content": prompt}], lambda e, _: e.encode(prompt),
                                          logprobs is not None and logprobs is not False)
-    decode = engine.tokenizer.decode
     choices = [{
         "index": i, "text": c.text, "finish_reason": c.finish_reason, "trajectory_id": tid,
-        "logprobs": {"tokens": [decode([t]) for t in c.token_ids], "token_logprobs": c.logprobs,
+        "logprobs": {"tokens": serving.token_texts(engine.tokenizer, c.token_ids), "token_logprobs": c.logprobs,
                      "top_logprobs": None, "text_offset": None} if req.want_logprobs else None,
     } for i, (c, tid) in _pairs(served)]
     return _envelope(server, req, served, False, choices)

@@ -9,6 +9,14 @@ Both run a short middleware chain, every link of it async-capable: the web app's
 links (WhiteNoise), and one sync link makes Django run every request through its single
 sync thread, one request at a time, whatever the views are. This API needs none of the
 browser middleware (sessions, CSRF, messages): its callers send bearer keys.
+
+Per-request CPU in this process is taken from vLLM's engine core on a small machine, so a request
+makes no thread hop it does not need: Django's async path runs each MiddlewareMixin hook, the
+request_started signal and the response's close on a sync thread (six hops a request), inside a
+ThreadSensitiveContext that starts a thread per request. Here the security and common middleware
+(header and redirect logic, no I/O) run on the event loop, and so do the request signals (their
+receivers only close this thread's unused database connections and reset the URLconf); the views'
+database work (a key not in the cache) still runs on Django's sync thread.
 """
 
 from __future__ import annotations
@@ -19,15 +27,38 @@ from collections.abc import Iterator
 
 import uvicorn
 from django.conf import settings
-from django.core.handlers.asgi import ASGIHandler
+from django.core import signals
+from django.core.exceptions import RequestAborted
+from django.core.handlers.asgi import ASGIHandler, get_script_prefix
+from django.middleware.common import CommonMiddleware as DjangoCommonMiddleware
+from django.middleware.security import SecurityMiddleware as DjangoSecurityMiddleware
+from django.urls import set_script_prefix
 
 PUBLIC_URLS = "inference.urls"
 INTERNAL_URLS = "inference.internal_urls"
 MIDDLEWARE = (
     "core.metrics.RequestMetricsMiddleware",
-    "django.middleware.security.SecurityMiddleware",
-    "django.middleware.common.CommonMiddleware",
+    "inference.listeners.SecurityMiddleware",
+    "inference.listeners.CommonMiddleware",
 )
+
+
+class _OnTheLoop:
+    """MiddlewareMixin's async call with its hooks run inline instead of on a sync thread (two
+    thread hops a request each): for middleware whose hooks do no I/O."""
+
+    async def __acall__(self, request):
+        response = self.process_request(request)
+        response = response or await self.get_response(request)
+        return self.process_response(request, response)
+
+
+class SecurityMiddleware(_OnTheLoop, DjangoSecurityMiddleware):
+    """django.middleware.security.SecurityMiddleware, its hooks on the event loop."""
+
+
+class CommonMiddleware(_OnTheLoop, DjangoCommonMiddleware):
+    """django.middleware.common.CommonMiddleware, its hooks on the event loop."""
 
 
 class ListenerHandler(ASGIHandler):
@@ -45,6 +76,61 @@ class ListenerHandler(ASGIHandler):
             super().load_middleware(is_async)
         finally:
             settings.MIDDLEWARE = chain
+
+    async def __call__(self, scope, receive, send):
+        # Django's enters a ThreadSensitiveContext here: a new sync thread for every request.
+        if scope["type"] != "http":
+            raise ValueError(f"this listener serves HTTP only, not {scope['type']}")
+        await self.handle(scope, receive, send)
+
+    async def handle(self, scope, receive, send):
+        """ASGIHandler.handle (the same steps: the body, request_started, the response, a client
+        disconnect cancelling the view, the response's close and request_finished) with the
+        signals and the close on the event loop rather than a thread hop each."""
+        try:
+            body_file = await self.read_body(receive)
+        except RequestAborted:
+            return
+        set_script_prefix(get_script_prefix(scope))
+        signals.request_started.send(sender=self.__class__, scope=scope)
+        request, error_response = self.create_request(scope, body_file)
+        if request is None:
+            body_file.close()
+            await self.send_response(error_response, send)
+            error_response.close()
+            return
+
+        async def process_request(request, send):
+            response = await self.run_get_response(request)
+            try:
+                await self.send_response(response, send)
+            except asyncio.CancelledError:  # the client went away while it was sent
+                pass
+            return response
+
+        tasks = [asyncio.create_task(self.listen_for_disconnect(receive)),
+                 asyncio.create_task(process_request(request, send))]
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        for task in tasks:
+            if task.done():
+                try:
+                    task.result()
+                except RequestAborted:
+                    pass
+                except AssertionError:
+                    body_file.close()
+                    raise
+            else:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        try:
+            response = tasks[1].result()
+        except asyncio.CancelledError:
+            signals.request_finished.send(sender=self.__class__)
+        else:
+            response.close()  # sends request_finished
+        body_file.close()
 
     def create_request(self, scope, body_file):
         request, error = super().create_request(scope, body_file)

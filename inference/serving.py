@@ -22,7 +22,8 @@ import random
 import threading
 import time
 import uuid
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -273,7 +274,7 @@ class PolicyServer:
         # PostgreSQL text cannot hold NUL; the token ids keep the exact sample.
         return {"role": "assistant", "content": c.text.replace("\x00", "\ufffd"), "token_ids": c.token_ids,
                 "logprobs": c.logprobs, "routing": c.routing, "prompt_token_ids": c.prompt_token_ids,
-                "tokens": [tokenizer.decode([t]).replace("\x00", "\ufffd") for t in c.token_ids],
+                "tokens": [t.replace("\x00", "\ufffd") for t in token_texts(tokenizer, c.token_ids)],
                 "finish_reason": c.finish_reason, "policy_version": c.version,
                 "sampling": {"temperature": request.sampling.temperature, "top_p": request.sampling.top_p},
                 **(request.step_fields(c, trajectory_id) if request.step_fields else {})}
@@ -323,6 +324,28 @@ class PolicyServer:
         self.engine.close()
         if self.canary is not None:
             self.canary.close()
+
+
+# tokenizer -> {token id: its text alone}: a token's own text never changes, and decoding token by
+# token (the recorded `tokens`, the answer's log-probs) was the largest per-token cost of the
+# serving process's request path.
+_TOKEN_TEXTS: weakref.WeakKeyDictionary[Any, dict[int, str]] = weakref.WeakKeyDictionary()
+_TOKEN_TEXTS_LOCK = threading.Lock()
+
+
+def token_texts(tokenizer: Any, token_ids: Sequence[int]) -> list[str]:
+    """`tokenizer.decode([t])` of each token id, each id decoded once per tokenizer."""
+    texts = _TOKEN_TEXTS.get(tokenizer)
+    if texts is None:
+        with _TOKEN_TEXTS_LOCK:
+            texts = _TOKEN_TEXTS.setdefault(tokenizer, {})
+    out = []
+    for t in token_ids:
+        text = texts.get(t)
+        if text is None:
+            text = texts[t] = tokenizer.decode([t])
+        out.append(text)
+    return out
 
 
 def _observe(start: float, completions: list[Completion], version: int) -> None:

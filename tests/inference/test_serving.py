@@ -26,7 +26,7 @@ from inference import serving
 from inference.engine import make_engine
 from tests.processes import ROOT, free_port, subprocess_env, wait_http
 from training.models import CanaryRun, PolicyVersion
-from training.pretrain import perturbed_state_dict, save_policy
+from training.pretrain import load_tokenizer, perturbed_state_dict, save_policy
 from training.versions.services import version_transition
 
 TOKEN = "internal-test-token"
@@ -34,8 +34,6 @@ TOKEN = "internal-test-token"
 
 def _versions(project, dense_dir: Path, tmp_path: Path) -> tuple[PolicyVersion, PolicyVersion]:
     from transformers import AutoModelForCausalLM
-
-    from training.pretrain import load_tokenizer
 
     v2_dir = tmp_path / "v2"
     model = AutoModelForCausalLM.from_pretrained(str(dense_dir))
@@ -102,6 +100,10 @@ def test_the_openai_client_gets_completions_that_become_trajectories(creds, dens
     try:
         client = openai.OpenAI(base_url=url + "/v1", api_key=creds.api_key)
         assert {m.id for m in client.models.list().data} >= {"acme", "acme-v1"}
+        # The security and common middleware still run (on the event loop: inference/listeners.py).
+        health = httpx.get(url + "/healthz")
+        assert health.headers["x-content-type-options"] == "nosniff"
+        assert health.headers["content-length"] == str(len(health.content))
         chat = client.chat.completions.create(
             model="acme", messages=[{"role": "user", "content": "def add(a, b):"}], max_tokens=8, seed=1,
             logprobs=True, n=2)
@@ -118,6 +120,10 @@ def test_the_openai_client_gets_completions_that_become_trajectories(creds, dens
         step = Step.objects.get(trajectory=stored[ids[0]])
         assert step.logprobs == pytest.approx([t.logprob for t in chat.choices[0].logprobs.content])
         assert step.extra["prompt_token_ids"]
+        # Each token's own text (decoded once per token id and cached), in the step and the answer.
+        tokenizer = load_tokenizer(dense_dir)
+        assert step.extra["tokens"] == [tokenizer.decode([t]) for t in step.token_ids]
+        assert [t.token for t in chat.choices[0].logprobs.content] == step.extra["tokens"]
         feedback_ingest(creds.project, [{"type": "feedback", "id": "fb-1", "trajectory_id": ids[0],
                                          "signal": "accept"}])
         assert FeedbackEvent.objects.get(event_id="fb-1").trajectory == stored[ids[0]]

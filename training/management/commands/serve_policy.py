@@ -44,11 +44,12 @@ from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 from django.db import InterfaceError, OperationalError, close_old_connections
 
+from core.db import keep_connections
 from core.errors import NotFound
 from feedback.models import Project
 from feedback.services import feedback_ingest, quarantine_record
 from inference import metrics, replica, serving
-from inference.engine import EngineFactory
+from inference.engine import EngineFactory, new_event_loop
 from inference.listeners import serve_both
 from inference.serving import PolicyServer, Recorder, ServingError
 from kernels.delta import CheckpointCorrupt
@@ -105,7 +106,8 @@ class Command(BaseCommand):
         # would die before the recorder flushes. Raising SystemExit runs the `finally` below.
         signal.signal(signal.SIGTERM, _exit_on_signal)
         try:
-            asyncio.run(serve_both(opts["host"], opts["port"], internal_host, internal_port))
+            with asyncio.Runner(loop_factory=new_event_loop) as runner:
+                runner.run(serve_both(opts["host"], opts["port"], internal_host, internal_port))
         finally:
             if agent is not None:
                 replica.RECEIVER = None
@@ -228,7 +230,7 @@ def recorder_for(project: Project) -> Recorder:
                           detail={"policy_version": event.get("policy_version") if isinstance(event, dict) else None})
 
     def write(events: list[dict[str, Any]]) -> None:
-        close_old_connections()
+        keep_connections()  # not a new connection per batch
         for result in feedback_ingest(project, events):
             if result.status == "rejected":
                 metrics.TRAJECTORIES_DROPPED.inc()
