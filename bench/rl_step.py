@@ -9,7 +9,8 @@ Two figures per size:
   Flywheel's loop as it runs in production: rollouts in their own process (vLLM, one core, the
   serving engine's role) overlapped with training (one core), one step off-policy (admitted by
   max_staleness, corrected by the truncated importance weight), the new weights pushed to the
-  rollout engine every step (safetensors bytes, then an in-place vLLM reload). TRL's fastest
+  rollout engine every step (one copy into a shared-memory buffer, then an in-place vLLM reload
+  from it). Each side's phases are timed and printed. TRL's fastest
   configuration that runs here: TRL 1.16.0 ships `experimental.async_grpo.AsyncGRPOTrainer`, but
   it needs a `vllm serve` server and syncs weights over NCCL (vLLM's weight-transfer backends are
   NCCL or CUDA IPC), which a CPU-only torch has not; `GRPOTrainer(use_vllm=True)` in colocate
@@ -43,7 +44,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -199,11 +199,13 @@ def bench_async(folder: Path, prompts: list[list[int]], args: argparse.Namespace
     """Async rollouts+training: a rollout process (its own vLLM engine, one torch thread) generates
     batch k+1 with the weights of version k while this process (one torch thread) trains on
     batch k, sampled by version k-1: one step off-policy, which max_staleness admits and the
-    truncated importance weight corrects. Weights travel as safetensors bytes, once per step.
-    Step time: between consecutive batches reaching the trainer; median after warm-up."""
+    truncated importance weight corrects. Weights travel through one shared-memory buffer
+    (SharedWeights): the trainer copies its parameters in once per step, the rollout process
+    reloads vLLM straight from it; the pipe carries only the version and the completions.
+    Step time: between consecutive batches reaching the trainer; median after warm-up. Each
+    side's phases are timed too (median per step): trainer wait / publish / batch / update,
+    rollout idle / load / generate."""
     import multiprocessing as mp
-
-    from safetensors.torch import save
 
     ctx = mp.get_context("spawn")  # no fork of a process that holds torch/OpenMP state
     here, there = ctx.Pipe()
@@ -211,54 +213,110 @@ def bench_async(folder: Path, prompts: list[list[int]], args: argparse.Namespace
     # One core each: left to the scheduler, the two sides sometimes shared a core here (trainer
     # steps 2x slower, async no faster than sync).
     mine, theirs = ({cores[0]}, {cores[1]}) if len(cores) >= 2 else (set(cores), set(cores))
-    worker = ctx.Process(target=rollout_worker, args=(there, str(folder), prompts, args.G, args.completion, theirs),
-                         daemon=True)
+    ours = Ours(folder, prompts, args.G, args.completion, args.lr, engine_kind=None)
+    shared = SharedWeights.create(ours.model.state_dict())
+    worker = ctx.Process(target=rollout_worker, args=(there, str(folder), prompts, args.G, args.completion, theirs,
+                                                      shared.path, shared.layout), daemon=True)
     worker.start()
     os.sched_setaffinity(0, mine)
     here.recv()  # ready: engine built and warmed up
-    ours = Ours(folder, prompts, args.G, args.completion, args.lr, engine_kind=None)
-    here.send((1, None, 0))
-    arrivals, tokens, sender = [], 0, None
+    here.send((1, None))
+    arrivals, tokens = [], 0
+    phases: dict[str, list[float]] = {k: [] for k in ("wait_s", "publish_s", "batch_s", "update_s",
+                                                      "idle_s", "load_s", "gen_s")}
     for v in range(args.warmup + args.steps + 1):
-        completions = _completions_of(here.recv())
+        t_wait, (rows, theirs_t) = timed(here.recv)
         arrivals.append(time.perf_counter())
-        # Batch v+1 from the weights of version v: snapshot them now, serialise and send them
-        # while this process trains (the push is off the trainer's critical path, as in
-        # production, where the serving process loads a published version between batches).
-        snapshot = ours.weights()
-        sender = threading.Thread(target=lambda s=snapshot, n=v: here.send((n + 2, save(s), n)))
-        sender.start()
-        batch = ours.batch(completions, v)
-        ours.update(batch)
+        # Batch v+1 from the weights of version v. The buffer is free: the rollout process read
+        # it before generating the batch that just arrived, and reads it again only after this send.
+        t_publish, _ = timed(lambda: shared.publish(ours.model.state_dict()))
+        here.send((v + 2, v))
+        t_batch, batch = timed(lambda r=rows, n=v: ours.batch(_completions_of(r), n))
+        t_update, _ = timed(lambda b=batch: ours.update(b))
         tokens = int(batch.attention_mask.sum())
-        sender.join()
+        if v > args.warmup:  # the first steps are warm-up on both sides
+            for key, value in {"wait_s": t_wait, "publish_s": t_publish, "batch_s": t_batch, "update_s": t_update,
+                               **theirs_t}.items():
+                phases[key].append(value)
     here.recv()
     here.send(None)
     worker.join(timeout=60)
+    shared.close()
     os.sched_setaffinity(0, cores)
     steps = [b - a for a, b in itertools.pairwise(arrivals)][args.warmup :]
-    return {"tokens": tokens, "step_s": statistics.median(steps)}
+    return {"tokens": tokens, "step_s": statistics.median(steps),
+            **{k: statistics.median(v) for k, v in phases.items() if v}}
+
+
+class SharedWeights:
+    """One float32 buffer in /dev/shm holding a state dict (the trainer -> rollout weight push
+    when both run on one machine): `publish` copies the parameters in (one memcpy), `views` gives
+    the other process HF-named tensors over the same pages, which the engine reloads from.
+    No serialise, pipe or deserialise of the weights."""
+
+    def __init__(self, path: str, layout: list[tuple[str, list[int], int]], create: bool = False) -> None:
+        import torch
+
+        self.path, self.layout = path, layout
+        size = sum(_numel(shape) for _, shape, _ in layout)
+        if create:
+            Path(path).write_bytes(b"")
+            os.truncate(path, size * 4)
+        self.flat = torch.from_file(path, shared=True, size=size, dtype=torch.float32)  # (N,)
+
+    @classmethod
+    def create(cls, state: dict[str, Any]) -> SharedWeights:
+        import torch
+
+        layout, offset = [], 0
+        for name, tensor in state.items():
+            if tensor.dtype != torch.float32:
+                raise ValueError(f"{name} is {tensor.dtype}: the shared buffer holds float32 weights")
+            layout.append((name, list(tensor.shape), offset))
+            offset += tensor.numel()
+        fd, path = tempfile.mkstemp(prefix="flywheel-weights-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None)
+        os.close(fd)
+        return cls(path, layout, create=True)
+
+    def views(self) -> dict[str, Any]:
+        return {name: self.flat[o : o + _numel(shape)].view(shape) for name, shape, o in self.layout}
+
+    def publish(self, state: dict[str, Any]) -> None:
+        import torch
+
+        with torch.no_grad():
+            for name, view in self.views().items():
+                view.copy_(state[name])
+
+    def close(self) -> None:
+        Path(self.path).unlink(missing_ok=True)
 
 
 def rollout_worker(conn: Any, folder: str, prompts: list[list[int]], G: int, completion: int,
-                   cores: set[int]) -> None:
-    """The async side's rollout process: (seed, weights bytes | None, version) in, completions out."""
+                   cores: set[int], path: str, layout: list[tuple[str, list[int], int]]) -> None:
+    """The async side's rollout process: (seed, version | None) in, (completions, phase times) out;
+    a version means: reload the engine from the shared buffer first."""
     import torch
-    from safetensors.torch import load
 
     os.sched_setaffinity(0, cores)
     torch.set_num_threads(1)
     sys.path.insert(0, str(ROOT))
     ours = Ours(Path(folder), prompts, G, completion, 1e-5, "vllm")
+    weights = SharedWeights(path, layout).views()
     ours.rollout()  # warm-up: the first vLLM generate is several times slower
     conn.send("ready")
-    while (request := conn.recv()) is not None:
-        seed, weights, version = request
-        if weights is not None:
-            ours.engine.load_weights(load(weights), version)  # type: ignore[union-attr]
+    while True:
+        t_idle, request = timed(conn.recv)
+        if request is None:
+            break
+        seed, version = request
+        t_load = 0.0
+        if version is not None:
+            t_load, _ = timed(lambda n=version: ours.engine.load_weights(weights, n))  # type: ignore[union-attr]
         ours.seed = seed - 1
-        conn.send([(c.prompt_index, c.prompt_token_ids, c.token_ids, c.logprobs, c.text, c.version)
-                   for c in ours.rollout()])
+        t_gen, done = timed(ours.rollout)
+        conn.send(([(c.prompt_index, c.prompt_token_ids, c.token_ids, c.logprobs, c.text, c.version) for c in done],
+                   {"idle_s": t_idle, "load_s": t_load, "gen_s": t_gen}))
     ours.close()
 
 
@@ -425,9 +483,15 @@ def report(m: dict[str, Any]) -> dict[str, float]:
            "ours_tokens_per_s": overlap["tokens"] / overlap["step_s"],
            "trl_tokens_per_s": trl_best["tokens"] / trl_best["full_s"],
            "trl_threads": 1 if trl_best is trl1 else 2, "params": m["params"],
+           **{f"async_{k}": overlap[k] for k in ("wait_s", "publish_s", "batch_s", "update_s", "idle_s", "load_s",
+                                                  "gen_s")},
+           "sync_gen_s": sync["gen_s"], "sync_update_s": sync["update_s"], "sync_push_s": sync["push_s"],
            # What the async step would be with a whole core per side: the slower of the two sides.
            "overlap_bound_speedup": (sync["tokens"] / max(sync["gen_s"] + sync["push_s"], sync["update_s"]))
            / (trl_best["tokens"] / trl_best["full_s"])}
+    print("async phases (median s/step): trainer " + ", ".join(f"{k[:-2]} {overlap[k]:.3f}" for k in
+          ("wait_s", "publish_s", "batch_s", "update_s")) + "; rollout " + ", ".join(
+          f"{k[:-2]} {overlap[k]:.3f}" for k in ("idle_s", "load_s", "gen_s")))
     print(f"end to end {e2e:.2f}x TRL (goal >= 2); sync full step {sync_speedup:.2f}x (goal >= 1.5); "
           f"update / plain torch {out['update_vs_plain']:.2f}x (goal <= 1.2); push {out['push_share']:.1%} "
           f"of a step (goal <= 5%); async bound with a free core per side {out['overlap_bound_speedup']:.2f}x")

@@ -137,6 +137,35 @@ def test_micro_batching_gives_the_same_gradient_as_one_batch():
     assert torch.allclose(grads[0], grads[1], atol=1e-6)
 
 
+class WholeLogits(torch.nn.Module):
+    """The same model behind a forward without `logits_to_keep`: logits at every position."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, use_cache: bool = False):
+        return self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=use_cache)
+
+
+def test_scoring_only_the_completion_positions_gives_the_whole_forwards_gradient_and_metrics():
+    # Prompts of 3 to 5 tokens: the rows' completions start at different columns, none at 1.
+    samples = [Sample([1, 2, 3, 1, 2][: i + 3], [4, 5, 6][: 3 - i], reward=float(i), group="g",
+                      behaviour_logprobs=[-1.5] * (3 - i)) for i in range(3)]
+    runs = []
+    for wrap in (False, True):
+        model = tiny_moe()
+        cfg = RLConfig(micro_batch_size=3, beta=0.0)
+        batch = prepare_batch(samples, 0, cfg, PAD)
+        stepped = WholeLogits(model) if wrap else model
+        metrics = rl_step(stepped, None, batch, torch.optim.SGD(model.parameters(), lr=0.0), cfg)
+        runs.append((torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]), metrics))
+    (tail_grad, tail), (whole_grad, whole) = runs
+    assert torch.allclose(tail_grad, whole_grad, atol=1e-6)
+    for key in ("loss", "entropy", "mismatch_kl", "clip_fraction", "is_truncated"):
+        assert getattr(tail, key) == pytest.approx(getattr(whole, key), abs=1e-6), key
+
+
 def test_metrics_report_mismatch_kl_kl_ref_routing_and_staleness():
     model, ref = tiny_moe(), tiny_moe(seed=1)
     cfg = RLConfig(beta=0.1, is_cap=1.5, max_staleness=2)

@@ -8,6 +8,7 @@ and writes the returned `StepMetrics` into a `TrainingStep` row.
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import nullcontext
@@ -299,12 +300,34 @@ class StepMetrics:
         return asdict(self)
 
 
+def _scored_from(model: nn.Module, mb: Batch) -> int:
+    """The first position whose logits the loss reads: the one that predicts the batch's earliest
+    completion token. 0 (every position) when the model cannot skip the others."""
+    if "logits_to_keep" not in inspect.signature(model.forward).parameters:
+        return 0
+    first = int(mb.completion_mask.to(torch.int8).argmax(1).min())  # earliest completion column
+    return max(first - 1, 0)
+
+
+def _tail_forward(model: nn.Module, mb: Batch, replay: bool, start: int) -> tuple[torch.Tensor, ReplayStats]:
+    """Logits of positions start..T-1 only, (b, T - start, V): the LM head, the log-softmax and
+    its backward skip the prompt positions, whose log-probs nothing reads (TRL keeps only the
+    completion's logits too). The transformer still runs over every position (the context)."""
+    ctx = replay_routing(model, batch_routing_to_flat(mb.routing)) if replay else nullcontext(ReplayStats())
+    keep = {"logits_to_keep": mb.input_ids.shape[1] - start} if start else {}
+    with ctx as stats:
+        out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False, **keep)
+    return out.logits, stats
+
+
 def _micro_loss(
     model: nn.Module, ref_model: nn.Module | None, mb: Batch, cfg: RLConfig, normalizer: float
 ) -> tuple[LossOutputs, ReplayStats]:
     replay = cfg.router_replay and mb.routing is not None
-    logits, stats = _forward_logits(model, mb, replay)  # (b, T, V)
-    logprobs = token_logprobs(logits, mb.input_ids)  # (b, T)
+    start = _scored_from(model, mb)
+    logits, stats = _tail_forward(model, mb, replay, start)  # (b, T - start, V)
+    # Columns before `start + 1` are prompt tokens (outside the mask): left as 0.
+    logprobs = nn.functional.pad(token_logprobs(logits, mb.input_ids[:, start:]), (start, 0))  # (b, T)
     # One update per batch: the pre-update forward *is* this forward, so pi_old = detached pi_theta.
     old = mb.old_logprobs if mb.old_logprobs is not None else logprobs.detach()
     ref = None
@@ -320,7 +343,7 @@ def _micro_loss(
         mask=mb.completion_mask,
         behaviour_logprobs=torch.where(mb.behaviour_mask, mb.behaviour_logprobs, old),
         ref_logprobs=ref,
-        entropy=token_entropy(logits, cfg.logprob_chunk_size),
+        entropy=nn.functional.pad(token_entropy(logits, cfg.logprob_chunk_size), (start, 0)),  # (b, T)
         normalizer=normalizer,
     )
     return policy_loss(inputs, cfg.eps, cfg.eps_high, cfg.is_cap, cfg.beta), stats
