@@ -210,6 +210,16 @@ def test_the_next_run_continues_from_the_training_lineage_not_from_production(cr
     assert created and second.base_version == first.candidate  # learning accumulates across runs
 
 
+def test_the_lineage_restarts_from_production_after_a_run_that_left_its_trust_region(creds, production, tokenizer):
+    plain_spec(creds.project, settle_seconds=0)
+    ingest_live(creds.project, tokenizer, 8)
+    rewards_compute_pending(creds.project, now=later(1))
+    first = train_policy(training_run_start(creds.project, steps=1, batch_size=4, enqueue=False)[0].pk)
+    TrainingRun.objects.filter(pk=first.pk).update(config={**first.config, "kl_stopped_after_round": 3})
+    second, created = training_run_start(creds.project, steps=1, batch_size=4, enqueue=False)
+    assert created and second.base_version == production  # not first.candidate, outside the region
+
+
 def test_a_run_without_trainable_samples_fails_with_the_reason_and_no_candidate(creds, production):
     plain_spec(creds.project, settle_seconds=0)
     feedback_ingest(creds.project, [trajectory("t-1", steps=[{"role": "user", "content": "x"}])])  # no assistant turn
