@@ -34,6 +34,41 @@ def _isolated_cache_keys():
         yield
 
 
+# Other sessions' open transactions on the test database (the session's Celery worker, servers).
+_OTHERS = ("FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid() "
+           "AND backend_type = 'client backend' AND state IN ('active', 'idle in transaction', "
+           "'idle in transaction (aborted)')")
+
+
+@pytest.fixture(autouse=True)
+def _quiet_database_before_flush(request):
+    """A transactional test's database is emptied by TRUNCATE after it. A task the test handed to
+    the session's Celery worker (the gate a finished run enqueues, say) may still hold row locks
+    then, and the TRUNCATE deadlocks with it: seen once in a full run, failing that test's teardown
+    and the next test's setup. Before the flush: wait up to 20 s for other sessions' transactions
+    on the test database to end, then end the ones still open."""
+    marker = request.node.get_closest_marker("django_db")
+    transactional = bool(marker and marker.kwargs.get("transaction")) or "transactional_db" in request.fixturenames
+    if not transactional:
+        yield
+        return
+    request.getfixturevalue("_django_db_helper" if marker else "transactional_db")  # flushed after this fixture
+    yield
+    from django.db import DatabaseError, connection
+
+    try:
+        with connection.cursor() as cursor:
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline:
+                cursor.execute(f"SELECT count(*) {_OTHERS}")
+                if cursor.fetchone()[0] == 0:
+                    return
+                time.sleep(0.25)
+            cursor.execute(f"SELECT pg_terminate_backend(pid) {_OTHERS}")
+    except DatabaseError:
+        pass  # the flush says what is wrong, if anything is
+
+
 @pytest.fixture
 def alice(django_user_model, creds):
     """An approver of acme (and of nothing else)."""
