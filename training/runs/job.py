@@ -84,8 +84,7 @@ def run(run: TrainingRun, folder: Path, on_step: StepCallback) -> dict[str, Any]
             run.config["steps"] = steps + (rollouts.rounds - 1) * max(1, math.ceil(len(first) / size))
         done, region = 0, TrustRegion(cfg.kl_stop)
         for mb in _take(_shuffled(batch, size, int(run.config.get("seed", 0))), steps):
-            metrics = rl_step(model, ref_model, mb, optimizer, cfg)
-            on_step(done, metrics.to_dict())
+            on_step(done, rl_step(model, ref_model, mb, optimizer, cfg).to_dict())
             done += 1
         for r in range(1, rollouts.rounds if rollouts else 1):
             more = rollouts.round(r, model)
