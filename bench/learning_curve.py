@@ -236,10 +236,12 @@ def _loop_record() -> dict:
                      "rollouts": c.get("rollouts"), "reward_model_auc": model.get("heldout_auc"),
                      "clip_fraction": run.steps.aggregate(v=Avg("clip_fraction"))["v"],
                      "fresh_mismatch_kl": c.get("fresh_mismatch_kl"),
-                     # the trust region (rl.kl_stop): the last round's measured KL to production, and
-                     # the round after which the run stopped (None: it took every round)
+                     # the trust region (rl.kl_stop, rl.length_stop): the last round's measured KL and
+                     # length ratio to production, and the round at which the run stopped and why
+                     # (None: it took every round)
                      "kl_last_round": list((c.get("kl_by_round") or {None: None}).values())[-1],
-                     "kl_stopped_after_round": c.get("kl_stopped_after_round")})
+                     "length_last_round": list((c.get("length_ratio_by_round") or {None: None}).values())[-1],
+                     "stopped_after_round": c.get("stopped_after_round"), "stopped_by": c.get("stopped_by")})
     gates = []
     for report in GateReport.objects.filter(version__project__slug="demo").order_by("pk"):
         rows = {c["name"]: c for c in report.checks}
@@ -306,12 +308,12 @@ def _report(args: argparse.Namespace, rows: list[dict], evaluations: dict[int, d
     print("\nversion  held-out accept  silent  median chars")
     for number, e in sorted(evaluations.items()):
         print(f"v{number:<7} {e['accept_rate']:>15.3f} {e['silent_rate']:>7.3f} {e['median_chars']:>13}")
-    print("\nrun  base  cand  samples  rollouts  RM AUC  clip   mismatch KL  KL to prod  stopped")
+    print("\nrun  base  cand  samples  rollouts  RM AUC  clip   mismatch KL  KL to prod  len/prod  stopped")
     for r in loop["runs"]:
-        stopped = "-" if r["kl_stopped_after_round"] is None else f"round {r['kl_stopped_after_round']}"
+        stopped = "-" if r["stopped_after_round"] is None else f"round {r['stopped_after_round']} ({r['stopped_by']})"
         print(f"{r['run']:<4} v{r['base']:<4} v{r['candidate'] or '-':<4} {r['samples'] or 0:>7} {r['rollouts'] or 0:>9} "
               f"{_fmt(r['reward_model_auc']):>7} {_fmt(r['clip_fraction']):>5}  {_fmt(r['fresh_mismatch_kl'], '.1e'):>11}"
-              f"  {_fmt(r['kl_last_round']):>10}  {stopped}")
+              f"  {_fmt(r['kl_last_round']):>10}  {_fmt(r['length_last_round']):>8}  {stopped}")
     print("\ngate  passed  improvement  interval            width   KL     length  failed")
     for g in loop["gates"]:
         lo, hi = g["interval"]

@@ -92,12 +92,16 @@ def test_rounds_sample_score_and_update_again_from_the_weights_the_run_reached(c
     _spec(creds.project)
     _ingest_clicks(creds.project, tokenizer, MIN_LABELS)
     rewards_compute_pending(creds.project, now=timezone.now() + timedelta(seconds=1))
-    run, _ = training_run_start(creds.project, steps=1, batch_size=16, rl={"lr": 1e-3}, enqueue=False,
-                                group={"prompts": 4, "G": 4, "max_tokens": 6, "rounds": 3}, epochs=1)
+    run, _ = training_run_start(creds.project, steps=1, batch_size=16, enqueue=False, epochs=1,
+                                rl={"lr": 1e-3, "kl_to": "production", "kl_stop": 1e6, "length_stop": 100.0},
+                                group={"prompts": 4, "G": 4, "max_tokens": 6, "rounds": 3})
     run = train_policy(run.pk)
     assert run.state == "succeeded", run.error
     config = run.config
     assert config["rollout_rounds"] == 3 and len(config["rollout_reward_by_round"]) == 3
+    # the region was measured before rounds 1 and 2 trained (wide bounds: no stop)
+    assert config["stopped_after_round"] is None and set(config["length_ratio_by_round"]) == {"1", "2"}
+    assert all(0 < x < 100 for x in config["length_ratio_by_round"].values())
     first = config["samples"] - MIN_LABELS  # round 0's rollouts trained with the live samples
     assert 0 < first <= 16 and first < config["rollouts"] <= 3 * 16
     # round 0: one pass over live + rollouts; rounds 1 and 2: one pass over their own rollouts
@@ -135,9 +139,11 @@ def test_a_run_leaving_its_kl_region_to_production_takes_no_further_round(creds,
     run = train_policy(run.pk)
     assert run.state == "succeeded", run.error
     config = run.config
-    # round 0 moved the weights off production, so round 1 measured KL > 1e-9: round 2 never ran
-    assert config["rollout_rounds"] == 2 and config["kl_stopped_after_round"] == 1
+    # round 0 moved the weights off production, so round 1 measured KL > 1e-9 before it trained:
+    # round 1 was sampled and not trained on, round 2 never ran
+    assert config["rollout_rounds"] == 2 and config["stopped_after_round"] == 1 and config["stopped_by"] == "kl"
     assert set(config["kl_by_round"]) == {"1"} and config["kl_by_round"]["1"] > 1e-9
+    assert config["steps"] == math.ceil(config["samples"] / 16)  # live + round 0 only: round 1 not trained on
     # the KL is only measured (beta 0): every step still reports it
     kls = [s.kl_ref for s in TrainingStep.objects.filter(run=run).order_by("step")]
     assert len(kls) == config["steps"] and all(math.isfinite(k) for k in kls)

@@ -71,8 +71,34 @@ def test_the_trust_region_stops_after_the_first_round_measured_past_it():
     assert not region.left(1)
     region.measure(2, 2.01)
     assert region.left(2)
-    assert region.report() == {"kl_stop": 2.0, "kl_by_round": {"1": 1.5, "2": 2.01}, "kl_stopped_after_round": 2}
+    assert region.report() == {"kl_stop": 2.0, "kl_by_round": {"1": 1.5, "2": 2.01}, "stopped_after_round": 2,
+                               "stopped_by": "kl"}
     off = TrustRegion(None)
     off.measure(1, 99.0)
     assert not off.left(1) and off.report() == {}
     assert not TrustRegion(1.0).left(3)  # a round not measured (no rollouts) never stops the run
+
+
+def test_length_stop_is_above_one_or_off():
+    assert RLConfig().length_stop is None and RLConfig(length_stop=1.6).length_stop == 1.6
+    with pytest.raises(ValueError, match="length_stop must be > 1"):
+        RLConfig(length_stop=1.0)
+
+
+def test_the_trust_region_stops_on_length_both_ways_and_says_which_bound():
+    from training.runs.job import TrustRegion
+
+    region = TrustRegion(None, 1.6)
+    region.measure(1, kl=9.0, length_ratio=1.59)  # no KL stop: only the length bound counts
+    assert not region.left(1)
+    region.measure(2, kl=9.0, length_ratio=1.61)
+    assert region.left(2) and region.report()["stopped_by"] == "length"
+    assert region.report()["length_ratio_by_round"] == {"1": 1.59, "2": 1.61}
+    shrinking = TrustRegion(4.0, 1.6)
+    shrinking.measure(1, kl=1.0, length_ratio=1 / 1.59)
+    assert not shrinking.left(1)
+    shrinking.measure(2, kl=1.0, length_ratio=0.62)  # below 1 / 1.6
+    assert shrinking.left(2) and shrinking.report()["stopped_after_round"] == 2
+    both = TrustRegion(2.0, 1.6)
+    both.measure(1, kl=2.5, length_ratio=3.0)
+    assert both.left(1) and both.report()["stopped_by"] == "kl"  # the KL is named first

@@ -215,7 +215,7 @@ def test_the_lineage_restarts_from_production_after_a_run_that_left_its_trust_re
     ingest_live(creds.project, tokenizer, 8)
     rewards_compute_pending(creds.project, now=later(1))
     first = train_policy(training_run_start(creds.project, steps=1, batch_size=4, enqueue=False)[0].pk)
-    TrainingRun.objects.filter(pk=first.pk).update(config={**first.config, "kl_stopped_after_round": 3})
+    TrainingRun.objects.filter(pk=first.pk).update(config={**first.config, "stopped_after_round": 3})
     second, created = training_run_start(creds.project, steps=1, batch_size=4, enqueue=False)
     assert created and second.base_version == production  # not first.candidate, outside the region
 

@@ -28,6 +28,11 @@ class RLConfig:
     # None: no stop. With kl_to = "production" and kl_stop below the gate's kl_budget, candidates
     # stay inside the region the gate admits instead of drifting out of it run after run.
     kl_stop: float | None = None
+    # The same region for length: a run stops its group rounds once a round's mean completion
+    # length (tokens, empties included: the gate's length_drift estimator) is outside
+    # [1/length_stop, length_stop] times production's on the round's own prompts. None: no stop.
+    # Below the gate's length_ratio_max, candidates stay inside the length bound it admits.
+    length_stop: float | None = None
     max_staleness: int = 4  # K: samples more than K policy versions behind are dropped
     group_normalize_std: bool = False  # divide group-relative advantages by the group std
     baseline_decay: float = 0.9  # EMA decay of the per-task running baseline (live samples)
@@ -51,6 +56,7 @@ class RLConfig:
             (self.beta >= 0, "beta must be >= 0"),
             (self.kl_to in ("base", "production"), 'kl_to must be "base" or "production"'),
             (self.kl_stop is None or self.kl_stop > 0, "kl_stop must be > 0 (or null: no stop)"),
+            (self.length_stop is None or self.length_stop > 1, "length_stop must be > 1 (or null: no stop)"),
             (self.max_staleness >= 0, "max_staleness (K) must be >= 0"),
             (0 <= self.baseline_decay < 1, "baseline_decay must be in [0, 1)"),
             (self.grad_clip > 0, "grad_clip must be > 0"),

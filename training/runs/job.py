@@ -31,6 +31,7 @@ from training.rewards.selectors import agent_tasks, labelled_suggestions, reward
 from training.rewards.services import agent_reward_of, suggestions_reward
 from training.rl.advantages import RunningBaseline
 from training.rl.config import RLConfig
+from training.rl.loss import k3
 from training.rl.trainer import Batch, Sample, compute_logprobs, filter_stale, prepare_batch, rl_step
 from training.runs.selectors import training_run_last
 from training.runs.turns import BadSample, ModelLimits, prompt_token_ids, samples_from
@@ -39,6 +40,7 @@ from training.versions.services import policy_folder
 
 RECOMPUTE_CHUNK = 64  # samples per no-grad forward when recomputing behaviour log-probs
 DEFAULT_MAX_SAMPLES = 4096
+REFERENCE_N = 2  # completions per prompt from the trust region's reference, for its length
 StepCallback = Callable[[int, dict[str, Any]], None]
 
 
@@ -72,7 +74,7 @@ def run(run: TrainingRun, folder: Path, on_step: StepCallback) -> dict[str, Any]
         batch.old_logprobs = _chunked_logprobs(model, batch, cfg)
         kept, _ = filter_stale(samples, run.base_version.number, cfg.max_staleness)  # the batch's rows, in order
         fresh = fresh_mismatch_kl(batch, kept, recorded, run.base_version.number)
-        measure_kl = cfg.beta > 0 or cfg.kl_stop is not None
+        measure_kl = cfg.beta > 0 or cfg.kl_stop is not None or cfg.length_stop is not None
         ref_model = setup_model(kl_reference(run, cfg, base_dir)).eval() if measure_kl else None
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
         size = int(run.config["batch_size"])
@@ -82,7 +84,7 @@ def run(run: TrainingRun, folder: Path, on_step: StepCallback) -> dict[str, Any]
         steps = steps_of(run)
         if rollouts and rollouts.rounds > 1:  # what the later rounds will add (progress on the runs page)
             run.config["steps"] = steps + (rollouts.rounds - 1) * max(1, math.ceil(len(first) / size))
-        done, region = 0, TrustRegion(cfg.kl_stop)
+        done, region = 0, TrustRegion(cfg.kl_stop, cfg.length_stop)
         for mb in _take(_shuffled(batch, size, int(run.config.get("seed", 0))), steps):
             on_step(done, rl_step(model, ref_model, mb, optimizer, cfg).to_dict())
             done += 1
@@ -92,15 +94,15 @@ def run(run: TrainingRun, folder: Path, on_step: StepCallback) -> dict[str, Any]
                 break
             round_batch = prepare_batch(more, run.base_version.number, cfg, pad_id, None)
             round_batch.old_logprobs = _chunked_logprobs(model, round_batch, cfg)
-            for i, mb in enumerate(_take(_shuffled(round_batch, size, int(run.config.get("seed", 0)) + r),
-                                         max(1, math.ceil(round_batch.size / size)))):
-                metrics = rl_step(model, ref_model, mb, optimizer, cfg)
-                if i == 0:  # before this step's update: the KL of the weights that sampled round r
-                    region.measure(r, metrics.kl_ref)
-                on_step(done, metrics.to_dict())
-                done += 1
+            if ref_model is not None:  # where the weights that sampled round r are, before it trains
+                region.measure(r, kl=_kl_to(ref_model, round_batch, cfg),
+                               length_ratio=rollouts.length_ratio(r, ref_model) if cfg.length_stop else None)
             if region.left(r):
                 break
+            for mb in _take(_shuffled(round_batch, size, int(run.config.get("seed", 0)) + r),
+                            max(1, math.ceil(round_batch.size / size))):
+                on_step(done, rl_step(model, ref_model, mb, optimizer, cfg).to_dict())
+                done += 1
     finally:
         if rollouts:
             rollouts.close()
@@ -112,37 +114,57 @@ def run(run: TrainingRun, folder: Path, on_step: StepCallback) -> dict[str, Any]
 
 
 class TrustRegion:
-    """Stops a run's group rounds once the policy has left a KL ball around the KL term's reference
-    (`rl.kl_to`; with "production", the ball the gate's `kl_budget` admits).
+    """Stops a run's group rounds once the policy has left a region around the KL term's reference
+    (`rl.kl_to`; with "production", the region the gate admits): KL past `kl_stop` (the gate's
+    `kl_budget`) or mean length outside [1/length_stop, length_stop] times the reference's (the
+    gate's `length_drift` bound).
 
-    Round r's samples come from the weights the rounds before it reached, and round r's first
-    optimiser step measures, before it updates, the token-mean k3 KL(pi_theta || pi_ref) on those
-    very samples: the estimator the gate uses on its suite. Once it exceeds `kl_stop` the round
-    still trains (its samples are paid for) and the run ends there. Measured on the demo: without
-    it, a lineage several runs ahead of production reached 4.0, 6.0 and 7.1 nats against a budget
-    of 4 and every such candidate was refused, with its reward gain (+0.078) thrown away."""
+    Round r's samples come from the weights the rounds before it reached. Before round r trains,
+    the run measures those weights on those very samples with the gate's estimators: token-mean
+    k3 KL(pi_theta || pi_ref), and mean completion tokens (empties included) against the
+    reference's completions on the same prompts and seeds. A round measured outside is not
+    trained on and the run ends there: its candidate is the measured weights, just past the stop
+    and, by the stop's margin, inside the gate's bound. Measured on the demo: without the KL stop
+    a lineage several runs ahead of production reached 4.0, 6.0 and 7.1 nats against a budget of
+    4; without the length stop candidates padded to 3x production's length after their statement
+    and were refused for length_drift, run after run, with better held-out accept rates."""
 
-    def __init__(self, kl_stop: float | None) -> None:
-        self.kl_stop = kl_stop
+    def __init__(self, kl_stop: float | None, length_stop: float | None = None) -> None:
+        self.kl_stop, self.length_stop = kl_stop, length_stop
         self.kl_by_round: dict[int, float] = {}
+        self.length_by_round: dict[int, float] = {}
         self.stopped_after: int | None = None
+        self.stopped_by: str | None = None
 
-    def measure(self, r: int, kl: float) -> None:
-        self.kl_by_round[r] = kl
+    def measure(self, r: int, kl: float | None = None, length_ratio: float | None = None) -> None:
+        if kl is not None:
+            self.kl_by_round[r] = kl
+        if length_ratio is not None:
+            self.length_by_round[r] = length_ratio
 
     def left(self, r: int) -> bool:
-        """True when round r's measured KL is past the stop (the run takes no further round)."""
-        kl = self.kl_by_round.get(r)
-        if self.kl_stop is None or kl is None or not kl > self.kl_stop:
+        """True when round r was measured outside the region (the run trains it no more)."""
+        kl, ratio = self.kl_by_round.get(r), self.length_by_round.get(r)
+        if self.kl_stop is not None and kl is not None and kl > self.kl_stop:
+            self.stopped_by = "kl"
+        elif self.length_stop is not None and ratio is not None and not (
+                1 / self.length_stop <= ratio <= self.length_stop):
+            self.stopped_by = "length"
+        else:
             return False
         self.stopped_after = r
         return True
 
     def report(self) -> dict[str, Any]:
-        if self.kl_stop is None:
+        if self.kl_stop is None and self.length_stop is None:
             return {}
-        return {"kl_stop": self.kl_stop, "kl_by_round": {str(r): round(k, 4) for r, k in self.kl_by_round.items()},
-                "kl_stopped_after_round": self.stopped_after}
+        out: dict[str, Any] = {"kl_stop": self.kl_stop,
+                               "kl_by_round": {str(r): round(k, 4) for r, k in self.kl_by_round.items()},
+                               "stopped_after_round": self.stopped_after, "stopped_by": self.stopped_by}
+        if self.length_stop is not None:
+            out.update(length_stop=self.length_stop,
+                       length_ratio_by_round={str(r): round(x, 4) for r, x in self.length_by_round.items()})
+        return out
 
 
 def _take(batches: Iterator[Batch], n: int) -> Iterator[Batch]:
@@ -302,6 +324,7 @@ class GroupRollouts:
         self.seed = int(run.config.get("seed", 0)) * 1_000_003 + run.pk
         self.engine = make_engine("torch", base_dir, version=run.base_version.number, seed=self.seed)
         self.rewards_per_round: list[float] = []
+        self.mean_tokens: dict[int, float] = {}
         self.count = 0
 
     @classmethod
@@ -337,9 +360,10 @@ class GroupRollouts:
             self.engine.load_weights(weights.state_dict(), self.run.base_version.number)
         seed = self.seed + 7919 * r
         keys = self.round_prompts(r)
-        completions = [c for c in self.engine.generate([list(k) for k in keys], n=self.G,
-                                                       sampling=SamplingParams(max_tokens=self.max_tokens, seed=seed))
-                       if c.token_ids]
+        every = self.engine.generate([list(k) for k in keys], n=self.G,
+                                     sampling=SamplingParams(max_tokens=self.max_tokens, seed=seed))
+        self.mean_tokens[r] = sum(len(c.token_ids) for c in every) / max(1, len(every))
+        completions = [c for c in every if c.token_ids]
         scored = suggestions_reward(self.spec, [(self.prompts[keys[c.prompt_index]], c.text, c.token_ids)
                                                 for c in completions], self.reward_model)
         self.count += len(completions)
@@ -351,6 +375,19 @@ class GroupRollouts:
                    group=f"rollout-{self.run.pk}-{r}-{c.prompt_index}", task="rollout")
             for c, (total, _) in zip(completions, scored, strict=True)
         ]
+
+    def length_ratio(self, r: int, reference: PreTrainedModel) -> float:
+        """Round r's mean completion length over the reference's on round r's prompts (tokens,
+        empties included, as the gate's length_drift): `REFERENCE_N` completions per prompt from
+        `reference` with round r's seed. Leaves the reference's weights in the engine (the next
+        round loads its own)."""
+        self.engine.load_weights(reference.state_dict(), self.run.base_version.number)
+        keys = self.round_prompts(r)
+        ref = self.engine.generate([list(k) for k in keys], n=min(self.G, REFERENCE_N),
+                                   sampling=SamplingParams(max_tokens=self.max_tokens, seed=self.seed + 7919 * r))
+        base = sum(len(c.token_ids) for c in ref) / max(1, len(ref))
+        ours = self.mean_tokens[r]
+        return ours / base if base > 0 else (1.0 if ours <= 0 else float("inf"))
 
     def round_prompts(self, r: int) -> list[tuple[int, ...]]:
         """Round r's `group.prompts` prompts: the next slice of the users' newest distinct prompts
@@ -378,6 +415,16 @@ def _chunked_logprobs(model: PreTrainedModel, batch: Batch, cfg: RLConfig) -> to
     parts = [compute_logprobs(model, mb, cfg) for mb in batch.micro_batches(RECOMPUTE_CHUNK)]
     width = batch.input_ids.shape[1]
     return torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1])) for p in parts])  # (B, T)
+
+
+def _kl_to(ref_model: PreTrainedModel, batch: Batch, cfg: RLConfig) -> float:
+    """Token-mean k3 KL(pi_theta || pi_ref) over the batch's completion tokens, pi_theta being the
+    batch's `old_logprobs` (the weights that sampled it): the gate's estimator."""
+    assert batch.old_logprobs is not None
+    with torch.no_grad():
+        ref = _chunked_logprobs(ref_model, batch, cfg)
+    mask = batch.completion_mask
+    return float(torch.where(mask, k3(ref - batch.old_logprobs), 0.0).sum() / mask.sum().clamp(min=1))
 
 
 def fill_behaviour_logprobs(

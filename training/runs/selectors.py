@@ -45,8 +45,9 @@ def training_head(project: Project, max_ahead: int) -> PolicyVersion | None:
     candidate was refused for anything but "not better yet" (a person's rejection or rollback, a
     failed detector, aspect or KL check: that direction is not wanted), when the lineage ran
     more than `max_ahead` versions ahead of production (its live data would all be stale), or when
-    the candidate's run left its trust region (`rl.kl_stop`: it measured a KL to production past
-    the stop, so a run built on it starts outside the region the gate admits. Measured: a run
+    the candidate's run left its trust region (`rl.kl_stop`, `rl.length_stop`: it measured a KL
+    or a length ratio to production past the stop, so a run built on it starts outside the region
+    the gate admits. Measured: a run
     from such a candidate, 2.48 nats from production, moved 1.6 more in its first round and was
     refused at 4.41 against a budget of 4; the stop is only checked from the second round on)."""
     production = policy_production(project)
@@ -59,7 +60,7 @@ def training_head(project: Project, max_ahead: int) -> PolicyVersion | None:
         return production
     if head.state in ("rejected", "retired") and not _only_not_better_yet(head):
         return production
-    if run.config.get("kl_stopped_after_round") is not None:
+    if run.config.get("stopped_after_round") is not None:
         return production
     return head
 

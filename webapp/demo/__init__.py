@@ -175,9 +175,15 @@ def _demo_state() -> dict:
 #   the round that crosses it and for the suite's prompts). Measured without it: a lineage 2-4
 #   runs ahead of production reached 4.0, 6.0, 7.1 and every such candidate was refused. The KL is
 #   only measured (beta 0): a KL penalty of 0.05 halved each candidate's move and its gain.
+# - The same region for length (length_stop 1.6 within the gate's length_ratio_max 2.0): a round
+#   whose samples are 1.6x longer (or shorter) than production's on the same prompts is not
+#   trained on and the run ends. Measured without it: after production learned to end statements
+#   early, later candidates padded to 3x its length (a trailing comment compiles) and were refused
+#   for length_drift run after run; a 10-minute demo ended at its first promotion.
 DEMO_TRAINING = {"min_new": 100, "every_minutes": 1, "train_check_every_s": 20, "steps": 8, "batch_size": 64,
                  "epochs": 1, "group": {"prompts": 64, "G": 8, "max_tokens": 16, "rounds": 8},
-                 "rl": {"lr": 2e-3, "max_staleness": 8, "micro_batch_size": 64, "kl_to": "production", "kl_stop": 2.5}}
+                 "rl": {"lr": 2e-3, "max_staleness": 8, "micro_batch_size": 64, "kl_to": "production", "kl_stop": 2.5,
+                        "length_stop": 1.6}}
 # The gate's drift bounds for the demo. KL: a run of 8 rounds moves the tiny policy 1.2-2.0
 # nats/token from its base (measured), and production lags the lineage by up to a run, so the
 # library default (0.5) would refuse every real improvement; 4.0 admits two runs' move. Length:
