@@ -11,6 +11,7 @@ import math
 from datetime import timedelta
 
 import pytest
+import torch
 from django.utils import timezone
 
 from core.errors import BadRequest
@@ -144,6 +145,14 @@ def test_a_run_leaving_its_kl_region_to_production_takes_no_further_round(creds,
     assert config["rollout_rounds"] == 2 and config["stopped_after_round"] == 1 and config["stopped_by"] == "kl"
     assert set(config["kl_by_round"]) == {"1"} and config["kl_by_round"]["1"] > 1e-9
     assert config["steps"] == math.ceil(config["samples"] / 16)  # live + round 0 only: round 1 not trained on
+    # and no round was measured inside: the candidate went back to the run's base, production
+    from safetensors.torch import load_file
+
+    from training.versions.services import policy_folder
+
+    ours = load_file(str(policy_folder(run.candidate) / "model.safetensors"))
+    base = load_file(str(policy_folder(production) / "model.safetensors"))
+    assert ours.keys() == base.keys() and all(torch.equal(ours[k], base[k]) for k in base)
     # the KL is only measured (beta 0): every step still reports it
     kls = [s.kl_ref for s in TrainingStep.objects.filter(run=run).order_by("step")]
     assert len(kls) == config["steps"] and all(math.isfinite(k) for k in kls)

@@ -85,6 +85,7 @@ def run(run: TrainingRun, folder: Path, on_step: StepCallback) -> dict[str, Any]
         if rollouts and rollouts.rounds > 1:  # what the later rounds will add (progress on the runs page)
             run.config["steps"] = steps + (rollouts.rounds - 1) * max(1, math.ceil(len(first) / size))
         done, region = 0, TrustRegion(cfg.kl_stop, cfg.length_stop)
+        inside = _snapshot(model) if region.on else None  # the last weights measured inside (the base's to begin)
         for mb in _take(_shuffled(batch, size, int(run.config.get("seed", 0))), steps):
             on_step(done, rl_step(model, ref_model, mb, optimizer, cfg).to_dict())
             done += 1
@@ -97,8 +98,12 @@ def run(run: TrainingRun, folder: Path, on_step: StepCallback) -> dict[str, Any]
             if ref_model is not None:  # where the weights that sampled round r are, before it trains
                 region.measure(r, kl=_kl_to(ref_model, round_batch, cfg),
                                length_ratio=rollouts.length_ratio(r, ref_model) if cfg.length_stop else None)
-            if region.left(r):
+            if region.left(r):  # back to the last weights measured inside: the candidate
+                assert inside is not None
+                model.load_state_dict(inside)
                 break
+            if region.on:
+                inside = _snapshot(model)
             for mb in _take(_shuffled(round_batch, size, int(run.config.get("seed", 0)) + r),
                             max(1, math.ceil(round_batch.size / size))):
                 on_step(done, rl_step(model, ref_model, mb, optimizer, cfg).to_dict())
@@ -123,8 +128,10 @@ class TrustRegion:
     the run measures those weights on those very samples with the gate's estimators: token-mean
     k3 KL(pi_theta || pi_ref), and mean completion tokens (empties included) against the
     reference's completions on the same prompts and seeds. A round measured outside is not
-    trained on and the run ends there: its candidate is the measured weights, just past the stop
-    and, by the stop's margin, inside the gate's bound. Measured on the demo: without the KL stop
+    trained on, the run ends there and its weights go back to the last ones measured inside (the
+    run's base when round 1 is already outside): that is the candidate. Measured on the demo:
+    one round can jump (length ratio 0.67 -> 0.51) and a candidate kept at the measured weights
+    was refused for concision and silence. Without the KL stop
     a lineage several runs ahead of production reached 4.0, 6.0 and 7.1 nats against a budget of
     4; without the length stop candidates padded to 3x production's length after their statement
     and were refused for length_drift, run after run, with better held-out accept rates."""
@@ -135,6 +142,10 @@ class TrustRegion:
         self.length_by_round: dict[int, float] = {}
         self.stopped_after: int | None = None
         self.stopped_by: str | None = None
+
+    @property
+    def on(self) -> bool:
+        return self.kl_stop is not None or self.length_stop is not None
 
     def measure(self, r: int, kl: float | None = None, length_ratio: float | None = None) -> None:
         if kl is not None:
@@ -415,6 +426,10 @@ def _chunked_logprobs(model: PreTrainedModel, batch: Batch, cfg: RLConfig) -> to
     parts = [compute_logprobs(model, mb, cfg) for mb in batch.micro_batches(RECOMPUTE_CHUNK)]
     width = batch.input_ids.shape[1]
     return torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1])) for p in parts])  # (B, T)
+
+
+def _snapshot(model: PreTrainedModel) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 def _kl_to(ref_model: PreTrainedModel, batch: Batch, cfg: RLConfig) -> float:

@@ -177,7 +177,7 @@ def _demo_state() -> dict:
 #   only measured (beta 0): a KL penalty of 0.05 halved each candidate's move and its gain.
 # - The same region for length (length_stop 1.6 within the gate's length_ratio_max 2.0): a round
 #   whose samples are 1.6x longer (or shorter) than production's on the same prompts is not
-#   trained on and the run ends. Measured without it: after production learned to end statements
+#   trained on, the run ends and its candidate is the last weights measured inside. Measured without it: after production learned to end statements
 #   early, later candidates padded to 3x its length (a trailing comment compiles) and were refused
 #   for length_drift run after run; a 10-minute demo ended at its first promotion.
 DEMO_TRAINING = {"min_new": 100, "every_minutes": 1, "train_check_every_s": 20, "steps": 8, "batch_size": 64,
