@@ -130,14 +130,17 @@ def test_a_bad_group_config_is_refused_with_the_reason(creds, production, group)
         training_run_start(creds.project, enqueue=False, group=group)
 
 
-def test_a_run_leaving_its_kl_region_to_production_takes_no_further_round(creds, production, tokenizer):
+def test_a_run_leaving_its_kl_region_to_production_takes_no_further_round(
+    creds, production, tokenizer, django_capture_on_commit_callbacks
+):
     _spec(creds.project)
     _ingest_clicks(creds.project, tokenizer, MIN_LABELS)
     rewards_compute_pending(creds.project, now=timezone.now() + timedelta(seconds=1))
     run, _ = training_run_start(creds.project, steps=1, batch_size=16, enqueue=False, epochs=1,
                                 rl={"lr": 1e-3, "kl_to": "production", "kl_stop": 1e-9},
                                 group={"prompts": 4, "G": 4, "max_tokens": 6, "rounds": 3})
-    run = train_policy(run.pk)
+    with django_capture_on_commit_callbacks() as callbacks:
+        run = train_policy(run.pk)
     assert run.state == "succeeded", run.error
     config = run.config
     # round 0 moved the weights off production, so round 1 measured KL > 1e-9 before it trained:
@@ -146,13 +149,14 @@ def test_a_run_leaving_its_kl_region_to_production_takes_no_further_round(creds,
     assert set(config["kl_by_round"]) == {"1"} and config["kl_by_round"]["1"] > 1e-9
     assert config["steps"] == math.ceil(config["samples"] / 16)  # live + round 0 only: round 1 not trained on
     # and no round was measured inside: the candidate went back to the run's base, production
-    from safetensors.torch import load_file
-
+    from inference.engine import read_state_dict
     from training.versions.services import policy_folder
 
-    ours = load_file(str(policy_folder(run.candidate) / "model.safetensors"))
-    base = load_file(str(policy_folder(production) / "model.safetensors"))
+    ours, base = read_state_dict(policy_folder(run.candidate)), read_state_dict(policy_folder(production))
     assert ours.keys() == base.keys() and all(torch.equal(ours[k], base[k]) for k in base)
+    # nothing new to show the gate: flagged on the runs page, not gated
+    assert run.error.startswith("flagged: left its trust region to production at round 1 (KL ")
+    assert callbacks == []  # the gate was not enqueued
     # the KL is only measured (beta 0): every step still reports it
     kls = [s.kl_ref for s in TrainingStep.objects.filter(run=run).order_by("step")]
     assert len(kls) == config["steps"] and all(math.isfinite(k) for k in kls)

@@ -233,6 +233,18 @@ def mismatch_flag(extra: dict[str, Any]) -> str:
             f"the base weights (limit {limit:g}); the candidate was not gated")
 
 
+def region_flag(extra: dict[str, Any]) -> str:
+    """Why a run's candidate must not be gated: the run left its trust region in its first measured
+    round, so it went back to its base's weights and has nothing new to show the gate."""
+    if extra.get("stopped_after_round") != 1:
+        return ""
+    why = (f"KL {extra['kl_by_round']['1']:.2f} > {extra['kl_stop']:g}" if extra.get("stopped_by") == "kl" else
+           f"length ratio {extra['length_ratio_by_round']['1']:.2f} outside 1/{extra['length_stop']:g}"
+           f"-{extra['length_stop']:g}")
+    return (f"flagged: left its trust region to production at round 1 ({why}), before any round measured inside;"
+            " the candidate is its base's weights and was not gated")
+
+
 def training_run_finish(run: TrainingRun, folder: Path, extra_config: dict[str, Any]) -> PolicyVersion:
     """Registers the candidate and marks the run succeeded, together or not at all."""
     with transaction.atomic():
@@ -247,7 +259,7 @@ def training_run_finish(run: TrainingRun, folder: Path, extra_config: dict[str, 
             state="succeeded", candidate=candidate, progress=1.0, finished_at=timezone.now(),
             config={**owned.config, **extra_config},
         )
-        flag = mismatch_flag(extra_config)
+        flag = mismatch_flag(extra_config) or region_flag(extra_config)
         if flag:
             TrainingRun.objects.filter(pk=run.pk).update(error=flag)
         else:  # every other candidate goes to the evaluation gate (queue `gate`) once this commits
