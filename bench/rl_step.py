@@ -32,9 +32,10 @@ Figures (per size; `_small` suffix for the small size):
 * With `--vllm` (the default), two more ways to run our loop, as extra figures:
   `vllm_sync_speedup` (one core: vLLM generate + score, update, an in-place vLLM reload) and
   `vllm_async_speedup` (a vLLM rollout process on one core overlapped with training on the other,
-  one step off-policy, weights through one shared-memory buffer). On 2 cores at these sizes
-  they did not beat the torch engine loop: vLLM's per-step engine work exceeds the torch engine's
-  for 64 short sequences, and overlapped, the two processes slow each other down.
+  one step off-policy, weights through one shared-memory buffer). They are not what a training
+  run executes; they show what moving the job's rollouts to vLLM would buy (on 2 cores it varies
+  with size: at tiny vLLM's per-step engine work exceeds the torch engine's, at small the torch
+  engine's exact re-scoring forward and the job's pi_old forward cost more than vLLM's sampling).
 
 Every phase of every loop is timed and printed (median s/step). The machine may be shared: runs
 are interleaved (`--reps` rounds of TRL 1 thread, ours, TRL 2 threads, ...), each figure is a
