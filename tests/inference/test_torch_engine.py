@@ -132,3 +132,21 @@ def test_sampling_never_draws_a_masked_token(engine: TorchEngine) -> None:
     greedy = engine.generate(PROMPTS, n=1, sampling=SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
     top1 = engine.generate(PROMPTS, n=1, sampling=SamplingParams(max_tokens=10, top_k=1, seed=3, ignore_eos=True))
     assert [c.token_ids for c in top1] == [c.token_ids for c in greedy]
+
+
+def test_a_prompt_is_forwarded_once_for_its_n_samples(engine: TorchEngine) -> None:
+    sp = SamplingParams(max_tokens=6, seed=9, ignore_eos=True)
+    shapes: list[tuple[int, ...]] = []
+    handle = engine.model.register_forward_hook(
+        lambda m, a, kw, out: shapes.append(tuple(kw["input_ids"].shape)), with_kwargs=True)
+    try:
+        batch = engine.generate(PROMPTS[:2], n=4, sampling=sp)
+    finally:
+        handle.remove()
+    width = max(len(engine.encode(p)) for p in PROMPTS[:2])
+    assert shapes[0] == (2, width)  # the prompts, once each
+    assert shapes[1] == (8, 1)  # then every sample's own next token
+    assert [len(c.token_ids) for c in batch] == [6] * 8
+    assert len({tuple(c.token_ids) for c in batch[:4]}) > 1  # the 4 samples of one prompt differ
+    for c in batch:
+        assert engine.score(c.prompt_token_ids, c.token_ids, sp)[0] == c.logprobs  # bitwise
