@@ -17,7 +17,7 @@ from django.utils import timezone
 from core.errors import BadRequest
 from feedback.services import feedback_ingest
 from tests.factories import feedback, trajectory
-from training.models import TrainingStep
+from training.models import EvalSuite, TrainingStep
 from training.rewards.reward_model import MIN_LABELS, Labelled, fit_reward_model
 from training.rewards.selectors import labelled_suggestions
 from training.rewards.services import reward_spec_update, rewards_compute_pending, suggestions_reward
@@ -93,6 +93,8 @@ def test_rounds_sample_score_and_update_again_from_the_weights_the_run_reached(c
     _spec(creds.project)
     _ingest_clicks(creds.project, tokenizer, MIN_LABELS)
     rewards_compute_pending(creds.project, now=timezone.now() + timedelta(seconds=1))
+    EvalSuite.objects.create(project=creds.project, version=1, max_tokens=8, n_samples=2,
+                             prompts=[{"id": f"p{i}", "prompt": p} for i, p in enumerate(["import os", "x = [", "def f("])])
     run, _ = training_run_start(creds.project, steps=1, batch_size=16, enqueue=False, epochs=1,
                                 rl={"lr": 1e-3, "kl_to": "production", "kl_stop": 1e6, "length_stop": 100.0},
                                 group={"prompts": 4, "G": 4, "max_tokens": 6, "rounds": 3})
@@ -103,6 +105,9 @@ def test_rounds_sample_score_and_update_again_from_the_weights_the_run_reached(c
     # the region was measured before rounds 1 and 2 trained (wide bounds: no stop)
     assert config["stopped_after_round"] is None and set(config["length_ratio_by_round"]) == {"1", "2"}
     assert all(0 < x < 100 for x in config["length_ratio_by_round"].values())
+    # the project has an eval suite: the region's KL is the gate's, on the suite's prompts
+    assert config["kl_measured_on"] == "suite" and set(config["kl_by_round"]) == {"1", "2"}
+    assert all(math.isfinite(k) and k > 0 for k in config["kl_by_round"].values())  # the rounds moved the weights
     first = config["samples"] - MIN_LABELS  # round 0's rollouts trained with the live samples
     assert 0 < first <= 16 and first < config["rollouts"] <= 3 * 16
     # round 0: one pass over live + rollouts; rounds 1 and 2: one pass over their own rollouts
@@ -147,6 +152,7 @@ def test_a_run_leaving_its_kl_region_to_production_takes_no_further_round(
     # round 1 was sampled and not trained on, round 2 never ran
     assert config["rollout_rounds"] == 2 and config["stopped_after_round"] == 1 and config["stopped_by"] == "kl"
     assert set(config["kl_by_round"]) == {"1"} and config["kl_by_round"]["1"] > 1e-9
+    assert config["kl_measured_on"] == "samples"  # no eval suite: on the round's own samples
     assert config["steps"] == math.ceil(config["samples"] / 16)  # live + round 0 only: round 1 not trained on
     # and no round was measured inside: the candidate went back to the run's base, production
     from inference.engine import read_state_dict

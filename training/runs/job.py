@@ -21,9 +21,13 @@ import torch
 from django.db.models import Prefetch, QuerySet
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
+from core.errors import Conflict
 from feedback.models import Step, Trajectory
 from feedback.services import quarantine_record
 from inference.engine import SamplingParams, make_engine
+from training.gate.config import SuiteSpec
+from training.gate.services import eval_suite_active
+from training.gate.stats import kl_estimate
 from training.models import Reward, RewardSpec, TrainingRun
 from training.rewards.agents import run_agent_rollouts
 from training.rewards.reward_model import RewardModel, fit_reward_model
@@ -40,6 +44,7 @@ from training.versions.services import policy_folder
 
 RECOMPUTE_CHUNK = 64  # samples per no-grad forward when recomputing behaviour log-probs
 DEFAULT_MAX_SAMPLES = 4096
+SUITE_PROMPTS = 64  # eval-suite prompts (x2 samples) per round for the trust region's KL, as the gate measures it
 REFERENCE_N = 2  # completions per prompt from the trust region's reference, for its length
 StepCallback = Callable[[int, dict[str, Any]], None]
 
@@ -85,6 +90,7 @@ def run(run: TrainingRun, folder: Path, on_step: StepCallback) -> dict[str, Any]
         if rollouts and rollouts.rounds > 1:  # what the later rounds will add (progress on the runs page)
             run.config["steps"] = steps + (rollouts.rounds - 1) * max(1, math.ceil(len(first) / size))
         done, region = 0, TrustRegion(cfg.kl_stop, cfg.length_stop)
+        suite = rollouts.use_suite() if rollouts and cfg.kl_stop is not None and cfg.kl_to == "production" else None
         inside = _snapshot(model) if region.on else None  # the last weights measured inside (the base's to begin)
         for mb in _take(_shuffled(batch, size, int(run.config.get("seed", 0))), steps):
             on_step(done, rl_step(model, ref_model, mb, optimizer, cfg).to_dict())
@@ -96,7 +102,8 @@ def run(run: TrainingRun, folder: Path, on_step: StepCallback) -> dict[str, Any]
             round_batch = prepare_batch(more, run.base_version.number, cfg, pad_id, None)
             round_batch.old_logprobs = _chunked_logprobs(model, round_batch, cfg)
             if ref_model is not None:  # where the weights that sampled round r are, before it trains
-                region.measure(r, kl=_kl_to(ref_model, round_batch, cfg),
+                on_suite = rollouts.suite_kl(r, ref_model) if suite is not None else None
+                region.measure(r, kl=on_suite if on_suite is not None else _kl_to(ref_model, round_batch, cfg),
                                length_ratio=rollouts.length_ratio(r, ref_model) if cfg.length_stop else None)
             if region.left(r):  # back to the last weights measured inside: the candidate
                 assert inside is not None
@@ -125,9 +132,10 @@ class TrustRegion:
     gate's `length_drift` bound).
 
     Round r's samples come from the weights the rounds before it reached. Before round r trains,
-    the run measures those weights on those very samples with the gate's estimators: token-mean
-    k3 KL(pi_theta || pi_ref), and mean completion tokens (empties included) against the
-    reference's completions on the same prompts and seeds. A round measured outside is not
+    the run measures those weights with the gate's estimators: token-mean k3 KL(pi_theta || pi_ref)
+    on a slice of the gate's own suite when the project has one and the reference is production
+    (else on the round's samples), and the round's mean completion tokens (empties included)
+    against the reference's completions on the same prompts and seeds. A round measured outside is not
     trained on, the run ends there and its weights go back to the last ones measured inside (the
     run's base when round 1 is already outside): that is the candidate. Measured on the demo:
     one round can jump (length ratio 0.67 -> 0.51) and a candidate kept at the measured weights
@@ -336,6 +344,8 @@ class GroupRollouts:
         self.engine = make_engine("torch", base_dir, version=run.base_version.number, seed=self.seed)
         self.rewards_per_round: list[float] = []
         self.mean_tokens: dict[int, float] = {}
+        self.suite: SuiteSpec | None = None
+        self.kl_on = "samples"
         self.count = 0
 
     @classmethod
@@ -400,6 +410,35 @@ class GroupRollouts:
         ours = self.mean_tokens[r]
         return ours / base if base > 0 else (1.0 if ours <= 0 else float("inf"))
 
+    def use_suite(self) -> SuiteSpec | None:
+        """The project's eval suite, for the region's KL (None: the project has none)."""
+        try:
+            self.suite = eval_suite_active(self.run.project).as_spec()
+        except Conflict:
+            self.suite = None
+        return self.suite
+
+    def suite_kl(self, r: int, reference: PreTrainedModel) -> float | None:
+        """KL(pi_theta || reference) as the gate measures it: the engine's weights (round r's)
+        sample `SUITE_PROMPTS` of the eval suite's prompts with the suite's sampling, the reference
+        scores those tokens, token-mean k3 (`stats.kl_estimate`). On the users' own prompts the
+        same estimator ran 2-4x above the gate's (3.29 vs 1.31, 5.87 vs 1.47 on a population whose
+        code the suite does not hold), so a stop on it ended runs the gate would have admitted.
+        Leaves the reference's weights in the engine."""
+        spec = self.suite
+        if spec is None:
+            return None
+        start = (r * SUITE_PROMPTS) % len(spec.prompts)
+        texts = [spec.prompts[(start + i) % len(spec.prompts)].prompt for i in range(min(SUITE_PROMPTS, len(spec.prompts)))]
+        sampling = SamplingParams(max_tokens=spec.max_tokens, temperature=spec.temperature, seed=spec.seed + r)
+        ours = [c for c in self.engine.generate(texts, n=2, sampling=sampling) if c.token_ids]
+        if not ours:
+            return None
+        self.engine.load_weights(reference.state_dict(), self.run.base_version.number)
+        theirs = [lp for lp, _ in self.engine.score_many([(c.prompt_token_ids, c.token_ids) for c in ours], sampling)]
+        self.kl_on = "suite"
+        return kl_estimate([list(c.logprobs) for c in ours], theirs)
+
     def round_prompts(self, r: int) -> list[tuple[int, ...]]:
         """Round r's `group.prompts` prompts: the next slice of the users' newest distinct prompts
         (wrapping round when there are fewer than prompts x rounds). Fresh prompts each round: on
@@ -410,7 +449,7 @@ class GroupRollouts:
         return [self.keys[(start + i) % n] for i in range(min(self.per_round, n))]
 
     def report(self) -> dict[str, Any]:
-        return {"reward_model": self.reward_model.summary(), "rollouts": self.count, "rollout_prompts": len(self.keys),
+        return {"reward_model": self.reward_model.summary(), "rollouts": self.count, "kl_measured_on": self.kl_on, "rollout_prompts": len(self.keys),
                 "rollout_rounds": len(self.rewards_per_round),
                 "rollout_reward_mean": self.rewards_per_round[0] if self.rewards_per_round else None,
                 "rollout_reward_by_round": [round(x, 4) for x in self.rewards_per_round]}
