@@ -91,7 +91,8 @@ def run(run: TrainingRun, folder: Path, on_step: StepCallback) -> dict[str, Any]
             run.config["steps"] = steps + (rollouts.rounds - 1) * max(1, math.ceil(len(first) / size))
         done, region = 0, TrustRegion(cfg.kl_stop, cfg.length_stop)
         suite = rollouts.use_suite() if rollouts and cfg.kl_stop is not None and cfg.kl_to == "production" else None
-        inside = _snapshot(model) if region.on else None  # the last weights measured inside (the base's to begin)
+        # the last weights measured inside (the base's to begin); only later rounds are measured
+        inside = _snapshot(model) if region.on and rollouts and rollouts.rounds > 1 else None
         for mb in _take(_shuffled(batch, size, int(run.config.get("seed", 0))), steps):
             on_step(done, rl_step(model, ref_model, mb, optimizer, cfg).to_dict())
             done += 1
@@ -346,6 +347,7 @@ class GroupRollouts:
         self.mean_tokens: dict[int, float] = {}
         self.suite: SuiteSpec | None = None
         self.kl_on = "samples"
+        self.holds_reference = False
         self.count = 0
 
     @classmethod
@@ -379,6 +381,7 @@ class GroupRollouts:
         """Round r's G completions per prompt, scored; from `weights` when given (else the base)."""
         if weights is not None:
             self.engine.load_weights(weights.state_dict(), self.run.base_version.number)
+        self.holds_reference = False
         seed = self.seed + 7919 * r
         keys = self.round_prompts(r)
         every = self.engine.generate([list(k) for k in keys], n=self.G,
@@ -402,13 +405,20 @@ class GroupRollouts:
         empties included, as the gate's length_drift): `REFERENCE_N` completions per prompt from
         `reference` with round r's seed. Leaves the reference's weights in the engine (the next
         round loads its own)."""
-        self.engine.load_weights(reference.state_dict(), self.run.base_version.number)
+        self._hold(reference)
         keys = self.round_prompts(r)
         ref = self.engine.generate([list(k) for k in keys], n=min(self.G, REFERENCE_N),
                                    sampling=SamplingParams(max_tokens=self.max_tokens, seed=self.seed + 7919 * r))
         base = sum(len(c.token_ids) for c in ref) / max(1, len(ref))
         ours = self.mean_tokens[r]
         return ours / base if base > 0 else (1.0 if ours <= 0 else float("inf"))
+
+    def _hold(self, reference: PreTrainedModel) -> None:
+        """The reference's weights into the engine, once per round (the round's own are loaded by
+        `round`)."""
+        if not self.holds_reference:
+            self.engine.load_weights(reference.state_dict(), self.run.base_version.number)
+            self.holds_reference = True
 
     def use_suite(self) -> SuiteSpec | None:
         """The project's eval suite, for the region's KL (None: the project has none)."""
@@ -434,7 +444,7 @@ class GroupRollouts:
         ours = [c for c in self.engine.generate(texts, n=2, sampling=sampling) if c.token_ids]
         if not ours:
             return None
-        self.engine.load_weights(reference.state_dict(), self.run.base_version.number)
+        self._hold(reference)
         theirs = [lp for lp, _ in self.engine.score_many([(c.prompt_token_ids, c.token_ids) for c in ours], sampling)]
         self.kl_on = "suite"
         return kl_estimate([list(c.logprobs) for c in ours], theirs)
@@ -449,7 +459,8 @@ class GroupRollouts:
         return [self.keys[(start + i) % n] for i in range(min(self.per_round, n))]
 
     def report(self) -> dict[str, Any]:
-        return {"reward_model": self.reward_model.summary(), "rollouts": self.count, "kl_measured_on": self.kl_on, "rollout_prompts": len(self.keys),
+        return {"reward_model": self.reward_model.summary(), "rollouts": self.count, "kl_measured_on": self.kl_on,
+                "rollout_prompts": len(self.keys),
                 "rollout_rounds": len(self.rewards_per_round),
                 "rollout_reward_mean": self.rewards_per_round[0] if self.rewards_per_round else None,
                 "rollout_reward_by_round": [round(x, 4) for x in self.rewards_per_round]}
