@@ -10,8 +10,9 @@ Each system is compared as its users run it, on the same 2 cores:
   (`engine.load_weights(model.state_dict(), ...)`, an in-place copy: the `push`), generate G
   completions per prompt with it (sampled with a KV cache, the prompt forwarded once per group,
   then scored under batch_invariant_mode: behaviour log-probs bitwise equal to the trainer's),
-  reward and pack them (`prepare_batch`), recompute pi_old as the job does (`compute_logprobs`
-  in chunks of 64 rows, batch-invariant), and one `rl_step`. This is the `production` run.
+  reward and pack them (`prepare_batch`), pi_old as the job takes it (`pi_old`: the engine's
+  log-probs of rows it sampled from these weights, no second forward), and one `rl_step`. This
+  is the `production` run.
 * TRL 1.16.0: its fastest configuration that runs here. `experimental.async_grpo.AsyncGRPOTrainer`
   needs a `vllm serve` server and syncs weights over NCCL (vLLM's weight-transfer backends are
   NCCL or CUDA IPC), which a CPU-only torch has not; `GRPOTrainer(use_vllm=True)` in colocate
@@ -213,12 +214,10 @@ def _full_step(ours: Ours, version: int) -> tuple[dict[str, float], Any]:
 
 def bench_production(folder: Path, prompts: list[list[int]], args: argparse.Namespace) -> dict[str, Any]:
     """The training job's loop (training.runs.job), one round per step: push the model's weights
-    into the in-process torch engine, generate + reward + pack, pi_old (the job's recompute:
-    batch-invariant, chunks of 64 rows), one rl_step. Runs in this process (the caller sets the
+    into the in-process torch engine, generate + reward + pack, pi_old as the job takes it (the
+    engine's log-probs), one rl_step. Runs in this process (the caller sets the
     thread count); also times the plain-torch floor on each batch, outside the step."""
-    import torch
-
-    from training.rl.trainer import compute_logprobs
+    from training.rl.trainer import pi_old
 
     ours = Ours(folder, prompts, args.G, args.completion, args.lr, "torch")
     assert ours.engine is not None
@@ -231,8 +230,8 @@ def bench_production(folder: Path, prompts: list[list[int]], args: argparse.Name
         t_push, _ = timed(lambda n=v: ours.engine.load_weights(ours.model.state_dict(), n))  # type: ignore[union-attr]
         t_gen, done = timed(ours.rollout)
         t_batch, batch = timed(lambda d=done, n=v: ours.batch(d, n))
-        t_old, old = timed(lambda b=batch: torch.cat([compute_logprobs(ours.model, mb, ours.cfg)
-                                                       for mb in b.micro_batches(64)]))
+        # every row was sampled here from the weights the step starts from: pi_old is the engine's
+        t_old, old = timed(lambda b=batch: pi_old(ours.model, b, [True] * b.size, ours.cfg))
         batch.old_logprobs = old
         t_update, _ = timed(lambda b=batch: ours.update(b))
         full = time.perf_counter() - start
@@ -539,7 +538,7 @@ def report(m: dict[str, Any]) -> dict[str, Any]:
                  ("  push weights into torch engine", p["tokens"], p["push_s"]),
                  ("  generate (sample + score)", p["tokens"], p["gen_s"]),
                  ("  reward + pack", p["tokens"], p["batch_s"]),
-                 ("  pi_old recompute (the job's)", p["tokens"], p["pi_old_s"]),
+                 ("  pi_old (the job's)", p["tokens"], p["pi_old_s"]),
                  ("  update (rl_step)", p["tokens"], p["update_s"]),
                  ("  [plain torch fwd+bwd+AdamW]", p["tokens"], p["plain_s"]),
                  (f"TRL GRPOTrainer, {t} thr", r["tokens"], r["full_s"]),

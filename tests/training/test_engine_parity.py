@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 from inference.engine import SamplingParams, TorchEngine
 from training.pretrain import PolicyConfig, build_policy, stdlib_corpus
 from training.rl.config import RLConfig
-from training.rl.trainer import Batch, Sample, compute_logprobs
+from training.rl.trainer import Batch, Sample, chunked_logprobs, compute_logprobs, pi_old
 
 
 @pytest.fixture(scope="module", params=["dense", "moe"])
@@ -42,3 +42,26 @@ def test_trainer_and_torch_engine_logprobs_are_bitwise_equal(policy):
     for row, c in enumerate(completions):
         ours = trainer_lp[row][batch.completion_mask[row]]
         assert torch.equal(ours, torch.tensor(c.logprobs)), (ours - torch.tensor(c.logprobs)).abs().max()
+
+
+def test_a_run_reuses_its_own_rollouts_logprobs_as_pi_old_and_recomputes_the_rest(policy):
+    """The job's pi_old: rows its engine sampled from the weights it starts from keep the engine's
+    log-probs (no second forward); a row served by another version is recomputed."""
+    engine = TorchEngine(policy, version=1)
+    prompts = [engine.encode(p) for p in ("def add(a, b):", "x = (", "for i in range(10):\n    total")]
+    ours = engine.generate(prompts, n=3, sampling=SamplingParams(max_tokens=10, seed=7))
+    assert len({len(c.prompt_token_ids) + len(c.token_ids) for c in ours}) > 1  # mixed lengths: padding
+    served = Sample(prompt_ids=prompts[0], completion_ids=ours[0].token_ids,
+                    behaviour_logprobs=[lp - 0.5 for lp in ours[0].logprobs])  # another version's mu
+    samples = [Sample(prompt_ids=c.prompt_token_ids, completion_ids=c.token_ids, behaviour_logprobs=c.logprobs)
+               for c in ours] + [served]
+    batch = Batch.from_samples(samples, pad_id=0, advantages=torch.zeros(len(samples)))
+    model = AutoModelForCausalLM.from_pretrained(str(policy), dtype=torch.float32).eval()
+    cfg = RLConfig(batch_invariant=True)
+    old = pi_old(model, batch, [True] * len(ours) + [False], cfg)
+    full = chunked_logprobs(model, batch, cfg)
+    mask = batch.completion_mask
+    assert torch.equal(old[-1][mask[-1]], full[-1][mask[-1]])  # recomputed, not the served mu
+    for row, c in enumerate(ours):
+        assert torch.equal(old[row][mask[row]], torch.tensor(c.logprobs))  # the engine's, as sampled
+        assert torch.allclose(old[row][mask[row]], full[row][mask[row]], atol=1e-5, rtol=0)

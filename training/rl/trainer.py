@@ -82,7 +82,7 @@ class Batch:
         for start in range(0, self.size, size):
             yield self.rows(slice(start, start + size))
 
-    def rows(self, index: slice) -> Batch:
+    def rows(self, index: slice | torch.Tensor) -> Batch:
         def cut(x: Any) -> Any:
             return x[index] if isinstance(x, torch.Tensor) else x
 
@@ -277,6 +277,34 @@ def compute_logprobs(model: nn.Module, batch: Batch, cfg: RLConfig, replay: bool
     with batch_invariant_mode(model):
         logits, _ = _forward_logits(model, batch, use_replay and batch.routing is not None)
         return exact_token_logprobs(logits, batch.input_ids, cfg.logprob_chunk_size)
+
+
+RECOMPUTE_CHUNK = 64  # rows per no-grad forward when recomputing log-probs
+
+
+def chunked_logprobs(model: nn.Module, batch: Batch, cfg: RLConfig) -> torch.Tensor:
+    """compute_logprobs over the batch in chunks of RECOMPUTE_CHUNK rows (bounded memory); (B, T)."""
+    parts = [compute_logprobs(model, mb, cfg) for mb in batch.micro_batches(RECOMPUTE_CHUNK)]
+    width = batch.input_ids.shape[1]
+    return torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1])) for p in parts])  # (B, T)
+
+
+def pi_old(model: nn.Module, batch: Batch, sampled_here: Sequence[bool], cfg: RLConfig) -> torch.Tensor:
+    """(B, T) pi_old: the log-probs of `model`, the weights a round starts from. A row the torch
+    engine sampled from these very weights (`sampled_here`) already carries them as its behaviour
+    log-probs: the engine's are a forward of the same weights under the same batch-invariant
+    kernels (the trainer's bit for bit for rows of one length, within float rounding across
+    lengths: tests/training/test_engine_parity.py). Only the other rows (users' data, sampled by
+    a served version) are recomputed. Recomputing the rollout rows too was 17-18% of a training
+    step (bench/rl_step.py). Positions outside the completion are 0 in reused rows: only
+    completion tokens are read."""
+    if not cfg.batch_invariant or not any(sampled_here):
+        return chunked_logprobs(model, batch, cfg)
+    old = torch.where(batch.behaviour_mask, batch.behaviour_logprobs, 0.0)  # (B, T)
+    rest = torch.tensor([i for i, here in enumerate(sampled_here) if not here], dtype=torch.long)
+    if len(rest):
+        old[rest] = chunked_logprobs(model, batch.rows(rest), cfg)
+    return old
 
 
 # ---------------------------------------------------------------------------------- the step

@@ -36,13 +36,12 @@ from training.rewards.services import agent_reward_of, suggestions_reward
 from training.rl.advantages import RunningBaseline
 from training.rl.config import RLConfig
 from training.rl.loss import k3
-from training.rl.trainer import Batch, Sample, compute_logprobs, filter_stale, prepare_batch, rl_step
+from training.rl.trainer import Batch, Sample, chunked_logprobs, filter_stale, pi_old, prepare_batch, rl_step
 from training.runs.selectors import training_run_last
 from training.runs.turns import BadSample, ModelLimits, prompt_token_ids, samples_from
 from training.versions.selectors import policy_get, policy_production
 from training.versions.services import policy_folder
 
-RECOMPUTE_CHUNK = 64  # samples per no-grad forward when recomputing behaviour log-probs
 DEFAULT_MAX_SAMPLES = 4096
 SUITE_PROMPTS = 64  # eval-suite prompts (x2 samples) per round for the trust region's KL, as the gate measures it
 REFERENCE_N = 2  # completions per prompt from the trust region's reference, for its length
@@ -75,9 +74,10 @@ def run(run: TrainingRun, folder: Path, on_step: StepCallback) -> dict[str, Any]
         samples += first
         baseline = setup_baseline(run, cfg)
         batch = prepare_batch(samples, run.base_version.number, cfg, pad_id, baseline)
-        # pi_old is the pre-update policy for every step of the round (PPO's clip is against it).
-        batch.old_logprobs = _chunked_logprobs(model, batch, cfg)
         kept, _ = filter_stale(samples, run.base_version.number, cfg.max_staleness)  # the batch's rows, in order
+        # pi_old is the pre-update policy for every step of the round (PPO's clip is against it).
+        here = {id(s) for s in first}  # sampled by this run's engine from the weights it starts from
+        batch.old_logprobs = pi_old(model, batch, [id(s) in here for s in kept], cfg)
         fresh = fresh_mismatch_kl(batch, kept, recorded, run.base_version.number)
         measure_kl = cfg.beta > 0 or cfg.kl_stop is not None or cfg.length_stop is not None
         ref_model = setup_model(kl_reference(run, cfg, base_dir)).eval() if measure_kl else None
@@ -101,7 +101,7 @@ def run(run: TrainingRun, folder: Path, on_step: StepCallback) -> dict[str, Any]
             if not more:
                 break
             round_batch = prepare_batch(more, run.base_version.number, cfg, pad_id, None)
-            round_batch.old_logprobs = _chunked_logprobs(model, round_batch, cfg)
+            round_batch.old_logprobs = pi_old(model, round_batch, [True] * round_batch.size, cfg)
             if ref_model is not None:  # where the weights that sampled round r are, before it trains
                 on_suite = rollouts.suite_kl(r, ref_model) if suite is not None else None
                 region.measure(r, kl=on_suite if on_suite is not None else _kl_to(ref_model, round_batch, cfg),
@@ -472,12 +472,6 @@ class GroupRollouts:
 # --------------------------------------------------------------------------------- log-probs
 
 
-def _chunked_logprobs(model: PreTrainedModel, batch: Batch, cfg: RLConfig) -> torch.Tensor:
-    parts = [compute_logprobs(model, mb, cfg) for mb in batch.micro_batches(RECOMPUTE_CHUNK)]
-    width = batch.input_ids.shape[1]
-    return torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1])) for p in parts])  # (B, T)
-
-
 def _snapshot(model: PreTrainedModel) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
@@ -487,7 +481,7 @@ def _kl_to(ref_model: PreTrainedModel, batch: Batch, cfg: RLConfig) -> float:
     batch's `old_logprobs` (the weights that sampled it): the gate's estimator."""
     assert batch.old_logprobs is not None
     with torch.no_grad():
-        ref = _chunked_logprobs(ref_model, batch, cfg)
+        ref = chunked_logprobs(ref_model, batch, cfg)
     mask = batch.completion_mask
     return float(torch.where(mask, k3(ref - batch.old_logprobs), 0.0).sum() / mask.sum().clamp(min=1))
 
@@ -508,7 +502,7 @@ def fill_behaviour_logprobs(
             unknown += len(group)
             continue
         batch = Batch.from_samples(group, pad_id, torch.zeros(len(group)))
-        lp = _chunked_logprobs(model, batch, cfg)  # (B, T)
+        lp = chunked_logprobs(model, batch, cfg)  # (B, T)
         for i, s in enumerate(group):
             start = len(s.prompt_ids)
             s.behaviour_logprobs = lp[i, start : start + len(s.completion_ids)].tolist()
