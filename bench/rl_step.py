@@ -8,8 +8,8 @@ Each system is compared as its users run it, on the same 2 cores:
 * Flywheel: the training job's loop (training.runs.job: `run` and GroupRollouts.round), in one
   process, round after round: push the model's weights into the in-process torch engine
   (`engine.load_weights(model.state_dict(), ...)`, an in-place copy: the `push`), generate G
-  completions per prompt with it (sampled with a KV cache, the prompt forwarded once per group,
-  then scored under batch_invariant_mode: behaviour log-probs bitwise equal to the trainer's),
+  completions per prompt with it (sampled with a KV cache, the prompt forwarded once per group;
+  the log-probs are the sampler's, as a run's rollouts take them: no scoring forward),
   reward and pack them (`prepare_batch`), pi_old as the job takes it (`pi_old`: the engine's
   log-probs of rows it sampled from these weights, no second forward), and one `rl_step`. This
   is the `production` run.
@@ -35,8 +35,7 @@ Figures (per size; `_small` suffix for the small size):
   `vllm_async_speedup` (a vLLM rollout process on one core overlapped with training on the other,
   one step off-policy, weights through one shared-memory buffer). They are not what a training
   run executes; they show what moving the job's rollouts to vLLM would buy (on 2 cores it varies
-  with size: at tiny vLLM's per-step engine work exceeds the torch engine's, at small the torch
-  engine's exact re-scoring forward and the job's pi_old forward cost more than vLLM's sampling).
+  with size: at tiny vLLM's per-step engine work exceeds the torch engine's).
 
 Every phase of every loop is timed and printed (median s/step). The machine may be shared: runs
 are interleaved (`--reps` rounds of TRL 1 thread, ours, TRL 2 threads, ...), each figure is a
@@ -132,7 +131,9 @@ class Ours:
         from training.rl.config import RLConfig
 
         self.prompts, self.G = prompts, G
-        self.engine = make_engine(engine_kind, folder, seed=0, max_model_len=MODEL["max_position"]) \
+        # the torch engine as a training run's rollouts use it: the sampler's log-probs, no scoring forward
+        extra = {"exact": False} if engine_kind == "torch" else {}
+        self.engine = make_engine(engine_kind, folder, seed=0, max_model_len=MODEL["max_position"], **extra) \
             if engine_kind else None
         self.sampling = SamplingParams(max_tokens=completion, temperature=1.0, ignore_eos=True)
         self.model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).train()

@@ -238,8 +238,15 @@ class TorchEngine(Engine):
         seed: int = 0,
         dtype: torch.dtype = torch.float32,
         max_model_len: int = 512,
+        exact: bool = True,
     ) -> None:
         super().__init__(model_dir, version)
+        # exact=False: a dense model's log-probs are those the sampler drew from (the KV-cached
+        # step's logits), within float rounding of a forward of the sequence, without the
+        # scoring forward. For a caller that needs no bitwise agreement (a training run's own
+        # rollouts: pi_old at 1e-6 is pi_old). A mixture of experts is always scored: its
+        # routing is captured there.
+        self.exact = exact
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self._tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
@@ -268,8 +275,10 @@ class TorchEngine(Engine):
         self, prompts: list[list[int]], n: int, sampling: SamplingParams
     ) -> list[Completion]:
         rows = [(i, j, p) for i, p in enumerate(prompts) for j in range(n)]
-        sampled = self._sample(prompts, n, [self._generator(i, j, sampling) for i, j, _ in rows], sampling)
-        scored = self.score_many([(p, toks) for (_, _, p), (toks, _) in zip(rows, sampled, strict=True)], sampling)
+        drawn: list[list[float]] | None = None if self.exact or self._moe else [[] for _ in rows]
+        sampled = self._sample(prompts, n, [self._generator(i, j, sampling) for i, j, _ in rows], sampling, drawn)
+        scored = (self.score_many([(p, toks) for (_, _, p), (toks, _) in zip(rows, sampled, strict=True)], sampling)
+                  if drawn is None else [(lp, None) for lp in drawn])
         return [
             self._completion(i, p, toks, reason, logprobs, routing, sampling)
             for (i, _, p), (toks, reason), (logprobs, routing) in zip(rows, sampled, scored, strict=True)
@@ -281,11 +290,13 @@ class TorchEngine(Engine):
         return torch.Generator().manual_seed(base * 1_000_003 + prompt_index * 4099 + sample_index)
 
     def _sample(
-        self, prompts: list[list[int]], n: int, gens: list[torch.Generator], sampling: SamplingParams
+        self, prompts: list[list[int]], n: int, gens: list[torch.Generator], sampling: SamplingParams,
+        drawn: list[list[float]] | None = None,
     ) -> list[tuple[list[int], FinishReason]]:
         """n samples of each prompt (rows grouped by prompt, as `gens`). The prompt is forwarded
         once, and its KV cache and next-token logits are shared by its n samples (GRPO's G
-        completions per prompt: 1/G of the prefill work)."""
+        completions per prompt: 1/G of the prefill work). With `drawn`, each row's list gets the
+        log-prob of every token it kept, from the distribution it was drawn from."""
         ids, mask = _left_pad(prompts, self._tokenizer.pad_token_id or 0)  # (U, P)
         budget = max(min(sampling.max_tokens, self.max_model_len - ids.shape[1]), 0)
         uniforms = _uniforms(gens, budget) if sampling.temperature > 0 else None  # (U * n, budget)
@@ -304,6 +315,11 @@ class TorchEngine(Engine):
                 past.batch_repeat_interleave(n)
                 logits, mask = logits.repeat_interleave(n, 0), mask.repeat_interleave(n, 0)
             nxt = _draw(logits, None if uniforms is None else uniforms[:, step])  # (U * n,)
+            if drawn is not None:
+                picked = logits.log_softmax(-1).gather(-1, nxt[:, None])[:, 0].tolist()  # (U * n,)
+                for b, lp in enumerate(picked):
+                    if reasons[b] is None:
+                        drawn[b].append(lp)
             self._append(nxt, out, reasons, sampling)
             if all(r is not None for r in reasons):
                 break

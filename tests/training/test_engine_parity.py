@@ -47,9 +47,12 @@ def test_trainer_and_torch_engine_logprobs_are_bitwise_equal(policy):
 def test_a_run_reuses_its_own_rollouts_logprobs_as_pi_old_and_recomputes_the_rest(policy):
     """The job's pi_old: rows its engine sampled from the weights it starts from keep the engine's
     log-probs (no second forward); a row served by another version is recomputed."""
-    engine = TorchEngine(policy, version=1)
+    engine = TorchEngine(policy, version=1, exact=False)  # as a run's rollouts sample
     prompts = [engine.encode(p) for p in ("def add(a, b):", "x = (", "for i in range(10):\n    total")]
-    ours = engine.generate(prompts, n=3, sampling=SamplingParams(max_tokens=10, seed=7))
+    sp = SamplingParams(max_tokens=10, seed=7)
+    ours = engine.generate(prompts, n=3, sampling=sp)
+    exact = TorchEngine(policy, version=1).generate(prompts, n=3, sampling=sp)
+    assert [c.token_ids for c in ours] == [c.token_ids for c in exact]  # the same draws, unscored
     assert len({len(c.prompt_token_ids) + len(c.token_ids) for c in ours}) > 1  # mixed lengths: padding
     served = Sample(prompt_ids=prompts[0], completion_ids=ours[0].token_ids,
                     behaviour_logprobs=[lp - 0.5 for lp in ours[0].logprobs])  # another version's mu
@@ -65,3 +68,4 @@ def test_a_run_reuses_its_own_rollouts_logprobs_as_pi_old_and_recomputes_the_res
     for row, c in enumerate(ours):
         assert torch.equal(old[row][mask[row]], torch.tensor(c.logprobs))  # the engine's, as sampled
         assert torch.allclose(old[row][mask[row]], full[row][mask[row]], atol=1e-5, rtol=0)
+        assert torch.allclose(torch.tensor(c.logprobs), torch.tensor(exact[row].logprobs), atol=1e-5, rtol=0)

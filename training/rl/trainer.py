@@ -290,15 +290,14 @@ def chunked_logprobs(model: nn.Module, batch: Batch, cfg: RLConfig) -> torch.Ten
 
 
 def pi_old(model: nn.Module, batch: Batch, sampled_here: Sequence[bool], cfg: RLConfig) -> torch.Tensor:
-    """(B, T) pi_old: the log-probs of `model`, the weights a round starts from. A row the torch
-    engine sampled from these very weights (`sampled_here`) already carries them as its behaviour
-    log-probs: the engine's are a forward of the same weights under the same batch-invariant
-    kernels (the trainer's bit for bit for rows of one length, within float rounding across
-    lengths: tests/training/test_engine_parity.py). Only the other rows (users' data, sampled by
-    a served version) are recomputed. Recomputing the rollout rows too was 17-18% of a training
+    """(B, T) pi_old: the log-probs of `model`, the weights a round starts from. A row an engine
+    sampled from these very weights (`sampled_here`) already carries them as its behaviour
+    log-probs (the torch engine's, within float rounding of the trainer's forward:
+    tests/training/test_engine_parity.py), so only the other rows (users' data, sampled by a
+    served version) are recomputed. Recomputing the rollout rows too was 17-18% of a training
     step (bench/rl_step.py). Positions outside the completion are 0 in reused rows: only
     completion tokens are read."""
-    if not cfg.batch_invariant or not any(sampled_here):
+    if not any(sampled_here):
         return chunked_logprobs(model, batch, cfg)
     old = torch.where(batch.behaviour_mask, batch.behaviour_logprobs, 0.0)  # (B, T)
     rest = torch.tensor([i for i, here in enumerate(sampled_here) if not here], dtype=torch.long)

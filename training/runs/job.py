@@ -342,7 +342,8 @@ class GroupRollouts:
         self.G, self.rounds, self.per_round = int(group["G"]), int(group.get("rounds", 1)), int(group["prompts"])
         self.max_tokens = int(group.get("max_tokens", 16))
         self.seed = int(run.config.get("seed", 0)) * 1_000_003 + run.pk
-        self.engine = make_engine("torch", base_dir, version=run.base_version.number, seed=self.seed)
+        # The sampler's own log-probs (no scoring forward): they are this round's pi_old and mu.
+        self.engine = make_engine("torch", base_dir, version=run.base_version.number, seed=self.seed, exact=False)
         self.rewards_per_round: list[float] = []
         self.mean_tokens: dict[int, float] = {}
         self.suite: SuiteSpec | None = None
