@@ -13,10 +13,19 @@ ROOT = Path(__file__).resolve().parent.parent
 SESSION_KEY_PREFIX = f"test-{os.getpid()}-{int(time.time())}"
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port nothing listens on now, never one this process handed out before: two calls in a
+    row can get the same port from the kernel, and the second server to bind it exits at startup."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 def database_url_of(settings_dict: dict) -> str:
@@ -40,8 +49,9 @@ def subprocess_env(**extra: str) -> dict[str, str]:
             "CACHE_KEY_PREFIX": SESSION_KEY_PREFIX, **extra}
 
 
-def wait_http(url: str, proc, seconds: float = 90) -> None:
-    """Waits until `url` answers 200; raises if `proc` exits first or time runs out."""
+def wait_http(url: str, proc, seconds: float = 90, log: Path | None = None) -> None:
+    """Waits until `url` answers 200; raises if `proc` exits first or time runs out (with the
+    tail of the process's `log`, when it writes one)."""
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         try:
@@ -50,7 +60,8 @@ def wait_http(url: str, proc, seconds: float = 90) -> None:
         except httpx.TransportError:
             pass
         if proc.poll() is not None:
-            raise RuntimeError(f"the process serving {url} exited with {proc.returncode}")
+            tail = log.read_bytes()[-3000:].decode(errors="replace") if log and log.exists() else ""
+            raise RuntimeError(f"the process serving {url} exited with {proc.returncode}" + (f":\n{tail}" if tail else ""))
         time.sleep(0.2)
     proc.kill()
     raise RuntimeError(f"{url} did not answer within {seconds} s")

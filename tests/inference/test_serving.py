@@ -48,14 +48,15 @@ def _versions(project, dense_dir: Path, tmp_path: Path) -> tuple[PolicyVersion, 
 def _serve(project_slug: str, engine: str, *extra: str) -> tuple[subprocess.Popen, str, str]:
     """Starts serve_policy; returns the process, its public URL and its internal (loopback) URL."""
     port, internal = free_port(), free_port()
-    log = open(ROOT / "var" / f"test-serve-{engine}.log", "wb")
+    path = ROOT / "var" / f"test-serve-{engine}.log"
+    log = open(path, "wb")
     proc = subprocess.Popen(
         [sys.executable, "manage.py", "serve_policy", "--project", project_slug, "--port", str(port),
          "--internal-port", str(internal), "--engine", engine, *extra],
         cwd=ROOT, env=subprocess_env(FLYWHEEL_INTERNAL_TOKEN=TOKEN), stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    wait_http(url + "/healthz", proc, 180)
-    wait_http(f"http://127.0.0.1:{internal}/healthz", proc, 30)
+    wait_http(url + "/healthz", proc, 180, path)
+    wait_http(f"http://127.0.0.1:{internal}/healthz", proc, 30, path)
     return proc, url, f"http://127.0.0.1:{internal}"
 
 
