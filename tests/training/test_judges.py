@@ -20,9 +20,10 @@ GOOD = json.dumps({"scores": {"style": {"score": 0.8, "rationale": "tidy"},
 
 
 class FakeEndpoint:
-    """Answers /v1/chat/completions with the queued (status, content) replies, then repeats the last."""
+    """Answers /v1/chat/completions with the queued (status, content) replies, then repeats the last.
+    With `hold`, every request waits for that event before it is answered."""
 
-    def __init__(self, replies: list[tuple[int, str]]) -> None:
+    def __init__(self, replies: list[tuple[int, str]], hold: threading.Event | None = None) -> None:
         self.replies, self.requests = list(replies), []
         endpoint = self
 
@@ -30,6 +31,8 @@ class FakeEndpoint:
             def do_POST(self) -> None:
                 length = int(self.headers["Content-Length"])
                 endpoint.requests.append((self.path, json.loads(self.rfile.read(length)), dict(self.headers)))
+                if hold is not None:
+                    hold.wait()
                 status, content = endpoint.replies.pop(0) if len(endpoint.replies) > 1 else endpoint.replies[0]
                 body = json.dumps({"choices": [{"message": {"role": "assistant", "content": content}}]})
                 payload = body.encode() if status == 200 else b'{"error": "boom"}'
@@ -50,8 +53,8 @@ class FakeEndpoint:
 def endpoint() -> Iterator[callable]:
     servers = []
 
-    def start(*replies: tuple[int, str]) -> FakeEndpoint:
-        fake = FakeEndpoint(list(replies))
+    def start(*replies: tuple[int, str], hold: threading.Event | None = None) -> FakeEndpoint:
+        fake = FakeEndpoint(list(replies), hold)
         threading.Thread(target=fake.server.serve_forever, args=(0.05,), daemon=True).start()
         servers.append(fake.server)
         return fake

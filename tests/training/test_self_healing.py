@@ -15,9 +15,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator
 from datetime import timedelta
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from django.utils import timezone
@@ -25,6 +23,7 @@ from django.utils import timezone
 from core.models import OutboxMessage
 from core.outbox import outbox_deliver
 from tests.processes import ROOT, free_port, subprocess_env
+from tests.training.test_judges import endpoint  # noqa: F401 - the fixture
 from tests.training.test_services import ingest_live, later, plain_spec
 from tests.training.test_tasks import wait_for
 from training.gate.tasks import GATE_RUN
@@ -58,49 +57,6 @@ def doomed_worker(django_db_setup, checkpoint_root):
         proc.kill()
     proc.wait()
     log.close()
-
-
-class HeldJudge:
-    """An OpenAI-compatible judge endpoint that holds every request until `release()`: a gate that
-    judges through it is still running when the test kills its worker, however fast the machine
-    (a whole tiny gate takes 0.2 s here). Released, it answers at once."""
-
-    def __init__(self) -> None:
-        self.released, self.requests = threading.Event(), 0
-        judge = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                self.rfile.read(int(self.headers["Content-Length"]))
-                judge.requests += 1
-                judge.released.wait()
-                content = json.dumps({"scores": {"concision": {"score": 1.0, "rationale": "short"}}})
-                body = json.dumps({"choices": [{"message": {"role": "assistant", "content": content}}]}).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args: object) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
-
-    def release(self) -> None:
-        self.released.set()
-
-
-@pytest.fixture
-def held_judge() -> Iterator[HeldJudge]:
-    judge = HeldJudge()
-    threading.Thread(target=judge.server.serve_forever, args=(0.05,), daemon=True).start()
-    yield judge
-    judge.release()
-    judge.server.shutdown()
-    judge.server.server_close()
 
 
 def kill(proc: subprocess.Popen) -> None:
@@ -138,12 +94,16 @@ def test_a_run_beats_while_it_trains_and_the_sweeper_fails_it_once_its_worker_is
 
 
 def test_a_gate_whose_worker_is_killed_goes_back_to_the_queue_and_completes(
-    creds, production, tiny_policy_dir, doomed_worker, celery_worker_process, held_judge
+    creds, production, tiny_policy_dir, doomed_worker, celery_worker_process, endpoint,  # noqa: F811 - the fixture
 ):
     from training.gate.tasks import gate_run_task
 
     proc, queue = doomed_worker
-    judge = {"kind": "model", "base_url": held_judge.url, "model": "judge", "aspects": {"concision": "short"},
+    # The gate judges through an endpoint that holds every request until released: the kill lands
+    # mid-gate however fast the machine (a whole tiny gate takes 0.2 s here).
+    released = threading.Event()
+    held = endpoint((200, json.dumps({"scores": {"concision": {"score": 1.0, "rationale": "short"}}})), hold=released)
+    judge = {"kind": "model", "base_url": held.url, "model": "judge", "aspects": {"concision": "short"},
              "timeout_s": 600, "retries": 0}
     EvalSuite.objects.create(project=creds.project, version=1, prompts=[{"id": f"p{i}", "prompt": p} for i, p in
                                                                          enumerate(["def add(a, b):", "import os"])],
@@ -153,9 +113,9 @@ def test_a_gate_whose_worker_is_killed_goes_back_to_the_queue_and_completes(
                                              checkpoint_path=str(tiny_policy_dir))
     gate_run_task.apply_async(args=[candidate.pk], queue=queue)
     wait_for(lambda: PolicyVersion.objects.get(pk=candidate.pk).state == "gated", what="the gate's claim")
-    wait_for(lambda: held_judge.requests > 0, what="the gate judging (held)")  # mid-gate, deterministically
+    wait_for(lambda: held.requests, what="the gate judging (held)")  # mid-gate, deterministically
     kill(proc)
-    held_judge.release()
+    released.set()
 
     report = pipeline_sweep()
     assert report.gates_requeued == [candidate.pk]
