@@ -139,7 +139,7 @@ class Ours:
         self.sampling = SamplingParams(max_tokens=completion, temperature=1.0, ignore_eos=True)
         self.model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).train()
         self.cfg = RLConfig(lr=lr, micro_batch_size=len(prompts) * G, beta=0.0)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr, fused=True)  # as the training job's
         self.pad = load_tokenizer(folder).pad_token_id or 0
         self.seed = 0
 

@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from kernels.routing import capture_routing, moe_routers
 from training.rl.config import RLConfig
@@ -21,6 +21,7 @@ from training.rl.trainer import (
     filter_stale,
     prepare_batch,
     rl_step,
+    shared_prompts,
     token_logprobs,
 )
 
@@ -164,6 +165,54 @@ def test_scoring_only_the_completion_positions_gives_the_whole_forwards_gradient
     assert torch.allclose(tail_grad, whole_grad, atol=1e-6)
     for key in ("loss", "entropy", "mismatch_kl", "clip_fraction", "is_truncated"):
         assert getattr(tail, key) == pytest.approx(getattr(whole, key), abs=1e-6), key
+
+
+def tiny_dense(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    return Qwen2ForCausalLM(cfg)
+
+
+@pytest.mark.parametrize("build", [tiny_moe, tiny_dense], ids=["moe", "dense"])
+def test_forwarding_each_groups_prompt_once_gives_the_whole_forwards_gradient_and_metrics(build):
+    # Three groups with prompts of 4, 6 and 3 tokens (rows shuffled across them), completions of
+    # 1 to 4 tokens, and a row alone with its prompt: the prompts are forwarded once each.
+    prompts = {"a": [1, 2, 3, 4], "b": [5, 6, 7, 8, 9, 10], "c": [11, 12, 3]}
+    rows = [("a", [5, 6]), ("b", [1]), ("a", [7, 8, 9, 1]), ("c", [2, 2, 2]), ("b", [4, 4, 4]),
+            ("a", [3]), ("c", [9, 8]), ("solo", [6, 7, 8])]
+    prompts["solo"] = [13, 14, 15, 2, 1]
+    samples = [Sample(prompts[g], c, reward=float(i % 3), group=g, behaviour_logprobs=[-1.0 - 0.1 * i] * len(c))
+               for i, (g, c) in enumerate(rows)]
+    runs = []
+    for shared in (True, False):
+        model = build()
+        fed = []
+        model.get_input_embeddings().register_forward_hook(lambda m, a, out, fed=fed: fed.append(int(a[0].numel())))
+        cfg = RLConfig(micro_batch_size=8, beta=0.1, shared_prefix=shared)  # with the reference's KL
+        batch = prepare_batch(samples, 0, cfg, PAD)
+        metrics = rl_step(model, build(seed=1), batch, torch.optim.SGD(model.parameters(), lr=0.0), cfg)
+        grad = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+        runs.append((grad, metrics, sum(fed)))
+    (shared_grad, shared_m, shared_fed), (whole_grad, whole_m, whole_fed) = runs
+    assert torch.allclose(shared_grad, whole_grad, atol=1e-5), (shared_grad - whole_grad).abs().max()
+    for key in ("loss", "kl_ref", "entropy", "mismatch_kl", "clip_fraction", "is_truncated"):
+        assert getattr(shared_m, key) == pytest.approx(getattr(whole_m, key), abs=1e-5), key
+    assert shared_m.kl_ref > 0
+    assert shared_m.tokens == whole_m.tokens == sum(len(c) for _, c in rows)
+    # Whole: 8 rows x 9 columns. Shared: 4 distinct prompts less their last token (4 x 5 padded),
+    # then 8 rows x (last prompt token + up to 4 completion tokens).
+    assert (whole_fed, shared_fed) == (8 * 9, 4 * 5 + 8 * 5)
+
+
+def test_rows_that_share_no_prompt_or_a_one_token_prompt_are_forwarded_whole():
+    model = tiny_dense()
+    distinct = prepare_batch([Sample([1, 2], [3]), Sample([2, 1], [3])], 0, RLConfig(), PAD)
+    short = prepare_batch([Sample([1], [3]), Sample([1], [4])], 0, RLConfig(), PAD)
+    grouped = prepare_batch([Sample([1, 2], [3]), Sample([1, 2], [4, 5])], 0, RLConfig(), PAD)
+    assert shared_prompts(model, distinct) is None and shared_prompts(model, short) is None
+    shared = shared_prompts(model, grouped)
+    assert shared.group.tolist() == [0, 0] and shared.firsts.tolist() == [0] and shared.n_prompt.tolist() == [2, 2]
 
 
 def test_metrics_report_mismatch_kl_kl_ref_routing_and_staleness():

@@ -40,6 +40,10 @@ class RLConfig:
     micro_batch_size: int = 8
     logprob_chunk_size: int = 1024  # rows per chunk of the selective log-softmax
     router_replay: bool = True  # replay recorded MoE routing in the trainer forward
+    # Forward each distinct prompt of a micro-batch once and let its rows (a group's G completions)
+    # attend to that one copy: same loss and gradient as forwarding every row whole, with the
+    # prompt's share of the compute paid once per group instead of G times.
+    shared_prefix: bool = True
     batch_invariant: bool = True  # recomputed log-probs bitwise equal to the torch engine's
 
     def __post_init__(self) -> None:

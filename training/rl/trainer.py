@@ -347,22 +347,104 @@ def _tail_forward(model: nn.Module, mb: Batch, replay: bool, start: int) -> tupl
     return out.logits, stats
 
 
+@dataclass
+class SharedPrompts:
+    """The distinct prompts of a micro-batch: row i's prompt is the one row `firsts[group[i]]` holds."""
+
+    group: torch.Tensor  # (b,) long: row -> index of its prompt among the distinct ones
+    firsts: torch.Tensor  # (u,) long: one row holding each distinct prompt
+    n_prompt: torch.Tensor  # (b,) long: prompt length of each row
+
+
+def shared_prompts(model: nn.Module, mb: Batch) -> SharedPrompts | None:
+    """The micro-batch's distinct prompts when forwarding each once saves compute: some rows share
+    a prompt (a group), every prompt has 2+ tokens (one is kept for the completion pass) and the
+    model takes a KV cache and position ids. None: forward every row whole."""
+    params = inspect.signature(model.forward).parameters
+    if "past_key_values" not in params or "position_ids" not in params:
+        return None
+    n_prompt = mb.completion_mask.to(torch.int8).argmax(1)  # (b,) first completion column
+    if int(n_prompt.min()) < 2:
+        return None
+    index: dict[tuple[int, ...], int] = {}
+    group = [index.setdefault(tuple(row[:n].tolist()), len(index)) for row, n in zip(mb.input_ids, n_prompt.tolist(),
+                                                                                      strict=True)]
+    if len(index) == mb.size:
+        return None
+    firsts = [0] * len(index)
+    for i, g in reversed(list(enumerate(group))):
+        firsts[g] = i
+    return SharedPrompts(torch.tensor(group), torch.tensor(firsts), n_prompt.long())
+
+
+def _shared_prefix_forward(model: nn.Module, mb: Batch, shared: SharedPrompts) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits of the completion positions with each distinct prompt forwarded once.
+
+    Pass 1 runs the u distinct prompts less their last token (right-padded to the longest) and
+    keeps their keys and values; each row gets its prompt's copy (an index: the backward sums the
+    rows' gradients into the one prompt forward). Pass 2 runs every row's last prompt token and
+    completion on top, at its true positions, attending to its prompt through the cache. The
+    arithmetic is the whole forward's, regrouped: same log-probs and gradient to float rounding
+    (tests/training/test_trainer.py).
+
+    Returns logits (b, Lc, V) whose position k predicts the row's input column n_prompt + k,
+    and cols (b, Lc): the input column of pass 2's token k, or T (none) past the row's end."""
+    b, width = mb.input_ids.shape
+    prefix = shared.n_prompt[shared.firsts] - 1  # (u,) tokens forwarded once per prompt
+    lm = int(prefix.max())
+    prefix_mask = (torch.arange(lm)[None] < prefix[:, None]).long()  # (u, Lm), right-padded
+    keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+    first = model(input_ids=mb.input_ids[shared.firsts, :lm], attention_mask=prefix_mask, use_cache=True, **keep)
+    cache = first.past_key_values
+    cache.batch_select_indices(shared.group)  # (b, ...) keys and values: row i's prompt's
+    n_tail = mb.completion_mask.sum(1) + 1  # (b,) last prompt token + completion
+    lc = int(n_tail.max())
+    k = torch.arange(lc)[None]  # (1, Lc)
+    start = (shared.n_prompt - 1)[:, None]  # (b, 1) input column of the last prompt token
+    inside = k < n_tail[:, None]  # (b, Lc)
+    cols = torch.where(inside, start + k, width)  # (b, Lc)
+    ids = torch.where(inside, mb.input_ids.gather(1, cols.clamp(max=width - 1)), mb.input_ids[:, :1])
+    mask = torch.cat([prefix_mask[shared.group], inside.long()], 1)  # (b, Lm + Lc)
+    out = model(input_ids=ids, attention_mask=mask, position_ids=start + k, past_key_values=cache, use_cache=True)
+    return out.logits, cols
+
+
+def _to_columns(values: torch.Tensor, cols: torch.Tensor, width: int) -> torch.Tensor:
+    """(b, Lc) per pass-2 position -> (b, T) per input column (0 elsewhere); differentiable."""
+    out = values.new_zeros(values.shape[0], width + 1).scatter(1, cols, values)  # column T: the spill
+    return out[:, :width]
+
+
 def _micro_loss(
     model: nn.Module, ref_model: nn.Module | None, mb: Batch, cfg: RLConfig, normalizer: float
 ) -> tuple[LossOutputs, ReplayStats]:
     replay = cfg.router_replay and mb.routing is not None
-    start = _scored_from(model, mb)
-    logits, stats = _tail_forward(model, mb, replay, start)  # (b, T - start, V)
-    # Columns before `start + 1` are prompt tokens (outside the mask): left as 0.
-    logprobs = nn.functional.pad(token_logprobs(logits, mb.input_ids[:, start:]), (start, 0))  # (b, T)
+    shared = shared_prompts(model, mb) if cfg.shared_prefix and not replay else None
+    if shared is not None:
+        logits, cols = _shared_prefix_forward(model, mb, shared)  # (b, Lc, V)
+        ids = mb.input_ids.gather(1, cols.clamp(max=mb.input_ids.shape[1] - 1))  # (b, Lc)
+        width, stats = mb.input_ids.shape[1], ReplayStats()
+        # Pass-2 position 0 is the last prompt token (outside the mask): its 0 lands there.
+        logprobs = _to_columns(token_logprobs(logits, ids), cols, width)  # (b, T)
+        entropy = _to_columns(token_entropy(logits, cfg.logprob_chunk_size), cols, width)  # (b, T)
+    else:
+        start = _scored_from(model, mb)
+        logits, stats = _tail_forward(model, mb, replay, start)  # (b, T - start, V)
+        # Columns before `start + 1` are prompt tokens (outside the mask): left as 0.
+        logprobs = nn.functional.pad(token_logprobs(logits, mb.input_ids[:, start:]), (start, 0))  # (b, T)
+        entropy = nn.functional.pad(token_entropy(logits, cfg.logprob_chunk_size), (start, 0))  # (b, T)
     # One update per batch: the pre-update forward *is* this forward, so pi_old = detached pi_theta.
     old = mb.old_logprobs if mb.old_logprobs is not None else logprobs.detach()
     ref = None
     if ref_model is not None:  # the KL is measured whenever there is a reference; it is in the loss when beta > 0
         # No replay here: the KL is to the reference policy as it would act, with its own routing.
         with torch.no_grad():
-            ref_logits = ref_model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits
-            ref = token_logprobs(ref_logits, mb.input_ids)
+            if shared is not None:
+                ref_logits, cols = _shared_prefix_forward(ref_model, mb, shared)
+                ref = _to_columns(token_logprobs(ref_logits, ids), cols, width)
+            else:
+                ref_logits = ref_model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits
+                ref = token_logprobs(ref_logits, mb.input_ids)
     inputs = LossInputs(
         logprobs=logprobs,
         old_logprobs=old,
@@ -370,7 +452,7 @@ def _micro_loss(
         mask=mb.completion_mask,
         behaviour_logprobs=torch.where(mb.behaviour_mask, mb.behaviour_logprobs, old),
         ref_logprobs=ref,
-        entropy=nn.functional.pad(token_entropy(logits, cfg.logprob_chunk_size), (start, 0)),  # (b, T)
+        entropy=entropy,
         normalizer=normalizer,
     )
     return policy_loss(inputs, cfg.eps, cfg.eps_high, cfg.is_cap, cfg.beta), stats
