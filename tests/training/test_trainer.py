@@ -205,6 +205,24 @@ def test_forwarding_each_groups_prompt_once_gives_the_whole_forwards_gradient_an
     assert (whole_fed, shared_fed) == (8 * 9, 4 * 5 + 8 * 5)
 
 
+def test_a_step_puts_a_prompts_rows_in_one_micro_batch():
+    # Rows of two prompts interleaved, micro-batches of 2: regrouped, each micro-batch is one
+    # prompt's two rows (one prefix forward each), and the gradient is the whole forward's.
+    samples = [Sample([1, 2, 3] if i % 2 else [4, 5, 6], [7, 8][: 1 + i % 2], reward=float(i), group=i % 2)
+               for i in range(4)]
+    runs = []
+    for shared in (True, False):
+        model, fed = tiny_dense(), []
+        model.get_input_embeddings().register_forward_hook(lambda m, a, out, fed=fed: fed.append(tuple(a[0].shape)))
+        cfg = RLConfig(micro_batch_size=2, shared_prefix=shared)
+        rl_step(model, None, prepare_batch(samples, 0, cfg, PAD), torch.optim.SGD(model.parameters(), lr=0.0), cfg)
+        runs.append((torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]), fed))
+    (shared_grad, shared_fed), (whole_grad, whole_fed) = runs
+    assert torch.allclose(shared_grad, whole_grad, atol=1e-5)
+    assert whole_fed == [(2, 5), (2, 5)]
+    assert shared_fed == [(1, 2), (2, 2), (1, 2), (2, 3)]  # per micro-batch: its prompt less one token, then its rows
+
+
 def test_rows_that_share_no_prompt_or_a_one_token_prompt_are_forwarded_whole():
     model = tiny_dense()
     distinct = prepare_batch([Sample([1, 2], [3]), Sample([2, 1], [3])], 0, RLConfig(), PAD)

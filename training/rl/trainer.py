@@ -363,18 +363,24 @@ def shared_prompts(model: nn.Module, mb: Batch) -> SharedPrompts | None:
     params = inspect.signature(model.forward).parameters
     if "past_key_values" not in params or "position_ids" not in params:
         return None
-    n_prompt = mb.completion_mask.to(torch.int8).argmax(1)  # (b,) first completion column
-    if int(n_prompt.min()) < 2:
+    group, n_prompt = _prompt_groups(mb)
+    distinct = max(group) + 1
+    if int(n_prompt.min()) < 2 or distinct == mb.size:
         return None
-    index: dict[tuple[int, ...], int] = {}
-    group = [index.setdefault(tuple(row[:n].tolist()), len(index)) for row, n in zip(mb.input_ids, n_prompt.tolist(),
-                                                                                      strict=True)]
-    if len(index) == mb.size:
-        return None
-    firsts = [0] * len(index)
+    firsts = [0] * distinct
     for i, g in reversed(list(enumerate(group))):
         firsts[g] = i
-    return SharedPrompts(torch.tensor(group), torch.tensor(firsts), n_prompt.long())
+    return SharedPrompts(torch.tensor(group), torch.tensor(firsts), n_prompt)
+
+
+def _prompt_groups(batch: Batch) -> tuple[list[int], torch.Tensor]:
+    """Each row's prompt as an index among the batch's distinct prompts (in order of first
+    appearance), and each row's prompt length (its first completion column), (B,)."""
+    n_prompt = batch.completion_mask.to(torch.int8).argmax(1).long()  # (B,)
+    index: dict[tuple[int, ...], int] = {}
+    group = [index.setdefault(tuple(row[:n].tolist()), len(index))
+             for row, n in zip(batch.input_ids, n_prompt.tolist(), strict=True)]
+    return group, n_prompt
 
 
 def _shared_prefix_forward(model: nn.Module, mb: Batch, shared: SharedPrompts) -> tuple[torch.Tensor, torch.Tensor]:
@@ -465,6 +471,11 @@ def rl_step(
     start = time.perf_counter()
     total_tokens = int(batch.completion_mask.sum())
     normalizer = float(max(total_tokens, 1))
+    if cfg.shared_prefix and batch.size > cfg.micro_batch_size:
+        # A prompt's rows side by side, so its micro-batch forwards it once (the order of rows
+        # in the step's sums changes nothing but float rounding).
+        group, _ = _prompt_groups(batch)
+        batch = batch.rows(torch.tensor(sorted(range(batch.size), key=group.__getitem__)))
     optimizer.zero_grad(set_to_none=True)
     sums = dict.fromkeys(("loss", "kl_ref", "entropy", "clip_fraction", "mismatch_kl", "is_truncated"), 0.0)
     replayed = differed = 0
