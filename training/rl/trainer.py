@@ -367,10 +367,10 @@ def shared_prompts(model: nn.Module, mb: Batch) -> SharedPrompts | None:
     distinct = max(group) + 1
     if int(n_prompt.min()) < 2 or distinct == mb.size:
         return None
-    firsts = [0] * distinct
-    for i, g in reversed(list(enumerate(group))):
-        firsts[g] = i
-    return SharedPrompts(torch.tensor(group), torch.tensor(firsts), n_prompt)
+    firsts: dict[int, int] = {}
+    for i, g in enumerate(group):
+        firsts.setdefault(g, i)
+    return SharedPrompts(torch.tensor(group), torch.tensor(list(firsts.values())), n_prompt)
 
 
 def _prompt_groups(batch: Batch) -> tuple[list[int], torch.Tensor]:
@@ -383,7 +383,8 @@ def _prompt_groups(batch: Batch) -> tuple[list[int], torch.Tensor]:
     return group, n_prompt
 
 
-def _shared_prefix_forward(model: nn.Module, mb: Batch, shared: SharedPrompts) -> tuple[torch.Tensor, torch.Tensor]:
+def _shared_prefix_forward(model: nn.Module, mb: Batch, shared: SharedPrompts
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Logits of the completion positions with each distinct prompt forwarded once.
 
     Pass 1 runs the u distinct prompts less their last token (right-padded to the longest) and
@@ -394,7 +395,8 @@ def _shared_prefix_forward(model: nn.Module, mb: Batch, shared: SharedPrompts) -
     (tests/training/test_trainer.py).
 
     Returns logits (b, Lc, V) whose position k predicts the row's input column n_prompt + k,
-    and cols (b, Lc): the input column of pass 2's token k, or T (none) past the row's end."""
+    pass 2's token ids (b, Lc), and cols (b, Lc): the input column of pass 2's token k, or T
+    (none) past the row's end."""
     b, width = mb.input_ids.shape
     prefix = shared.n_prompt[shared.firsts] - 1  # (u,) tokens forwarded once per prompt
     lm = int(prefix.max())
@@ -412,7 +414,7 @@ def _shared_prefix_forward(model: nn.Module, mb: Batch, shared: SharedPrompts) -
     ids = torch.where(inside, mb.input_ids.gather(1, cols.clamp(max=width - 1)), mb.input_ids[:, :1])
     mask = torch.cat([prefix_mask[shared.group], inside.long()], 1)  # (b, Lm + Lc)
     out = model(input_ids=ids, attention_mask=mask, position_ids=start + k, past_key_values=cache, use_cache=True)
-    return out.logits, cols
+    return out.logits, ids, cols
 
 
 def _to_columns(values: torch.Tensor, cols: torch.Tensor, width: int) -> torch.Tensor:
@@ -427,8 +429,7 @@ def _micro_loss(
     replay = cfg.router_replay and mb.routing is not None
     shared = shared_prompts(model, mb) if cfg.shared_prefix and not replay else None
     if shared is not None:
-        logits, cols = _shared_prefix_forward(model, mb, shared)  # (b, Lc, V)
-        ids = mb.input_ids.gather(1, cols.clamp(max=mb.input_ids.shape[1] - 1))  # (b, Lc)
+        logits, ids, cols = _shared_prefix_forward(model, mb, shared)  # (b, Lc, V), (b, Lc), (b, Lc)
         width, stats = mb.input_ids.shape[1], ReplayStats()
         # Pass-2 position 0 is the last prompt token (outside the mask): its 0 lands there.
         logprobs = _to_columns(token_logprobs(logits, ids), cols, width)  # (b, T)
@@ -446,7 +447,7 @@ def _micro_loss(
         # No replay here: the KL is to the reference policy as it would act, with its own routing.
         with torch.no_grad():
             if shared is not None:
-                ref_logits, cols = _shared_prefix_forward(ref_model, mb, shared)
+                ref_logits, ids, cols = _shared_prefix_forward(ref_model, mb, shared)
                 ref = _to_columns(token_logprobs(ref_logits, ids), cols, width)
             else:
                 ref_logits = ref_model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits
