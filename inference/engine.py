@@ -460,6 +460,13 @@ def _cut_stop(text: str, stops: Iterable[str]) -> str:
 # ----------------------------------------------------------------------------- vLLM
 
 
+# Loaded by vLLM in its own processes (by import path): the worker's sampled-token gather
+# (inference/vllm_worker.py) and, for the async engine, the engine core's scheduler
+# (inference/vllm_scheduler.py).
+WORKER_EXTENSION = "inference.vllm_worker.SampledLogprobs"
+SCHEDULER = "inference.vllm_scheduler.HeldLogprobsScheduler"
+
+
 def _set_vllm_env(kv_cache_gib: int) -> None:
     # In-process engine: starts in ~2 s instead of 20-40 s and lets us reach the model object.
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -521,7 +528,7 @@ class VLLMEngine(Engine):
         self.llm = LLM(
             model=str(model_dir), dtype=dtype, seed=seed, max_model_len=max_model_len,
             enforce_eager=True, distributed_executor_backend="uni",
-            logprobs_mode=logprobs_mode, **llm_kwargs,
+            logprobs_mode=logprobs_mode, worker_extension_cls=WORKER_EXTENSION, **llm_kwargs,
         )
         self._tokenizer = self.llm.get_tokenizer()
 
@@ -606,7 +613,7 @@ class AsyncVLLMEngine(Engine):
         self._thread.start()
         settings = dict(model=str(model_dir), dtype=dtype, seed=seed, max_model_len=max_model_len,
                         enforce_eager=True, logprobs_mode=logprobs_mode, disable_log_stats=True,
-                        **engine_kwargs)
+                        worker_extension_cls=WORKER_EXTENSION, scheduler_cls=SCHEDULER, **engine_kwargs)
         try:
             with _multiprocessing_on():
                 self.llm = self._call(self._start(settings))
@@ -800,6 +807,8 @@ def _vllm_params(n: int, sampling: SamplingParams, final_only: bool = False, lea
     from vllm import SamplingParams as VParams
     from vllm.sampling_params import RequestOutputKind
 
+    from inference.vllm_scheduler import HOLD_LOGPROBS
+
     # final_only (the async engine): the answer comes once, finished; without stop strings the
     # frontend skips per-step detokenisation (of the text and of every log-prob's token, the
     # behaviour log-probs being asked for every token) and the text is decoded once at the end.
@@ -813,6 +822,9 @@ def _vllm_params(n: int, sampling: SamplingParams, final_only: bool = False, lea
         ignore_eos=sampling.ignore_eos, logprobs=0,  # 0: the sampled token's own log-prob
         output_kind=RequestOutputKind.FINAL_ONLY if final_only else RequestOutputKind.CUMULATIVE,
         detokenize=not lean, flat_logprobs=final_only,
+        # Read once, at the end, and no stop string for this process to end it early: the engine
+        # core sends its log-probs with its last token (inference/vllm_scheduler.py).
+        extra_args={HOLD_LOGPROBS: True} if final_only and lean else None,
     )
 
 

@@ -66,8 +66,10 @@ def test_concurrent_requests_share_engine_steps_and_each_is_recorded(creds, dens
     proc, url, _ = _serve(creds.project.slug, "vllm")
     try:
         before = _batch_histogram(url)
-        bodies = [{"model": "acme", "prompt": p, "max_tokens": 48, "seed": i, "logprobs": 0}
-                  for i, p in enumerate(PROMPTS)]
+        # Half stop at a newline: this process ends those, so their log-probs come each step;
+        # the others' come with their last token (inference/vllm_scheduler.py). Both, one batch.
+        bodies = [{"model": "acme", "prompt": p, "max_tokens": 48, "seed": i, "logprobs": 0,
+                   **({"stop": ["\n"]} if i % 2 else {})} for i, p in enumerate(PROMPTS)]
         answers = _concurrently(url, creds, bodies)
         assert {a.status_code for a in answers} == {200}
         after = _batch_histogram(url)
@@ -79,9 +81,13 @@ def test_concurrent_requests_share_engine_steps_and_each_is_recorded(creds, dens
         _stop(proc)  # shutdown flushes the recorder
     stored = {t.external_id: t for t in Trajectory.objects.filter(external_id__in=[c["trajectory_id"] for c in choices])}
     assert len(stored) == len(PROMPTS) and {t.policy_version for t in stored.values()} == {1}
+    score = _scorer(dense_dir)
     for c in choices:
         step = Step.objects.get(trajectory=stored[c["trajectory_id"]])
         assert step.logprobs == pytest.approx(c["logprobs"]["token_logprobs"])
+        # Every sampled token's behaviour log-prob, in order, is the policy's.
+        expected = score(step.extra["prompt_token_ids"], step.token_ids)
+        assert torch.allclose(torch.tensor(step.logprobs), expected, atol=1e-4)
 
 
 @pytest.mark.django_db(transaction=True)

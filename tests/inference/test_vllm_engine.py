@@ -102,3 +102,25 @@ def test_text_decoded_once_at_the_end_equals_vllms_incremental_text(engine: VLLM
     assert [c.text for c in a] == [c.text for c in b]
     assert [c.logprobs for c in a] == [c.logprobs for c in b]
     assert any(c.text for c in a)
+
+
+def test_the_workers_sampled_token_gather_is_vllms_own_result() -> None:
+    # inference/vllm_worker.py replaces the sampler's gather for logprobs=0 on CPU (no compiled
+    # rank kernel): the same ids, log-probs and ranks, dtypes and shapes as vLLM's, ties included.
+    from vllm.v1.sample.sampler import Sampler
+
+    from inference import vllm_worker
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(7, 300, generator=g)
+    logits[:, :40] = logits[:, :1]  # ties with the sampled token count in its rank
+    logprobs = logits.log_softmax(-1)
+    tokens = torch.tensor([0, 5, 39, 40, 123, 299, 7])
+    ours = vllm_worker.gather_logprobs(logprobs, 0, tokens)
+    theirs = vllm_worker._vllms_gather_logprobs(logprobs, 0, tokens)
+    assert Sampler.gather_logprobs is vllm_worker.gather_logprobs
+    for a, b in zip(ours[:3], theirs[:3], strict=True):  # ids, log-probs, ranks
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    assert ours.selected_token_ranks[0].item() >= 40  # the tied tokens rank it
+    top = vllm_worker.gather_logprobs(logprobs, 3, tokens)  # top-k asked: vLLM's own path
+    assert top.logprob_token_ids.shape == (7, 4) and torch.equal(top.logprobs[:, 0:1], ours.logprobs)
