@@ -467,6 +467,14 @@ WORKER_EXTENSION = "inference.vllm_worker.SampledLogprobs"
 SCHEDULER = "inference.vllm_scheduler.HeldLogprobsScheduler"
 
 
+def _scheduler() -> dict[str, str]:
+    """The async engine's scheduler: ours where vLLM runs its synchronous one (CPU). Elsewhere vLLM
+    picks an asynchronous scheduler, which a custom class would turn off: its default stays."""
+    from vllm.platforms import current_platform
+
+    return {"scheduler_cls": SCHEDULER} if current_platform.is_cpu() else {}
+
+
 def _set_vllm_env(kv_cache_gib: int) -> None:
     # In-process engine: starts in ~2 s instead of 20-40 s and lets us reach the model object.
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -613,7 +621,7 @@ class AsyncVLLMEngine(Engine):
         self._thread.start()
         settings = dict(model=str(model_dir), dtype=dtype, seed=seed, max_model_len=max_model_len,
                         enforce_eager=True, logprobs_mode=logprobs_mode, disable_log_stats=True,
-                        worker_extension_cls=WORKER_EXTENSION, scheduler_cls=SCHEDULER, **engine_kwargs)
+                        worker_extension_cls=WORKER_EXTENSION, **_scheduler(), **engine_kwargs)
         try:
             with _multiprocessing_on():
                 self.llm = self._call(self._start(settings))
