@@ -9,6 +9,7 @@ broker and channel layer are real Redis (embedded unless REDIS_URL is set).
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -40,13 +41,85 @@ _OTHERS = ("FROM pg_stat_activity WHERE datname = current_database() AND pid <> 
            "'idle in transaction (aborted)')")
 
 
+_SESSION_WORKER: list[tuple[str, subprocess.Popen]] = []  # the session Celery worker (node, process)
+_WORKER_QUEUES = ("celery", "ingest", "rewards", "train", "rollouts", "gate")
+
+
+def _worker_idle(node: str) -> bool:
+    """Nothing waits in the worker's queues and the worker answers that it has no task running or
+    reserved (a solo worker busy with a task does not answer at all)."""
+    from kombu.exceptions import ChannelError
+
+    from webapp.celery import app
+
+    with app.connection_for_read() as conn:
+        channel = conn.default_channel
+        for queue in _WORKER_QUEUES:
+            try:
+                if channel.queue_declare(queue, passive=True).message_count:
+                    return False
+            except ChannelError:  # Redis keeps no empty list: a queue with nothing in it is absent
+                pass
+    inspect = app.control.inspect(destination=[node], timeout=1.0, limit=1)
+    for method in (inspect.active, inspect.reserved):
+        reply = method()
+        if not reply or any(reply.values()):
+            return False
+    return True
+
+
+def _wait_until_idle(node: str, timeout: float) -> None:
+    """Two idle readings in a row (a message being handed over is in neither place for a moment)."""
+    deadline = time.monotonic() + timeout
+    idle = 0
+    while idle < 2 and time.monotonic() < deadline:
+        try:
+            idle = idle + 1 if _worker_idle(node) else 0
+        except Exception:  # the broker's state is only a hint here; the database wait follows
+            return
+        if idle < 2:
+            time.sleep(0.1)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _flush_retried_on_deadlock():
+    """A TRUNCATE that PostgreSQL picks as a deadlock's victim is rolled back whole: run it again
+    once the other transaction has finished (three tries)."""
+    from django.conf import settings
+
+    if not settings.configured:  # run without pytest-django (`-p no:django`): no database
+        yield
+        return
+    import psycopg
+    from django.db.backends.base.operations import BaseDatabaseOperations
+    from django.db.utils import OperationalError
+
+    original = BaseDatabaseOperations.execute_sql_flush
+
+    def execute_sql_flush(self, sql_list):
+        for attempt in range(3):
+            try:
+                return original(self, sql_list)
+            except OperationalError as exc:
+                if attempt == 2 or not isinstance(exc.__cause__, psycopg.errors.DeadlockDetected):
+                    raise
+                time.sleep(1.0)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(BaseDatabaseOperations, "execute_sql_flush", execute_sql_flush)
+        yield
+
+
 @pytest.fixture(autouse=True)
 def _quiet_database_before_flush(request):
     """A transactional test's database is emptied by TRUNCATE after it. A task the test handed to
     the session's Celery worker (the gate a finished run enqueues, say) may still hold row locks
-    then, and the TRUNCATE deadlocks with it: seen once in a full run, failing that test's teardown
-    and the next test's setup. Before the flush: wait up to 20 s for other sessions' transactions
-    on the test database to end, then end the ones still open."""
+    then, and the TRUNCATE deadlocks with it: seen in full runs, failing that test's teardown and
+    the next test's setup. Waiting for open transactions alone was not enough: a task still queued
+    starts its transactions after the wait. Before the flush: wait up to 60 s for the session
+    worker to have nothing queued, reserved or running, then up to 20 s for other sessions'
+    transactions on the test database to end, then end the ones still open. The flush itself is
+    retried if it is still picked as a deadlock's victim (`_flush_retried_on_deadlock`)."""
     marker = request.node.get_closest_marker("django_db")
     transactional = bool(marker and marker.kwargs.get("transaction")) or "transactional_db" in request.fixturenames
     if not transactional:
@@ -56,6 +129,8 @@ def _quiet_database_before_flush(request):
     yield
     from django.db import DatabaseError, connection
 
+    if _SESSION_WORKER and _SESSION_WORKER[0][1].poll() is None:
+        _wait_until_idle(_SESSION_WORKER[0][0], timeout=60)
     try:
         with connection.cursor() as cursor:
             deadline = time.monotonic() + 20
@@ -128,9 +203,10 @@ def celery_worker_process(django_db_setup):
     app.control.purge()
     (ROOT / "var").mkdir(exist_ok=True)
     log = open(ROOT / "var" / "test-celery-worker.log", "wb")
+    node = f"test-{uuid.uuid4().hex[:6]}@{os.uname().nodename}"
     proc = subprocess.Popen(
         [sys.executable, "-m", "celery", "-A", "webapp", "worker", "-l", "info", "--pool", "solo",
-         "-Q", "celery,ingest,rewards,train,rollouts,gate", "-n", f"test-{uuid.uuid4().hex[:6]}@%h"],
+         "-Q", ",".join(_WORKER_QUEUES), "-n", node],
         cwd=ROOT, env=subprocess_env(), stdout=log, stderr=subprocess.STDOUT,
     )
     deadline = time.monotonic() + 300  # minutes on a busy machine
@@ -142,7 +218,9 @@ def celery_worker_process(django_db_setup):
     else:
         proc.kill()
         raise RuntimeError("the Celery worker did not answer a ping within 300 s")
+    _SESSION_WORKER.append((node, proc))
     yield proc
+    _SESSION_WORKER.clear()
     proc.terminate()
     try:
         proc.wait(timeout=30)
