@@ -41,6 +41,7 @@ from typing import Any, Literal
 
 import torch
 
+from inference.decoder import Decoder, dense_decoder
 from kernels.batch_invariant import batch_invariant_mode
 from kernels.routing import capture_routing, moe_routers
 
@@ -259,6 +260,7 @@ class TorchEngine(Engine):
         # sampling, the completion's positions while scoring (the prompt's are never read).
         self._tail = "logits_to_keep" in inspect.signature(self.model.forward).parameters
         self._last_logits = {"logits_to_keep": 1} if self._tail else {}
+        self._fused: Decoder | None = None
 
     @property
     def tokenizer(self) -> Any:
@@ -284,6 +286,13 @@ class TorchEngine(Engine):
             for (i, _, p), (toks, reason), (logprobs, routing) in zip(rows, sampled, scored, strict=True)
         ]
 
+    def _decoder(self) -> Decoder | None:
+        """The fused KV-cached forward (inference/decoder.py) over this model's parameters, rebuilt
+        if something replaced them; None for an architecture it does not cover."""
+        if self._fused is None or not self._fused.current():
+            self._fused = dense_decoder(self.model)
+        return self._fused
+
     def _generator(self, prompt_index: int, sample_index: int, sampling: SamplingParams) -> torch.Generator:
         # One stream per (prompt, sample): a sequence's tokens don't depend on its batch mates.
         base = self.seed if sampling.seed is None else sampling.seed
@@ -303,16 +312,23 @@ class TorchEngine(Engine):
         out: list[list[int]] = [[] for _ in gens]
         reasons: list[FinishReason | None] = [None] * len(gens)
         past, step_ids = None, ids
+        decoder = self._decoder() if drawn is not None else None  # the fused forward: unscored rows only
+        cache = decoder.start(len(prompts) * n, ids.shape[1] + budget) if decoder is not None else None
         for step in range(budget):
             pos = (mask.cumsum(-1) - 1).clamp(min=0)[:, -step_ids.shape[1] :]  # (B, t)
-            res = self.model(
-                input_ids=step_ids, attention_mask=mask, position_ids=pos,
-                past_key_values=past, use_cache=True, **self._last_logits,
-            )
-            past = res.past_key_values
-            logits = processed_logits(res.logits[:, -1].float(), sampling)  # (B, V)
+            if decoder is not None and cache is not None:  # the prompts' keys go to each of their n rows
+                last = decoder.forward(step_ids, pos, cache, mask[:, -step_ids.shape[1] :].bool(),
+                                       repeat=n if step == 0 else 1)  # (B, V)
+            else:
+                res = self.model(
+                    input_ids=step_ids, attention_mask=mask, position_ids=pos,
+                    past_key_values=past, use_cache=True, **self._last_logits,
+                )
+                past, last = res.past_key_values, res.logits[:, -1]
+            logits = processed_logits(last.float(), sampling)  # (B, V)
             if step == 0 and n > 1:  # the prompts' forward -> each prompt's n rows, (U * n, ...)
-                past.batch_repeat_interleave(n)
+                if cache is None:
+                    past.batch_repeat_interleave(n)
                 logits, mask = logits.repeat_interleave(n, 0), mask.repeat_interleave(n, 0)
             nxt = _draw(logits, None if uniforms is None else uniforms[:, step])  # (U * n,)
             if drawn is not None:
