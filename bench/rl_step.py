@@ -8,8 +8,9 @@ Each system is compared as its users run it, on the same 2 cores:
 * Flywheel: the training job's loop (training.runs.job: `run` and GroupRollouts.round), in one
   process, round after round: push the model's weights into the in-process torch engine
   (`engine.load_weights(model.state_dict(), ...)`, an in-place copy: the `push`), generate G
-  completions per prompt with it (sampled with a KV cache, the prompt forwarded once per group;
-  the log-probs are the sampler's, as a run's rollouts take them: no scoring forward),
+  completions per prompt with it (sampled with a KV cache, the prompt forwarded once per group,
+  through the engine's fused forward, inference/decoder.py; the log-probs are the sampler's, as a
+  run's rollouts take them: no scoring forward),
   reward and pack them (`prepare_batch`), pi_old as the job takes it (`pi_old`: the engine's
   log-probs of rows it sampled from these weights, no second forward), and one `rl_step` (which
   forwards each prompt once for its G rows, `RLConfig.shared_prefix`: the prompt is 30 of the 54
