@@ -2,7 +2,7 @@
 draws and log-probs of transformers' own forward, new weights seen without a rebuild, and
 transformers' forward kept where it does not apply.
 
-    .venv/bin/python -m pytest tests/inference/test_decoder.py -q -p no:django
+    .venv/bin/python -m pytest tests/inference/test_decoder.py -q
 """
 
 from __future__ import annotations
