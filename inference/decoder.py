@@ -91,19 +91,15 @@ class Decoder:
                 o_w=attn.o_proj.weight, ln2=layer.post_attention_layernorm.weight,
                 gate_up_w=_fuse([mlp.gate_proj, mlp.up_proj], "weight"), down_w=mlp.down_proj.weight,
             ))
-        self._views = self._pointers()
+        self._storage = self._pointers()
 
     def _pointers(self) -> list[int]:
-        out = []
-        for layer in self.model.model.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            out += [p.data_ptr() for p in (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight,
-                                           mlp.gate_proj.weight, mlp.up_proj.weight)]
-        return out
+        return [p.data_ptr() for p in self.model.parameters()]
 
     def current(self) -> bool:
-        """The model's parameters are still the fused tensors' views (nothing replaced them)."""
-        return self._pointers() == self._views
+        """Every parameter is still the tensor this decoder was built over (the fused ones still
+        their views): nothing replaced one, only copies into them, which the fused tensors see."""
+        return self._pointers() == self._storage
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         variance = x.pow(2).mean(-1, keepdim=True)

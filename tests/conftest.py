@@ -85,11 +85,6 @@ def _wait_until_idle(node: str, timeout: float) -> None:
 def _flush_retried_on_deadlock():
     """A TRUNCATE that PostgreSQL picks as a deadlock's victim is rolled back whole: run it again
     once the other transaction has finished (three tries)."""
-    from django.conf import settings
-
-    if not settings.configured:  # run without pytest-django (`-p no:django`): no database
-        yield
-        return
     import psycopg
     from django.db.backends.base.operations import BaseDatabaseOperations
     from django.db.utils import OperationalError
