@@ -465,6 +465,28 @@ def _micro_loss(
     return policy_loss(inputs, cfg.eps, cfg.eps_high, cfg.is_cap, cfg.beta), stats
 
 
+METRIC_KEYS = ("kl_ref", "entropy", "clip_fraction", "mismatch_kl", "is_truncated")
+
+
+def backward_batch(
+    model: nn.Module, ref_model: nn.Module | None, batch: Batch, cfg: RLConfig, normalizer: float
+) -> tuple[dict[str, float], int, int]:
+    """Accumulates the gradients of `batch`'s loss, normalised by `normalizer` tokens (the whole
+    step's: under torch.distributed, every rank's tokens), micro-batch by micro-batch. Returns the
+    token-weighted metric sums and the routing replay counts."""
+    sums = dict.fromkeys(("loss", *METRIC_KEYS), 0.0)
+    replayed = differed = 0
+    for mb in batch.micro_batches(cfg.micro_batch_size):
+        out, stats = _micro_loss(model, ref_model, mb, cfg, normalizer)
+        out.loss.backward()
+        share = float(mb.completion_mask.sum()) / normalizer  # token-weighted average of the metrics
+        sums["loss"] += float(out.loss.detach())
+        for key in METRIC_KEYS:
+            sums[key] += float(getattr(out, key)) * share
+        replayed, differed = replayed + stats.replayed, differed + stats.differed
+    return sums, replayed, differed
+
+
 def rl_step(
     model: nn.Module, ref_model: nn.Module | None, batch: Batch, optimizer: torch.optim.Optimizer, cfg: RLConfig
 ) -> StepMetrics:
@@ -478,16 +500,7 @@ def rl_step(
         group, _ = _prompt_groups(batch)
         batch = batch.rows(torch.tensor(sorted(range(batch.size), key=group.__getitem__)))
     optimizer.zero_grad(set_to_none=True)
-    sums = dict.fromkeys(("loss", "kl_ref", "entropy", "clip_fraction", "mismatch_kl", "is_truncated"), 0.0)
-    replayed = differed = 0
-    for mb in batch.micro_batches(cfg.micro_batch_size):
-        out, stats = _micro_loss(model, ref_model, mb, cfg, normalizer)
-        out.loss.backward()
-        share = float(mb.completion_mask.sum()) / normalizer  # token-weighted average of the metrics
-        sums["loss"] += float(out.loss.detach())
-        for key in ("kl_ref", "entropy", "clip_fraction", "mismatch_kl", "is_truncated"):
-            sums[key] += float(getattr(out, key)) * share
-        replayed, differed = replayed + stats.replayed, differed + stats.differed
+    sums, replayed, differed = backward_batch(model, ref_model, batch, cfg, normalizer)
     params = [p for p in model.parameters() if p.requires_grad]
     grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip))
     optimizer.step()

@@ -1,0 +1,247 @@
+"""The RL update past one process: torch.distributed, the policy sharded with FSDP2 (`fully_shard`).
+
+Each rank takes an equal share of a step's rows; the loss is normalised by the whole step's
+completion tokens (all ranks'), so the gradients FSDP2 reduce-scatters *sum* to the one-process
+gradient, and the update equals `rl_step`'s within float rounding. Gloo on CPU, NCCL on GPU.
+
+No database here: a job is a folder (`spec.json` + `batches.pt`, written by the caller); rank 0
+writes `metrics.jsonl` and the updated policy as an HF folder (`policy/`), which the caller
+registers through the checkpoint store like any run's weights. Launched by `launch()`:
+
+    .venv/bin/torchrun --nproc-per-node 2 -m training.rl.distributed JOB_FOLDER
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, fields, replace
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from training.rl.config import RLConfig
+from training.rl.trainer import METRIC_KEYS, Batch, StepMetrics, backward_batch
+
+
+@dataclass(frozen=True)
+class World:
+    rank: int
+    size: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+class DistributedRunFailed(RuntimeError):
+    """A rank died, hung past the timeout, or exited non-zero; no weights were written."""
+
+
+def init_world(timeout_s: float) -> World:
+    """Joins the process group torchrun describes (RANK, WORLD_SIZE, MASTER_ADDR in the env)."""
+    cuda = torch.cuda.is_available()
+    # The timeout bounds every collective: a rank that hangs fails its peers instead of blocking them.
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=timeout_s))
+    rank = dist.get_rank()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    return World(rank, dist.get_world_size(), device)
+
+
+def decoder_layers(model: nn.Module) -> Sequence[nn.Module]:
+    """The transformer blocks of an HF causal LM (the units FSDP2 shards one by one)."""
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if layers is None:
+        raise ValueError(f"{type(model).__name__} has no .model.layers: not a decoder FSDP2 can shard by block")
+    return layers
+
+
+def shard(model: nn.Module) -> nn.Module:
+    """Shards each block, then the rest (embeddings, norm, head), over the default process group."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    for layer in decoder_layers(model):
+        fully_shard(layer)
+    fully_shard(model)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):  # the setting is per sharded module, not inherited
+            # The loss is already divided by the step's global token count: sum the ranks' gradients.
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM; a factor of 1 needs none
+    return model
+
+
+def rank_share(batch: Batch, world: World) -> Batch:
+    """This rank's rows: contiguous equal shares, padded with rows the loss ignores so every rank
+    runs the same number of micro-batches (each forward is a collective under FSDP2)."""
+    per = -(-batch.size // world.size)
+    index = torch.arange(world.rank * per, (world.rank + 1) * per)
+    real = index < batch.size
+    mine = batch.rows(torch.where(real, index, torch.zeros_like(index)))
+    keep = real[:, None]  # (b, 1)
+    return replace(mine, completion_mask=mine.completion_mask & keep, behaviour_mask=mine.behaviour_mask & keep,
+                   advantages=torch.where(real, mine.advantages, 0.0))
+
+
+def distributed_rl_step(
+    model: nn.Module, ref_model: nn.Module | None, batch: Batch, optimizer: torch.optim.Optimizer,
+    cfg: RLConfig, world: World,
+) -> StepMetrics:
+    """`rl_step` over the whole `batch` (every rank passes the same one), each rank computing its share."""
+    start = time.perf_counter()
+    total_tokens = int(batch.completion_mask.sum())
+    normalizer = float(max(total_tokens, 1))
+    # Every rank must forward the same modules as often: the shared-prefix path forwards a
+    # data-dependent number of times, so it is off under FSDP2.
+    cfg = replace(cfg, shared_prefix=False)
+    mine = rank_share(batch, world)
+    optimizer.zero_grad(set_to_none=True)
+    sums, replayed, differed = backward_batch(model, ref_model, mine, cfg, normalizer)
+    totals = torch.tensor([sums["loss"], *(sums[k] for k in METRIC_KEYS), replayed, differed], dtype=torch.float64)
+    dist.all_reduce(totals)
+    grad_norm = float(torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], cfg.grad_clip))
+    optimizer.step()
+    values = totals.tolist()
+    summed = dict(zip(("loss", *METRIC_KEYS), values[:-2], strict=True))
+    return StepMetrics(
+        **summed, grad_norm=grad_norm, reward_mean=float(batch.rewards.mean()),
+        tokens_per_s=float(batch.attention_mask.sum()) / (time.perf_counter() - start),
+        dropped_stale=batch.dropped_stale, tokens=total_tokens,
+        routing_mismatch=values[-1] / values[-2] if values[-2] else 0.0,
+    )
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The unsharded weights on every rank's CPU (a collective: every rank calls it)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+# ---------------------------------------------------------------------------------- a job
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """What a distributed run is asked to do; `batches.pt` beside it holds one Batch per step."""
+
+    policy: str  # HF folder of the weights the run starts from
+    rl: dict[str, Any]
+    reference: str | None = None  # HF folder of the KL reference; None: no reference model
+    seed: int = 0
+    timeout_s: float = 300.0
+
+    def write(self, folder: Path, batches: Sequence[Batch]) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "spec.json").write_text(json.dumps(asdict(self)))
+        torch.save([asdict_batch(b) for b in batches], folder / "batches.pt")
+
+    @classmethod
+    def read(cls, folder: Path) -> tuple[JobSpec, list[Batch]]:
+        spec = cls(**json.loads((folder / "spec.json").read_text()))
+        return spec, [Batch(**b) for b in torch.load(folder / "batches.pt", weights_only=True)]
+
+
+def asdict_batch(batch: Batch) -> dict[str, Any]:
+    return {f.name: getattr(batch, f.name) for f in fields(batch)}
+
+
+def _load(folder: str, world: World) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    return model.to(world.device)
+
+
+def run_job(folder: Path) -> None:
+    """One rank's part of a job (torchrun starts one per process)."""
+    spec, batches = JobSpec.read(folder)
+    world = init_world(spec.timeout_s)
+    (folder / f"rank-{world.rank}.pid").write_text(str(os.getpid()))
+    torch.manual_seed(spec.seed)
+    cfg = RLConfig(**spec.rl)
+    model = shard(_load(spec.policy, world))
+    ref = shard(_load(spec.reference, world).requires_grad_(False)) if spec.reference else None
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    for step, batch in enumerate(batches):
+        metrics = distributed_rl_step(model, ref, batch, optimizer, cfg, world)
+        if world.is_main:
+            with open(folder / "metrics.jsonl", "a") as out:
+                out.write(json.dumps({"step": step, **metrics.to_dict()}) + "\n")
+    _save(model, spec, folder, world)
+    dist.destroy_process_group()
+
+
+def _save(model: nn.Module, spec: JobSpec, folder: Path, world: World) -> None:
+    state = full_state_dict(model)
+    if not world.is_main:
+        return
+    plain = _load(spec.policy, World(0, 1, torch.device("cpu")))
+    plain.load_state_dict(state)
+    plain.save_pretrained(folder / "policy.partial")
+    for extra in Path(spec.policy).iterdir():  # the tokenizer and chat template travel with the weights
+        if extra.is_file() and not (folder / "policy.partial" / extra.name).exists():
+            (folder / "policy.partial" / extra.name).write_bytes(extra.read_bytes())
+    (folder / "policy.partial").rename(folder / "policy")  # present only once complete
+
+
+# ---------------------------------------------------------------------------------- the launcher
+
+
+@dataclass(frozen=True)
+class JobResult:
+    policy: Path
+    metrics: list[dict[str, Any]]
+
+
+def torchrun_command(folder: Path, nproc: int, nnodes: int = 1, node_rank: int = 0,
+                     master: str | None = None) -> list[str]:
+    """`torchrun` for a job folder: one node by default (a free local port); several nodes with
+    `master` = host:port of node 0 (the same command on every node, its own `node_rank`)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--nnodes={nnodes}"]
+    if nnodes == 1 and master is None:
+        cmd += ["--standalone"]
+    else:
+        cmd += [f"--node-rank={node_rank}", f"--rdzv-endpoint={master}", "--rdzv-backend=c10d",
+                f"--rdzv-id={folder.name}"]
+    return [*cmd, "-m", "training.rl.distributed", str(folder)]
+
+
+def launch(folder: Path, nproc: int, timeout_s: float, **nodes: Any) -> JobResult:
+    """Runs a written job under torchrun; raises DistributedRunFailed (with the log's tail) when a
+    rank fails or the whole job outlives `timeout_s` (its process group is killed)."""
+    log = folder / "torchrun.log"
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(torchrun_command(folder, nproc, **nodes), stdout=out, stderr=subprocess.STDOUT,
+                                env=env, start_new_session=True)
+        try:
+            code = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise DistributedRunFailed(f"the job outlived {timeout_s:.0f} s and was killed; {_tail(log)}") from None
+    if code != 0 or not (folder / "policy").is_dir():
+        raise DistributedRunFailed(f"torchrun exited {code}; {_tail(log)}")
+    lines = (folder / "metrics.jsonl").read_text().splitlines()
+    return JobResult(folder / "policy", [json.loads(line) for line in lines])
+
+
+def _tail(log: Path, chars: int = 1500) -> str:
+    text = log.read_text(errors="replace") if log.exists() else ""
+    return "log: " + text[-chars:]
+
+
+if __name__ == "__main__":
+    run_job(Path(sys.argv[1]))
