@@ -67,7 +67,7 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(1)
-    from inference.engine import make_engine
+    from inference.engines import make_engine
     from inference.scripted import ScriptedEngine
     from training.rewards.agents import AgentReward, scripted_agent
     from training.rewards.judges import make_judge

@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from inference.engine import Engine, SamplingParams, make_engine  # noqa: E402
+from inference.engines import Engine, SamplingParams, make_engine  # noqa: E402
 from training.pretrain import PolicyConfig, build_policy, perturbed_state_dict, stdlib_corpus  # noqa: E402
 
 BATCHES = (1, 8, 64)

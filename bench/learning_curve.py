@@ -180,7 +180,7 @@ def _observe(args: argparse.Namespace, held_out: list[str]) -> tuple[list[dict],
 
 def _evaluate(version, prompts: list[str], taste: str) -> dict:
     """One completion per held-out prompt from `version`'s weights, fixed seeds."""
-    from inference.engine import SamplingParams, make_engine
+    from inference.engines import SamplingParams, make_engine
     from training.versions.services import policy_folder
     from webapp.demo.simulator import likes, shown
 

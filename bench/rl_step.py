@@ -131,7 +131,7 @@ class Ours:
         import torch
         from transformers import AutoModelForCausalLM
 
-        from inference.engine import SamplingParams, make_engine
+        from inference.engines import SamplingParams, make_engine
         from training.pretrain import load_tokenizer
         from training.rl.config import RLConfig
 
@@ -402,7 +402,7 @@ def rollout_worker(conn: Any, folder: str, prompts: list[list[int]], G: int, com
 
 
 def _completions_of(rows: list[tuple]) -> list[Any]:
-    from inference.engine import Completion
+    from inference.engines import Completion
 
     return [Completion(i, p, t, lp, "length", text, v) for i, p, t, lp, text, v in rows]
 

@@ -31,7 +31,7 @@ from core.metrics import metrics_response
 from feedback.auth import Principal, api_key_principal, bearer_token
 from feedback.models import ApiKey
 from inference import conversations, metrics, serving, tools
-from inference.engine import SamplingParams
+from inference.engines import SamplingParams
 from inference.serving import CompletionRequest, Served, ServingError
 
 VERSION_HEADER = "Flywheel-Policy-Version"

@@ -36,7 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from inference.engine import Engine, SamplingParams
+from inference.engines import Engine, SamplingParams
 from inference.serving import MAX_MESSAGES, CompletionRequest, PolicyServer, ServingError
 from inference.tools import SUMMARY_REQUEST
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from inference.engine import Completion, Engine, SamplingParams, TorchEngine, WeightsSource
+from inference.engines import Completion, Engine, SamplingParams, TorchEngine, WeightsSource
 
 Script = Callable[[str], str]  # the decoded prompt -> the answer's text
 

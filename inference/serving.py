@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from inference import metrics
-from inference.engine import Completion, Engine, EngineFactory, SamplingParams
+from inference.engines import Completion, Engine, EngineFactory, SamplingParams
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ whose `SamplingParams.extra_args` carry `HOLD_LOGPROBS` are held, and the engine
 this process cannot end itself (no stop string, whose match the serving process finds); every
 other request is untouched. A request that is aborted drops what was held for it.
 
-It is used on CPU only (`inference.engine._scheduler`), where vLLM runs this synchronous scheduler
+It is used on CPU only (`inference.engines.vllm_async._scheduler`), where vLLM runs this synchronous scheduler
 anyway; vLLM logs a warning at start-up for any custom scheduler class (its interface is not
 public). On a GPU vLLM schedules asynchronously, which a custom class would turn off.
 """

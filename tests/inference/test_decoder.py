@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from inference.decoder import dense_decoder
-from inference.engine import SamplingParams, TorchEngine
+from inference.engines import SamplingParams, TorchEngine
 from tests.inference.conftest import hf_logprobs
 from training.pretrain import perturbed_state_dict
 

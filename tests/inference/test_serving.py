@@ -23,7 +23,7 @@ from django.test import override_settings
 from feedback.models import FeedbackEvent, Step, Trajectory
 from feedback.services import api_key_create, feedback_ingest
 from inference import serving
-from inference.engine import make_engine
+from inference.engines import make_engine
 from tests.processes import ROOT, free_port, subprocess_env, wait_http
 from training.models import CanaryRun, PolicyVersion
 from training.pretrain import load_tokenizer, perturbed_state_dict, save_policy

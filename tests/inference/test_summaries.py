@@ -23,7 +23,7 @@ from feedback.models import Trajectory
 from feedback.services import feedback_ingest
 from inference import serving
 from inference.conversations import SUMMARY_REQUEST
-from inference.engine import make_engine
+from inference.engines import make_engine
 from inference.scripted import ScriptedEngine
 from inference.serving import ServingError
 from tests.factories import feedback

@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM
 from feedback.models import Trajectory
 from feedback.services import feedback_ingest
 from inference import serving
-from inference.engine import make_engine
+from inference.engines import make_engine
 from inference.scripted import ScriptedEngine
 from inference.tools import INVALID, parse_tool_calls
 from training.rl.config import RLConfig

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from inference.engine import SamplingParams, TorchEngine, make_engine
+from inference.engines import SamplingParams, TorchEngine, make_engine
 from tests.inference.conftest import TRICKY_TEXTS, hf_logprobs
 from training.pretrain import load_tokenizer, perturbed_state_dict
 

@@ -4,7 +4,7 @@
 
 The swap tests are the guard for the CPU reload trap: after an in-place reload vLLM's CPU MoE
 path kept reading the *old prepacked* expert layout (no error, log-probs off by ~0.2) until
-inference.engine.patch_cpu_moe_reload; a stale oneDNN linear handle would fail them the same way.
+inference.engines.patches.patch_cpu_moe_reload; a stale oneDNN linear handle would fail them the same way.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from inference.engine import SamplingParams, TorchEngine, VLLMEngine
+from inference.engines import SamplingParams, TorchEngine, VLLMEngine
 from tests.inference.conftest import TRICKY_TEXTS, hf_logprobs
 from training.pretrain import load_tokenizer, perturbed_state_dict
 

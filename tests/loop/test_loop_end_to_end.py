@@ -166,7 +166,7 @@ def _recorded(project, trajectory_id: str, seconds: float = 60) -> Trajectory:
 
 
 def _held_out_accept(version: PolicyVersion) -> float:
-    from inference.engine import SamplingParams, make_engine
+    from inference.engines import SamplingParams, make_engine
     from training.versions.services import policy_folder
     from webapp.demo import _demo_suite_prompts
     from webapp.demo.simulator import likes

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 
 from feedback.models import Trajectory
 from feedback.services import feedback_ingest
-from inference.engine import make_engine
+from inference.engines import make_engine
 from inference.scripted import ScriptedEngine
 from training.rewards.agents import (
     SAMPLE_TASKS,

@@ -13,7 +13,7 @@ import torch
 from django.core.management import CommandError, call_command
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
-from inference.engine import SamplingParams, make_engine
+from inference.engines import SamplingParams, make_engine
 from training.models import PolicyVersion
 from training.versions.services import policy_folder
 

@@ -91,7 +91,7 @@ def test_a_corrupted_delta_is_refused_by_the_gate_and_marked_failed(creds, produ
 def test_a_missing_link_is_refused_and_the_serving_process_keeps_its_version(
     creds, production, tiny_policy_dir, tmp_path, alice
 ):
-    from inference.engine import make_engine
+    from inference.engines import make_engine
     from inference.serving import PolicyServer, ServingError
     from training.management.commands.serve_policy import _resolver
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from inference.engine import SamplingParams, TorchEngine
+from inference.engines import SamplingParams, TorchEngine
 from training.pretrain import PolicyConfig, build_policy, stdlib_corpus
 from training.rl.config import RLConfig
 from training.rl.trainer import Batch, Sample, chunked_logprobs, compute_logprobs, pi_old

@@ -155,7 +155,7 @@ def test_a_run_leaving_its_kl_region_to_production_takes_no_further_round(
     assert config["kl_measured_on"] == "samples"  # no eval suite: on the round's own samples
     assert config["steps"] == math.ceil(config["samples"] / 16)  # live + round 0 only: round 1 not trained on
     # and no round was measured inside: the candidate went back to the run's base, production
-    from inference.engine import read_state_dict
+    from inference.engines import read_state_dict
     from training.versions.services import policy_folder
 
     ours, base = read_state_dict(policy_folder(run.candidate)), read_state_dict(policy_folder(production))

@@ -22,7 +22,7 @@ import pytest
 import torch
 from django.utils import timezone
 
-from inference.engine import SamplingParams, make_engine
+from inference.engines import SamplingParams, make_engine
 from inference.serving import PolicyServer, ServingError
 from tests.processes import ROOT, free_port, subprocess_env, wait_http
 from training.models import CanaryRun, PolicyVersion, ServingReplica

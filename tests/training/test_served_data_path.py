@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from feedback.models import Trajectory
 from feedback.services import feedback_ingest
 from inference import serving
-from inference.engine import EngineFactory
+from inference.engines import EngineFactory
 from training.rl.config import RLConfig
 from training.rl.trainer import Batch, compute_logprobs
 from training.runs.turns import sample_from, samples_from

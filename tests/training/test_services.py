@@ -179,7 +179,7 @@ def test_a_run_recomputes_missing_behaviour_logprobs_records_steps_and_registers
     candidate = run.candidate
     assert (candidate.state, candidate.parent, candidate.number) == ("candidate", production, 2)
     assert candidate.manifest_hash and candidate.delta_bytes > 0
-    from inference.engine import read_state_dict
+    from inference.engines import read_state_dict
 
     new, old = read_state_dict(policy_folder(candidate)), read_state_dict(policy_folder(production))
     assert any(not torch.equal(new[k], old[k]) for k in old)

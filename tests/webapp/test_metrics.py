@@ -10,7 +10,7 @@ import pytest
 from django.test import override_settings
 
 from inference import serving
-from inference.engine import make_engine
+from inference.engines import make_engine
 from tests.factories import feedback, trajectory
 from training.management.commands.serve_policy import recorder_for
 from training.models import PolicyVersion, Reward, RewardSpec, TrainingRun, TrainingStep

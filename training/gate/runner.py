@@ -20,11 +20,11 @@ from training.rewards.judges import Judge, make_judge
 from training.rewards.spec import RewardSpecData, compute_reward
 
 if TYPE_CHECKING:
-    from inference.engine import Completion, SamplingParams
+    from inference.engines import Completion, SamplingParams
 
 
 class Policy(Protocol):
-    """What the runner needs of an engine: `inference.engine.Engine` plus `score` (TorchEngine)."""
+    """What the runner needs of an engine: `inference.engines.Engine` plus `score` (TorchEngine)."""
 
     def generate(self, prompts: Sequence[str], n: int = 1, sampling: SamplingParams | None = None) -> list[Completion]: ...
 
@@ -109,7 +109,7 @@ def suite_collect(spec: SuiteSpec, candidate: Policy, production: Policy, scorer
     """Sample both policies on the suite and score every completion; candidate samples also carry
     production's log-probs of the same tokens (for the KL estimate)."""
     # Imported here: the runner's scoring and statistics stay importable without torch.
-    from inference.engine import SamplingParams
+    from inference.engines import SamplingParams
 
     scorer = scorer or SuiteScorer(spec)
     sampling = SamplingParams(max_tokens=spec.max_tokens, temperature=spec.temperature, seed=spec.seed)

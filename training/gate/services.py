@@ -56,7 +56,7 @@ def eval_suite_active(project: Project, name: str = "default") -> EvalSuite:
 
 def default_engine_factory(version: PolicyVersion) -> Any:
     # Imported here: the engines import torch (and vLLM), which only the gate's worker needs.
-    from inference.engine import make_engine
+    from inference.engines import make_engine
 
     return make_engine(settings.FLYWHEEL_GATE_ENGINE, policy_folder(version), version=version.number)
 

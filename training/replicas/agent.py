@@ -35,7 +35,7 @@ from django.conf import settings
 from django.db import close_old_connections, connection
 
 from feedback.models import Project
-from inference.engine import read_state_dict
+from inference.engines import read_state_dict
 from inference.serving import PolicyServer, ServingError
 from kernels.delta import CheckpointCorrupt, checkpoint_hash
 from training.models import PolicyVersion

@@ -38,7 +38,7 @@ from training.rewards.judges import Judge
 from training.rewards.sandbox import SandboxLimits, run_script
 
 if TYPE_CHECKING:
-    from inference.engine import Engine
+    from inference.engines import Engine
 
 MAX_FILE_CHARS = 20_000
 TOOLS = [
@@ -217,7 +217,7 @@ def _ids(engine: Engine, messages: list[dict[str, Any]]) -> list[int]:
 
 
 def _generate(engine: Engine, prompts: list[list[int]], max_tokens: int, seed: int) -> list[Any]:
-    from inference.engine import SamplingParams  # imported here: it imports torch
+    from inference.engines import SamplingParams  # imported here: it imports torch
 
     return engine.generate(prompts, n=1, sampling=SamplingParams(max_tokens=max_tokens, seed=seed))
 

@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from core.errors import Conflict
 from feedback.models import Step, Trajectory
 from feedback.services import quarantine_record
-from inference.engine import SamplingParams, make_engine
+from inference.engines import SamplingParams, make_engine
 from training.gate.config import SuiteSpec
 from training.gate.services import eval_suite_active
 from training.gate.stats import kl_estimate

@@ -11,7 +11,7 @@ from typing import Any
 from core.errors import Conflict
 from feedback.models import Project, Trajectory
 from feedback.services import feedback_ingest
-from inference.engine import SamplingParams, make_engine
+from inference.engines import SamplingParams, make_engine
 from training.models import TrainingRun
 from training.rewards.services import reward_spec_current, rewards_compute
 from training.runs.services import train_policy, training_run_start

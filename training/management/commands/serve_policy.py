@@ -49,7 +49,7 @@ from core.errors import NotFound
 from feedback.models import Project
 from feedback.services import feedback_ingest, quarantine_record
 from inference import metrics, replica, serving
-from inference.engine import EngineFactory, new_event_loop
+from inference.engines import EngineFactory, new_event_loop
 from inference.listeners import serve_both
 from inference.serving import PolicyServer, Recorder, ServingError
 from kernels.delta import CheckpointCorrupt

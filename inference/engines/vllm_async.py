@@ -1,0 +1,259 @@
+"""vLLM's AsyncLLM (kind "vllm-async", what the serving process runs): concurrent requests share
+the engine core's batches, and a weight swap is made between them."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import tempfile
+import threading
+import uuid
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from inference.engines.base import (
+    Completion,
+    Engine,
+    Prompts,
+    SamplingParams,
+    WeightsSource,
+    new_event_loop,
+    register_engine,
+)
+from inference.engines.vllm import WORKER_EXTENSION, vllm_completions, vllm_params
+
+# Loaded by vLLM in the engine core's process (by import path): inference/vllm_scheduler.py.
+SCHEDULER = "inference.vllm_scheduler.HeldLogprobsScheduler"
+
+
+def _scheduler() -> dict[str, str]:
+    """The async engine's scheduler: ours where vLLM runs its synchronous one (CPU). Elsewhere vLLM
+    picks an asynchronous scheduler, which a custom class would turn off: its default stays."""
+    from vllm.platforms import current_platform
+
+    return {"scheduler_cls": SCHEDULER} if current_platform.is_cpu() else {}
+
+
+@register_engine("vllm-async")
+class AsyncVLLMEngine(Engine):
+    """vLLM's AsyncLLM (the engine `vllm serve` runs): the engine core steps in its own process
+    and batches every request in flight continuously, so concurrent `agenerate` calls share
+    batches. Callable from any thread or event loop: AsyncLLM lives on this engine's own loop
+    (a daemon thread), which also turns engine outputs into answers.
+
+    A swap is made between batches: `load_weights` holds new requests back, waits until the
+    requests in flight have finished (on the old weights), reloads, then lets the held ones in.
+    So every request runs on one version from its first token to its last, and
+    `Completion.version` is the version it was admitted under. `close` drains the same way.
+
+    Batching is observable engine-side: each engine step's running requests are observed into
+    `inference.metrics.SERVING_BATCH` (and `peak_batch`), from vLLM's scheduler stats.
+    """
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        version: int = 0,
+        seed: int = 0,
+        max_model_len: int = 512,
+        kv_cache_gib: int = 1,
+        dtype: str = "float32",
+        logprobs_mode: str = "processed_logprobs",
+        drain_timeout_s: float = 300.0,
+        **engine_kwargs: Any,
+    ) -> None:
+        super().__init__(model_dir, version)
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        self.drain_timeout_s = drain_timeout_s
+        self.peak_batch = 0
+        self._in_flight, self._swapping, self._closed = 0, False, False
+        self._loop = new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="vllm-async-engine", daemon=True)
+        self._thread.start()
+        settings = dict(model=str(model_dir), dtype=dtype, seed=seed, max_model_len=max_model_len,
+                        enforce_eager=True, logprobs_mode=logprobs_mode, disable_log_stats=True,
+                        worker_extension_cls=WORKER_EXTENSION, **_scheduler(), **engine_kwargs)
+        try:
+            with _multiprocessing_on():
+                self.llm = self._call(self._start(settings))
+        except BaseException:
+            self._stop_loop()
+            raise
+        self._tokenizer = self.llm.get_tokenizer()
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._tokenizer
+
+    # --- the engine loop ----------------------------------------------------------------------
+    def _call(self, coro: Any, timeout: float | None = None) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    async def _start(self, settings: dict[str, Any]) -> Any:
+        # Built on this loop so that AsyncLLM's output handler runs here.
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        self._cond = asyncio.Condition()
+        return AsyncLLM.from_engine_args(AsyncEngineArgs(**settings), stat_loggers=[_batch_logger(self)])
+
+    def _stop_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(30)
+
+    # --- generation ---------------------------------------------------------------------------
+    def generate(
+        self, prompts: Prompts, n: int = 1, sampling: SamplingParams | None = None
+    ) -> list[Completion]:
+        return self._call(self._run(self._encode(prompts), n, sampling or SamplingParams()))
+
+    async def agenerate(
+        self, prompts: Prompts, n: int = 1, sampling: SamplingParams | None = None
+    ) -> list[Completion]:
+        future = asyncio.run_coroutine_threadsafe(
+            self._run(self._encode(prompts), n, sampling or SamplingParams()), self._loop)
+        return await asyncio.wrap_future(future)
+
+    def _generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams) -> list[Completion]:
+        return self._call(self._run(prompts, n, sampling))
+
+    async def _run(self, prompts: list[list[int]], n: int, sampling: SamplingParams) -> list[Completion]:
+        version = await self._admit()
+        try:
+            params = vllm_params(n, sampling, final_only=True)
+            outs = await asyncio.gather(*(self._one(p, params) for p in prompts))
+        finally:
+            await self._release()
+        decoder = None if params.detokenize else self._tokenizer
+        return [c for i, out in enumerate(outs) for c in vllm_completions(i, out, version, decoder)]
+
+    async def _one(self, prompt: list[int], params: Any) -> Any:
+        final = None
+        async for out in self.llm.generate({"prompt_token_ids": prompt}, params, uuid.uuid4().hex):
+            final = out
+        return final
+
+    # --- the swap gate (all on the engine loop) -------------------------------------------------
+    async def _admit(self) -> int:
+        async with self._cond:
+            await self._cond.wait_for(lambda: not self._swapping)
+            if self._closed:
+                raise RuntimeError("this engine was closed")
+            self._in_flight += 1
+            return self._version
+
+    async def _release(self) -> None:
+        async with self._cond:
+            self._in_flight -= 1
+            self._cond.notify_all()
+
+    async def _drained(self) -> None:
+        """Holds new requests back (they wait in `_admit`) until the ones in flight are done."""
+        async with self._cond:
+            await self._cond.wait_for(lambda: not self._swapping)
+            self._swapping = True
+            await asyncio.wait_for(self._cond.wait_for(lambda: self._in_flight == 0), self.drain_timeout_s)
+
+    async def _reopen(self) -> None:
+        async with self._cond:
+            self._swapping = False
+            self._cond.notify_all()
+
+    # --- weights ------------------------------------------------------------------------------
+    def load_weights(self, source: WeightsSource, version: int) -> None:
+        # The engine core (another process) reads the weights from a folder: tensors sent over
+        # its RPC arrive as nested lists. A state dict is written to a temporary folder first,
+        # before requests are held back.
+        with contextlib.ExitStack() as stack:
+            if isinstance(source, Mapping):
+                folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="flywheel-swap-")))
+                _save_safetensors(source, folder / "model.safetensors")
+                source = folder
+            with self._lock:
+                self._call(self._swap(str(source), version))
+
+    async def _swap(self, folder: str, version: int) -> None:
+        try:
+            await self._drained()
+            # Same in-place reload as VLLMEngine (re-runs process_weights_after_loading).
+            await self.llm.collective_rpc("reload_weights", kwargs={"weights_path": folder})
+            await self.llm.reset_prefix_cache()  # cached KV blocks were computed by the old weights
+            self._version = version
+        finally:
+            await self._reopen()
+
+    def _load_weights(self, source: WeightsSource) -> None:  # load_weights is overridden
+        raise NotImplementedError
+
+    def close(self) -> None:
+        with self._lock:
+            if getattr(self, "llm", None) is None:
+                return
+            with contextlib.suppress(Exception):
+                self._call(self._close_gate())
+            self.llm.shutdown()
+            self.llm = None
+            self._stop_loop()
+
+    async def _close_gate(self) -> None:
+        try:
+            await self._drained()
+        finally:
+            self._closed = True
+            await self._reopen()
+
+
+
+@contextlib.contextmanager
+def _multiprocessing_on() -> Iterator[None]:
+    # On CPU, vLLM sets up OpenMP (bound threads, a core left to the frontend) only in its
+    # multiprocess executor, as `vllm serve` runs it; with VLLMEngine's
+    # VLLM_ENABLE_V1_MULTIPROCESSING=0 the engine core runs the model itself without that set-up,
+    # and here stepped 3-5x slower. The flag is read while the engine is built and inherited by
+    # its processes; restored afterwards for in-process engines.
+    before = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+        else:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = before
+
+
+def _save_safetensors(state: Mapping[str, torch.Tensor], path: Path) -> None:
+    from safetensors.torch import save_file
+
+    # Copies: safetensors refuses tensors that share storage (tied embeddings) or are strided.
+    save_file({name: t.detach().contiguous().clone() for name, t in state.items()}, str(path))
+
+
+def _batch_logger(engine: AsyncVLLMEngine) -> Callable[..., Any]:
+    """A vLLM stat-logger factory that observes each engine step's running requests."""
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    from inference import metrics
+
+    class BatchLogger(StatLoggerBase):
+        def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+            pass
+
+        def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
+                   engine_idx: int = 0) -> None:
+            if scheduler_stats is None or not scheduler_stats.num_running_reqs:
+                return
+            running = scheduler_stats.num_running_reqs
+            metrics.SERVING_BATCH.observe(running)
+            engine.peak_batch = max(engine.peak_batch, running)
+
+        def log_engine_initialized(self) -> None:
+            pass
+
+    return BatchLogger
+
