@@ -179,8 +179,26 @@ def run_job(folder: Path) -> None:
         if world.is_main:
             with open(folder / "metrics.jsonl", "a") as out:
                 out.write(json.dumps({"step": step, **metrics.to_dict()}) + "\n")
+    (folder / f"rank-{world.rank}.json").write_text(json.dumps(rank_memory(model, optimizer)))
     _save(model, spec, folder, world)
     dist.destroy_process_group()
+
+
+def _local_bytes(t: torch.Tensor) -> int:
+    local = t.to_local() if hasattr(t, "to_local") else t  # a DTensor's own shard
+    return local.numel() * local.element_size()
+
+
+def rank_memory(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, float]:
+    """What this rank holds: the bytes of its weights, gradients and optimiser state (what
+    sharding divides), and the process's peak resident memory (which also holds activations)."""
+    import resource
+
+    params = list(model.parameters())
+    state = [v for per in optimizer.state.values() for v in per.values() if isinstance(v, torch.Tensor)]
+    held = sum(_local_bytes(p) for p in params) + sum(_local_bytes(p.grad) for p in params if p.grad is not None)
+    held += sum(_local_bytes(v) for v in state if v.dim() > 0)
+    return {"state_mb": held / 2**20, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
 def _save(model: nn.Module, spec: JobSpec, folder: Path, world: World) -> None:
