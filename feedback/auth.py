@@ -28,7 +28,7 @@ PROJECT_HEADER = "flywheel-project"
 _WEBHOOK_ID = re.compile(r"[\x21-\x7e](?:[\x20-\x7e]{0,253}[\x21-\x7e])?")
 _TIMESTAMP = re.compile(r"[0-9]{1,12}")
 _SIGNATURE = re.compile(r"v[0-9]+[a-z]*,[A-Za-z0-9+/]+={0,2}")
-_SLUG = re.compile(r"[-a-zA-Z0-9_]{1,64}")  # Project.slug
+SLUG = re.compile(r"[-a-zA-Z0-9_]{1,64}")  # Project.slug
 
 
 @dataclass(frozen=True)
@@ -180,7 +180,7 @@ def _signing_project(slug: str | None) -> Project:
             "signed request does not name its project",
             f"Send the header '{PROJECT_HEADER}: <project slug>' (or ?project=<slug>) with signed requests.",
         )
-    project = Project.objects.filter(slug=slug).first() if _SLUG.fullmatch(slug) else None
+    project = Project.objects.filter(slug=slug).first() if SLUG.fullmatch(slug) else None
     if project is None:
         raise Unauthorized(f"unknown project {_shown(slug)}",
                            "Check the project slug (letters, digits, '-' and '_'; as shown in the dashboard).")
