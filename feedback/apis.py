@@ -17,6 +17,7 @@ from django.core.validators import RegexValidator
 from django.http import StreamingHttpResponse
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, extend_schema, inline_serializer
+from rest_framework import exceptions as drf_exceptions
 from rest_framework import serializers
 from rest_framework.pagination import CursorPagination
 from rest_framework.response import Response
@@ -33,6 +34,7 @@ from core.errors import (
     store_unavailable,
 )
 from core.notify import project_event
+from core.params import parse_datetime_strict, text
 from feedback import export, selectors
 from feedback.auth import (
     PROJECT_HEADER,
@@ -220,6 +222,18 @@ class TrajectoryPagination(CursorPagination):
     page_size_query_param = "limit"
     max_page_size = 500
 
+    def decode_cursor(self, request):
+        """DRF's cursor, its position checked: a forged `p` (not a time) is a 400 here, not a
+        500 from the database comparing it with `occurred_at`."""
+        raw = request.query_params.get(self.cursor_query_param, "")
+        try:
+            cursor = super().decode_cursor(request)
+            if cursor is not None and cursor.position is not None:
+                parse_datetime_strict(text(cursor.position, "cursor"), "cursor")
+        except (drf_exceptions.NotFound, BadRequest):
+            raise BadRequest(f"cursor={raw[:40]!r} is not a cursor this API gave", _CURSOR_FIX) from None
+        return cursor
+
     def serialize_within_bytes(self, rows: list[Any], serialize) -> list[dict[str, Any]]:
         budget, used, out = settings.READ_PAGE_MAX_BYTES, 0, []
         for row in rows:
@@ -235,6 +249,7 @@ class TrajectoryPagination(CursorPagination):
         return out
 
 
+_CURSOR_FIX = "Follow the `next` or `previous` link of a page as given, or drop `cursor` to start from the newest."
 _NO_NUL = RegexValidator(r"^[^\x00]*$", "remove the NUL character (PostgreSQL text cannot hold it)")
 
 
@@ -298,6 +313,7 @@ class TrajectoryDetailApi(APIView):
 
     @extend_schema(responses=TrajectoryOutput, parameters=[OpenApiParameter("external_id", str, "path")])
     def get(self, request, external_id: str) -> Response:
+        external_id = text(external_id, "the trajectory id in the path", 255)
         trajectory = selectors.trajectory_get(_project_of(request), external_id,
                                               max_tokens=settings.READ_MAX_TOKENS_PER_STEP)
         return Response(TrajectoryOutput(trajectory).data)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import binascii
 import re
+import secrets
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
@@ -27,8 +28,10 @@ PROJECT_HEADER = "flywheel-project"
 # signature list, and WebhookDelivery.webhook_id holds 255 characters.
 _WEBHOOK_ID = re.compile(r"[\x21-\x7e](?:[\x20-\x7e]{0,253}[\x21-\x7e])?")
 _TIMESTAMP = re.compile(r"[0-9]{1,12}")
+# A well-formed secret no project holds (made per process): what an unknown project is checked with.
+_DECOY_SECRET = "whsec_" + base64.b64encode(secrets.token_bytes(24)).decode()
 _SIGNATURE = re.compile(r"v[0-9]+[a-z]*,[A-Za-z0-9+/]+={0,2}")
-_SLUG = re.compile(r"[-a-zA-Z0-9_]{1,64}")  # Project.slug
+SLUG = re.compile(r"[-a-zA-Z0-9_]{1,64}")  # Project.slug
 
 
 @dataclass(frozen=True)
@@ -129,14 +132,15 @@ def webhook_principal(project_slug: str | None, body: str, headers: dict[str, st
     signed = {h: headers[h] for h in WEBHOOK_HEADERS}
     _check_webhook_headers(signed)
     project = _signing_project(project_slug)
-    secrets = _active_secrets(project)
-    if not secrets:
-        raise Unauthorized("the project has no active webhook secret", "Create one with `manage.py rotate_secret`.")
+    # An unknown project, or one with no active secret, is checked against a secret nobody has:
+    # its answer is the one a wrong signature for a real project gets (no oracle for slugs).
+    candidates = (_active_secrets(project) if project is not None else []) or [_DECOY_SECRET]
     last_error = "no matching signature"
-    for secret in secrets:
+    for secret in candidates:
         try:
             Webhook(secret).verify(body, signed, json_parse=False)
-            return Principal(project=project, scopes=frozenset({"ingest"}), via="webhook")
+            if project is not None and secret is not _DECOY_SECRET:
+                return Principal(project=project, scopes=frozenset({"ingest"}), via="webhook")
         except WebhookVerificationError as exc:
             last_error = str(exc)
             if "timestamp" in last_error.lower():
@@ -174,17 +178,13 @@ def _is_base64(text: str) -> bool:
     return True
 
 
-def _signing_project(slug: str | None) -> Project:
+def _signing_project(slug: str | None) -> Project | None:
     if not slug:
         raise Unauthorized(
             "signed request does not name its project",
             f"Send the header '{PROJECT_HEADER}: <project slug>' (or ?project=<slug>) with signed requests.",
         )
-    project = Project.objects.filter(slug=slug).first() if _SLUG.fullmatch(slug) else None
-    if project is None:
-        raise Unauthorized(f"unknown project {_shown(slug)}",
-                           "Check the project slug (letters, digits, '-' and '_'; as shown in the dashboard).")
-    return project
+    return Project.objects.filter(slug=slug).first() if SLUG.fullmatch(slug) else None
 
 
 def _shown(value: str) -> str:
@@ -213,4 +213,5 @@ def _signature_message(error: str) -> str:
 def _signature_fix(error: str) -> str:
     if "too" in error.lower():
         return "Sign each delivery at send time with the current Unix time; check the sender's clock."
-    return "Sign exactly the bytes you send, with the project's current whsec_ secret (HMAC-SHA256 of id.timestamp.body)."
+    return (f"Sign exactly the bytes you send, with the current whsec_ secret of the project named in {PROJECT_HEADER} "
+            "(HMAC-SHA256 of id.timestamp.body); check the slug as shown in the dashboard.")

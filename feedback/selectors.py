@@ -14,7 +14,7 @@ from django.db.models.functions import Cast
 
 from core.errors import BadRequest, NotFound
 from feedback import export
-from feedback.auth import Principal
+from feedback.auth import SLUG, Principal
 from feedback.models import FeedbackEvent, Membership, Project, Quarantine, Step, Trajectory
 
 
@@ -62,14 +62,16 @@ def principal_role(principal: Any, project_id: int) -> str | None:
 
 def project_not_found(slug: str) -> NotFound:
     # The same answer for a project that does not exist and one the caller is no member of.
-    return NotFound(f"there is no project {slug!r} you are a member of",
+    return NotFound(f"there is no project {str(slug)[:64]!r} you are a member of",
                     "Pick one of your projects on the dashboard's front page, or ask the project's admin to add you.")
 
 
 def project_for_member(principal: Any, slug: str) -> tuple[Project, str]:
     """The project `slug` and the caller's role in it; NotFound when it does not exist or the
     caller is no member of it (another project's existence is not disclosed)."""
-    project = Project.objects.filter(slug=slug).first() if isinstance(slug, str) else None
+    # A slug no project can have (a NUL, 5,000 characters) is looked up nowhere: the same 404.
+    is_slug = isinstance(slug, str) and SLUG.fullmatch(slug) is not None
+    project = Project.objects.filter(slug=slug).first() if is_slug else None
     role = principal_role(principal, project.id) if project is not None else None
     if project is None or role is None:
         raise project_not_found(slug)

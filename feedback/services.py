@@ -192,8 +192,10 @@ def _ingest(project: Project, raw_events: list[Any], webhook_id: str | None,
         if webhook_id is not None and not _delivery_record(project, webhook_id, len(raw_events)):
             return [_as_duplicate(r, "webhook-id was already delivered") for r in results]
         _lock_trajectory_ids(project, trajectories, feedback)
-        refused = _foreign_trajectory_refs(project, trajectories, feedback)
-        rows = [f for e, f in feedback.items() if ("feedback", e) not in refused]
+        # Feedback naming a trajectory this project does not have is stored and linked when one
+        # lands here, whether or not another project has that id: nothing tells the two apart.
+        refused: dict[tuple[str, str], str] = {}
+        rows = list(feedback.values())
         try:
             with transaction.atomic():  # a savepoint: a row the database refuses costs only its event
                 new_ids, new_feedback = _insert_all(project, list(trajectories.values()), rows, now)
@@ -396,29 +398,6 @@ def feedback_link_orphans(project: Project) -> int:
             [project.id, project.id],
         )
         return cur.rowcount
-
-
-def _foreign_trajectory_refs(
-    project: Project, trajectories: dict[str, TrajectoryRecord], feedback: dict[str, FeedbackRecord]
-) -> dict[tuple[str, str], str]:
-    """("feedback", event id) -> reason, for feedback naming a trajectory that exists only in
-    another project.
-
-    Such feedback is refused (not stored): it was sent with the wrong project's credentials."""
-    refs = {f.trajectory_external_id for f in feedback.values()} - set(trajectories)
-    if not refs:
-        return {}
-    with connection.cursor() as cur:
-        cur.execute(
-            "SELECT DISTINCT t.external_id FROM feedback_trajectory t WHERE t.project_id <> %s "
-            "AND t.external_id = ANY(%s::text[]) AND NOT EXISTS (SELECT 1 FROM feedback_trajectory o "
-            "WHERE o.project_id = %s AND o.external_id = t.external_id)",
-            [project.id, sorted(refs), project.id],
-        )
-        foreign = {row[0] for row in cur.fetchall()}
-    reason = "trajectory_id {!r} belongs to another project: send this feedback with that project's credentials"
-    return {("feedback", e): reason.format(f.trajectory_external_id) for e, f in feedback.items()
-            if f.trajectory_external_id in foreign}
 
 
 def _settle(results: list[EventResult], new_ids: dict[str, int], new_feedback: set[str],

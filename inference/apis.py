@@ -319,12 +319,17 @@ async def load_version(request: HttpRequest) -> JsonResponse:
     return JsonResponse(await sync_to_async(serving.current().load, thread_sensitive=False)(body))
 
 
-def _internal_auth(request: HttpRequest) -> None:
+def internal_token_valid(sent: str) -> bool:
+    """`sent` is this process's internal token (none configured: nothing is valid)."""
     token = settings.FLYWHEEL_INTERNAL_TOKEN
-    if not token:
+    return bool(token) and hmac.compare_digest(sent.encode(), token.encode())
+
+
+def _internal_auth(request: HttpRequest) -> None:
+    if not settings.FLYWHEEL_INTERNAL_TOKEN:
         raise ServingError(403, "internal endpoints are off", "Set FLYWHEEL_INTERNAL_TOKEN for both sides.")
     sent = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
-    if not hmac.compare_digest(sent.encode(), token.encode()):
+    if not internal_token_valid(sent):
         raise ServingError(401, "wrong internal token", "Send 'Authorization: Bearer $FLYWHEEL_INTERNAL_TOKEN'.")
 
 

@@ -34,6 +34,9 @@ from django.middleware.common import CommonMiddleware as DjangoCommonMiddleware
 from django.middleware.security import SecurityMiddleware as DjangoSecurityMiddleware
 from django.urls import set_script_prefix
 
+from core.bodylimit import BodyLimit, Scope, header_values
+from inference.apis import MAX_BODY_BYTES, internal_token_valid
+
 PUBLIC_URLS = "inference.urls"
 INTERNAL_URLS = "inference.internal_urls"
 MIDDLEWARE = (
@@ -139,6 +142,21 @@ class ListenerHandler(ASGIHandler):
         return request, error
 
 
+def _internal_credentialed(scope: Scope) -> bool:
+    sent = b"".join(header_values(scope, b"authorization")[:1]).decode("latin-1")
+    return internal_token_valid(sent.removeprefix("Bearer ").strip())
+
+
+def listener_app(urlconf: str) -> BodyLimit:
+    """The listener for `urlconf` with its body limit (core/bodylimit.py): the public one reads
+    at most a completion request's bound; the internal one a push's, and only with its token."""
+    handler = ListenerHandler(urlconf)
+    if urlconf == INTERNAL_URLS:
+        return BodyLimit(handler, limit=settings.FLYWHEEL_PUSH_MAX_BYTES,
+                         anonymous_limit=settings.ANONYMOUS_MAX_BODY_BYTES, credentialed=_internal_credentialed)
+    return BodyLimit(handler, limit=MAX_BODY_BYTES, anonymous_limit=settings.ANONYMOUS_MAX_BODY_BYTES)
+
+
 class _SecondServer(uvicorn.Server):
     # The first server owns the signals; this one stops when it does (see serve_both).
     @contextlib.contextmanager
@@ -148,9 +166,9 @@ class _SecondServer(uvicorn.Server):
 
 async def serve_both(host: str, port: int, internal_host: str, internal_port: int) -> None:
     """Runs both listeners until the public one stops (SIGINT/SIGTERM), then stops the other."""
-    internal = _SecondServer(uvicorn.Config(ListenerHandler(INTERNAL_URLS), host=internal_host, port=internal_port,
+    internal = _SecondServer(uvicorn.Config(listener_app(INTERNAL_URLS), host=internal_host, port=internal_port,
                                             log_level="warning", lifespan="off"))
-    public = uvicorn.Server(uvicorn.Config(ListenerHandler(PUBLIC_URLS), host=host, port=port,
+    public = uvicorn.Server(uvicorn.Config(listener_app(PUBLIC_URLS), host=host, port=port,
                                            log_level="warning", lifespan="off"))
     task = asyncio.create_task(internal.serve())
     try:

@@ -18,6 +18,7 @@ from django.db.models.functions import Coalesce, TruncMinute
 from django.utils import timezone
 
 from core.errors import NotFound
+from core.params import query_float, query_int, query_text
 from feedback.models import FeedbackEvent, Project, Step, Trajectory
 from feedback.selectors import project_for_member, projects_of, quarantine_recent, role_at_least
 from training.models import (
@@ -319,11 +320,9 @@ class RolloutFilter:
 
     @classmethod
     def from_query(cls, query: Any) -> RolloutFilter:
-        raw = query.get("version", "")
-        return cls(task=query.get("task", ""), version=int(raw) if raw.isdigit() else None,
-                   source=query.get("source", ""), signal=query.get("signal", "")[:64],
-                   reward_min=_finite_or_none(query.get("reward_min")),
-                   reward_max=_finite_or_none(query.get("reward_max")))
+        return cls(task=query_text(query, "task"), version=query_int(query, "version", None, 0),
+                   source=query_text(query, "source", 64), signal=query_text(query, "signal", 64),
+                   reward_min=query_float(query, "reward_min"), reward_max=query_float(query, "reward_max"))
 
     def apply(self, qs: QuerySet[Trajectory]) -> QuerySet[Trajectory]:
         if self.task:
@@ -350,14 +349,6 @@ class RolloutFilter:
         pairs = (("task", self.task), ("version", self.version), ("source", self.source), ("signal", self.signal),
                  ("reward_min", self.reward_min), ("reward_max", self.reward_max))
         return urlencode({k: v for k, v in pairs if v not in ("", None)})
-
-
-def _finite_or_none(raw: Any) -> float | None:
-    try:
-        value = float(raw)
-    except (TypeError, ValueError):
-        return None
-    return value if math.isfinite(value) else None
 
 
 def rollout_list(project: Project, flt: RolloutFilter) -> list[Trajectory]:

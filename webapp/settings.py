@@ -222,6 +222,12 @@ DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 INGEST_MAX_BODY_BYTES = 5 * 1024 * 1024
 INGEST_MAX_EVENTS = 1000
 DATA_UPLOAD_MAX_MEMORY_SIZE = INGEST_MAX_BODY_BYTES
+# Every listener's body limit, enforced before the body is read (core/bodylimit.py): the web app's
+# largest body is an ingest batch; a request without credentials gets the smaller one; a push to a
+# serving replica carries weights' deltas and needs its internal token for its limit.
+REQUEST_MAX_BODY_BYTES = INGEST_MAX_BODY_BYTES
+ANONYMOUS_MAX_BODY_BYTES = env_int("ANONYMOUS_MAX_BODY_BYTES", 64 * 1024)
+FLYWHEEL_PUSH_MAX_BYTES = env_int("FLYWHEEL_PUSH_MAX_BYTES", 8 * 1024**3)
 INGEST_STATEMENT_TIMEOUT_MS = env_int("INGEST_STATEMENT_TIMEOUT_MS", 15_000)
 # What one read may cost: a page of the read API holds at most this much JSON (and `limit` rows),
 # a step's token ids, log-probs and routing at most this many items there (the first ones), and

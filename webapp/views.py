@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from datetime import datetime
 from functools import wraps
 from pathlib import Path
 from typing import Any
@@ -14,11 +13,11 @@ from django.db import connection
 from django.http import FileResponse, HttpRequest, HttpResponse, JsonResponse
 from django.shortcuts import redirect, render
 from django.utils import timezone
-from django.utils.dateparse import parse_datetime
 from django.views.decorators.http import require_POST
 from django.views.defaults import page_not_found
 
-from core.errors import ApplicationError, BadRequest, Forbidden, html_error_response
+from core.errors import ApplicationError, Forbidden, html_error_response
+from core.params import query_datetime, query_int, query_text
 from training.replicas.selectors import replica_rows
 from training.versions.selectors import policy_by_number, production_at
 from webapp import charts, selectors, services
@@ -70,14 +69,6 @@ def page(view: View) -> View:
     return wrapper
 
 
-def _int(raw: str | None, default: int | None, low: int = 1, high: int = 10**12) -> int | None:
-    if raw in (None, ""):
-        return default
-    if not raw.isdigit() or not low <= int(raw) <= high:
-        raise BadRequest(f"{raw!r} is not a number between {low} and {high}", "Fix the number in the URL.")
-    return int(raw)
-
-
 def _ctx(request: HttpRequest, project: Any, tab: str, **extra: Any) -> dict[str, Any]:
     return {"project": project, "tab": tab, "access": request.access, **extra}  # type: ignore[attr-defined]
 
@@ -90,7 +81,7 @@ def index(request: HttpRequest) -> HttpResponse:
 @page
 def overview(request: HttpRequest, slug: str) -> HttpResponse:
     project = request.project  # type: ignore[attr-defined]
-    days = _int(request.GET.get("days"), 14, 1, 90)
+    days = query_int(request.GET, "days", 14, 1, 90)
     charts = selectors.overview_charts(project, days)
     return render(request, "dashboard/overview.html", _ctx(
         request, project, "overview", days=days, totals=charts["totals"], figures=charts["figures"],
@@ -103,8 +94,8 @@ def overview(request: HttpRequest, slug: str) -> HttpResponse:
 def runs(request: HttpRequest, slug: str) -> HttpResponse:
     project = request.project  # type: ignore[attr-defined]
     run_list = selectors.run_list(project)
-    run = selectors.run_get(project, _int(request.GET.get("run"), None), run_list)
-    compare_id = _int(request.GET.get("compare"), None)
+    run = selectors.run_get(project, query_int(request.GET, "run", None), run_list)
+    compare_id = query_int(request.GET, "compare", None)
     compare = selectors.run_get(project, compare_id, run_list) if compare_id and run else None
     shown = [(r, selectors.run_curves(r)) for r in (run, compare) if r is not None]
     return render(request, "dashboard/runs.html", _ctx(
@@ -115,7 +106,7 @@ def runs(request: HttpRequest, slug: str) -> HttpResponse:
 @page
 def rubrics(request: HttpRequest, slug: str) -> HttpResponse:
     project = request.project  # type: ignore[attr-defined]
-    task, tag = request.GET.get("task", ""), request.GET.get("tag", "")
+    task, tag = query_text(request.GET, "task"), query_text(request.GET, "tag")
     view = selectors.rubric_view(project, task, tag)
     figures = {**view["figures"], "strip": selectors.rubric_strip(project, task, tag)}
     return render(request, "dashboard/rubrics.html", _ctx(
@@ -146,18 +137,11 @@ def replay(request: HttpRequest, slug: str, trajectory_id: int) -> HttpResponse:
 @page
 def registry(request: HttpRequest, slug: str) -> HttpResponse:
     project = request.project  # type: ignore[attr-defined]
-    at_raw = request.GET.get("at", "")
-    at = _when(at_raw) if at_raw else None
+    at = query_datetime(request.GET, "at")
+    at_raw = request.GET.get("at", "") if at else ""
     return render(request, "dashboard/registry.html", _ctx(
         request, project, "registry", rows=selectors.registry(project), audit=selectors.audit_log(project),
         replicas=replica_rows(project), at=at_raw, live_at=production_at(project, at) if at else None, now=timezone.now()))
-
-
-def _when(raw: str) -> datetime:
-    when = parse_datetime(raw)
-    if when is None:
-        raise BadRequest(f"{raw!r} is not a date and time", "Use ISO 8601, e.g. 2026-11-29T08:00.")
-    return when if timezone.is_aware(when) else timezone.make_aware(when)
 
 
 @require_POST
@@ -168,6 +152,6 @@ def registry_action(request: HttpRequest, slug: str, number: int, action: str) -
         raise Forbidden(f"only approvers of {project.slug} can approve, reject or roll back its versions",
                         "Ask the project's admin for the approver role.")
     version = services.version_decide(policy_by_number(project, number), request.user, action,
-                                      request.POST.get("reason", ""))
+                                      query_text(request.POST, "reason", 2000))
     messages.success(request, f"v{version.number}: {action} done, now {version.state}.")
     return redirect("registry", slug=project.slug)

@@ -239,12 +239,15 @@ def test_a_bad_event_is_rejected_alone_with_a_reason(post_events, name):
     assert FeedbackEvent.objects.count() == 1 and Trajectory.objects.count() == 0
 
 
-def test_feedback_naming_another_projects_trajectory_is_rejected(post_events, other_creds):
+def test_feedback_naming_another_projects_trajectory_is_answered_like_an_unknown_one(post_events, other_creds):
     post_events([trajectory("theirs")], secret=other_creds.webhook_secret, project=other_creds.project.slug)
-    body = post_events([feedback("fb-x", trajectory_id="theirs")]).json()
-    assert body["results"][0]["status"] == "rejected"
-    assert "another project" in body["results"][0]["reason"]
-    assert FeedbackEvent.objects.count() == 0
+    theirs = post_events([feedback("fb-x", trajectory_id="theirs")]).json()
+    nobodys = post_events([feedback("fb-y", trajectory_id="nobody-has-this")]).json()
+    strip = [{k: v for k, v in r.items() if k != "id"} for r in theirs["results"] + nobodys["results"]]
+    assert strip[0] == strip[1] and theirs["accepted"] == nobodys["accepted"] == 1
+    # Stored in this project, never linked to the other project's trajectory.
+    stored = FeedbackEvent.objects.get(event_id="fb-x")
+    assert stored.project.slug == "acme" and stored.trajectory is None
 
 
 def test_the_same_ids_in_two_projects_are_two_rows(post_events, other_creds):

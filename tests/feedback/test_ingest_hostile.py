@@ -4,6 +4,7 @@ in the one error shape. The property tests beside this file look for the cases n
 
 from __future__ import annotations
 
+import base64
 import json
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -382,3 +383,33 @@ def test_hostile_requests_over_real_http_get_4xx_and_hostile_events_are_refused_
     answer = post(body, **sign(creds.webhook_secret, body)).json()
     assert [r["status"] for r in answer["results"]] == ["accepted", "rejected", "rejected", "rejected"]
     assert FeedbackEvent.objects.get().event_id == "good" and Trajectory.objects.count() == 0
+
+
+# --- no oracle: a real project slug and a made-up one get the same answers ------------------------
+
+
+def _answer(response) -> tuple[int, dict]:
+    return response.status_code, response.json()["error"]
+
+
+@pytest.mark.parametrize("case", ["wrong secret", "stale timestamp", "malformed signature"])
+def test_webhook_errors_are_the_same_for_a_real_and_a_made_up_project(post_events, creds, case):
+    body = json.dumps({"events": [feedback("f")]}).encode()
+    wrong = "whsec_" + base64.b64encode(b"x" * 24).decode()
+    headers = {"wrong secret": sign(wrong, body),
+               "stale timestamp": sign(wrong, body, at=datetime.now(tz=UTC) - timedelta(hours=1)),
+               "malformed signature": {**sign(wrong, body), "webhook-signature": "v1,!!"}}[case]
+    real = post_events(None, raw=body, headers=headers, project=creds.project.slug)
+    made_up = post_events(None, raw=body, headers=headers, project="no-such-project")
+    assert real.status_code == 401 and _answer(real) == _answer(made_up)
+
+
+def test_a_project_without_an_active_secret_answers_like_a_wrong_signature(post_events, creds, other_creds):
+    from feedback.models import WebhookSecret
+
+    WebhookSecret.objects.filter(project=other_creds.project).delete()
+    body = json.dumps({"events": [feedback("f")]}).encode()
+    headers = sign(other_creds.webhook_secret, body)
+    no_secret = post_events(None, raw=body, headers=headers, project=other_creds.project.slug)
+    wrong = post_events(None, raw=body, headers=headers, project=creds.project.slug)
+    assert no_secret.status_code == 401 and _answer(no_secret) == _answer(wrong)
