@@ -16,21 +16,27 @@ The config (JSON: code, limits) arrives on stdin, which is read and replaced by 
 Wire format between candidate and tests: a 4-byte big-endian length, then UTF-8 JSON.
 """
 
+import ast
 import builtins
 import collections
 import errno
 import functools
+import io
 import json
 import math
 import operator
 import os
+import posix
 import resource
 import sys
+import tokenize
 import traceback
 
 MAX_FRAME = 4 << 20
 MAX_DEPTH = 64
 VIOLATIONS: list[str] = []
+# Taken before any other code runs: the tests see these builtins, whatever names the candidate defines.
+PRISTINE_BUILTINS = dict(vars(builtins))
 
 
 def read_config() -> dict:
@@ -70,18 +76,43 @@ BLOCKED_EVENTS = {
 }
 BLOCKED_IMPORTS = {"_posixsubprocess", "_ctypes", "ctypes", "multiprocessing", "_multiprocessing", "pty",
                    "_xxsubinterpreters", "_interpreters", "_xxinterpchannels", "_interpchannels"}
-PATH_EVENTS = {
-    "os.remove", "os.rename", "os.mkdir", "os.rmdir", "os.symlink", "os.link", "os.truncate",
-    "os.chmod", "os.chown", "os.utime", "os.chflags", "os.lchflags", "shutil.rmtree", "os.mkfifo", "os.mknod",
+# event -> (index of a path argument, index of the dir_fd it is relative to, or None) pairs
+PATH_EVENTS: dict[str, tuple[tuple[int, int | None], ...]] = {
+    "os.remove": ((0, 1),), "os.rmdir": ((0, 1),), "os.mkdir": ((0, 2),), "os.rename": ((0, 2), (1, 3)),
+    "os.link": ((0, 2), (1, 3)), "os.symlink": ((0, 2), (1, 2)), "os.truncate": ((0, None),),
+    "os.chmod": ((0, 2),), "os.chown": ((0, 3),), "os.utime": ((0, 3),), "os.chflags": ((0, None),),
+    "os.lchflags": ((0, None),), "shutil.rmtree": ((0, 1),), "os.mkfifo": ((0, 2),), "os.mknod": ((0, 3),),
 }
+SILENT_TOKENS = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT,
+                 tokenize.ENDMARKER}
 WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
 
 
-def inside(root: str, path: object) -> bool:
-    if isinstance(path, int) or path is None:  # an fd already open: its opening was checked
+def inside(root: str, path: object, dir_fd: object = None) -> bool:
+    """Whether `path` (relative to `dir_fd` if one is given, else to the cwd) resolves under `root`."""
+    if not isinstance(path, (str, bytes, os.PathLike)):  # an fd already open: its opening was checked
         return True
-    real = os.path.realpath(os.fsdecode(path))
+    path = os.fsdecode(path)
+    if isinstance(dir_fd, int) and dir_fd >= 0 and not os.path.isabs(path):  # -1: none given
+        base = dir_path(dir_fd)
+        if base is None:
+            return False
+        path = os.path.join(base, path)
+    real = os.path.realpath(path)
     return real == root or real.startswith(root + os.sep) or real == os.devnull
+
+
+def dir_path(fd: int) -> str | None:
+    """The real path of the directory open as `fd` (no /proc inside: by changing into it and back)."""
+    here = os.open(".", os.O_RDONLY)
+    try:
+        os.fchdir(fd)
+        return os.getcwd()
+    except OSError:
+        return None
+    finally:
+        os.fchdir(here)
+        os.close(here)
 
 
 def make_hook(root: str):
@@ -98,10 +129,24 @@ def make_hook(root: str):
             violation(f"writing {args[0]!r} outside the sandbox directory")
         elif event == "sqlite3.connect" and not inside(root, args[0]):  # ":memory:" resolves inside
             violation(f"opening the database {args[0]!r} outside the sandbox directory")
-        elif event in PATH_EVENTS and not all(inside(root, a) for a in args if isinstance(a, (str, bytes))):
+        elif event in PATH_EVENTS and not all(
+                inside(root, args[p], None if d is None else args[d]) for p, d in PATH_EVENTS[event]):
             violation(f"{event} outside the sandbox directory")
 
     return hook
+
+
+def checked_open(root: str, real_open):
+    """`os.open` for the candidate: the "open" audit event carries no dir_fd, so a write relative
+    to one is checked here against the directory's real path."""
+
+    def open_(path, flags, mode=0o777, *, dir_fd=None):
+        if dir_fd is not None and isinstance(flags, int) and flags & WRITE_FLAGS and not inside(root, path, dir_fd):
+            VIOLATIONS.append(f"writing {path!r} (relative to a directory fd) outside the sandbox directory")
+            raise SandboxViolation(f"sandbox: {VIOLATIONS[-1]} is not allowed")
+        return real_open(path, flags, mode, dir_fd=dir_fd)
+
+    return open_
 
 
 def _writes(args: tuple) -> bool:
@@ -138,10 +183,24 @@ def recv(fd: int) -> dict | None:
     body = _read_exact(fd, size)
     if body is None:
         return None
-    msg = json.loads(body)
+    try:
+        msg = json.loads(body, parse_constant=_no_constant, parse_float=_finite_float)
+    except (ValueError, RecursionError, MemoryError) as exc:  # nested past the limit, huge numbers
+        raise ProtocolError(f"malformed frame ({type(exc).__name__})") from None
     if not isinstance(msg, dict):
         raise ProtocolError("a message is not an object")
     return msg
+
+
+def _no_constant(name: str):
+    raise ProtocolError(f"{name} in a frame: non-finite numbers travel tagged")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e400
+        raise ProtocolError(f"non-finite number {text[:20]!r} in a frame")
+    return value
 
 
 def _read_exact(fd: int, size: int) -> bytes | None:
@@ -188,40 +247,53 @@ def encode(v, handle, depth: int = 0):
     if isinstance(v, (bytes, bytearray)):
         return {"b": bytes(v).hex()}
     if isinstance(v, complex):
-        return {"c": [complex(v).real, complex(v).imag]}
+        return {"c": [down(complex(v).real), down(complex(v).imag)]}
     return handle(v)
 
 
-def decode(v, handle, depth: int = 0):
-    """The inverse of `encode`: builds only plain data, and `handle(tag)` for handles."""
+def decode(v, handle, depth: int = 0, finite: bool = True):
+    """The inverse of `encode`: builds only plain data, and `handle(tag)` for handles.
+
+    `finite`: a NaN or infinity is a ProtocolError (the tests' side: an answer that compares
+    false with everything would pass any "fail if error > tol" test)."""
     if depth > MAX_DEPTH:
         raise ProtocolError("value nested too deeply")
 
     def down(x):
-        return decode(x, handle, depth + 1)
+        return decode(x, handle, depth + 1, finite)
 
-    if v is None or type(v) in (bool, int, float, str):
+    if v is None or type(v) in (bool, int, str):
         return v
+    if type(v) is float:
+        return _checked_float(v, finite)
     if type(v) is list:
         return [down(x) for x in v]
     if type(v) is not dict or len(v) not in (1, 2, 3, 4):
         raise ProtocolError(f"unexpected {type(v).__name__}")
     try:
-        return _decode_tagged(v, down, handle)
+        return _decode_tagged(v, down, handle, finite)
     except (TypeError, ValueError, KeyError, IndexError) as exc:
         raise ProtocolError(f"bad value: {exc}") from None
 
 
-def _decode_tagged(v: dict, down, handle):
+def _checked_float(x: float, finite: bool) -> float:
+    if finite and not math.isfinite(x):
+        raise ProtocolError(f"a non-finite number ({x!r}) is not an answer")
+    return x
+
+
+def _decode_tagged(v: dict, down, handle, finite: bool):
     if "h" in v:
         return handle(v)
     (tag, body), = v.items()
     if tag == "f" and body in ("nan", "inf", "-inf"):
-        return float(body)
+        return _checked_float(float(body), finite)
     if tag == "b":
         return bytes.fromhex(body)
-    if tag == "c" and all(type(x) in (int, float) for x in body):
-        return complex(*body)
+    if tag == "c" and type(body) is list and len(body) == 2:
+        parts = [down(x) for x in body]
+        if all(type(x) in (int, float) for x in parts):
+            return complex(*parts)
     if type(body) is not list:
         raise ProtocolError(f"bad {tag!r} body")
     if tag == "nt":
@@ -304,10 +376,10 @@ OPERATORS.update(int=int, float=float)
 
 def answer(req: dict, handles: Handles):
     obj = handles.resolve(req)
-    args = [decode(a, handles.resolve) for a in req.get("a", [])]
+    args = [decode(a, handles.resolve, finite=False) for a in req.get("a", [])]
     op, name = req["op"], req.get("n", "")
     if op == "call":
-        return obj(*args, **{str(k): decode(x, handles.resolve) for k, x in req.get("k", [])})
+        return obj(*args, **{str(k): decode(x, handles.resolve, finite=False) for k, x in req.get("k", [])})
     simple = {"getattr": lambda: getattr(obj, name), "len": lambda: len(obj), "iter": lambda: iter(obj),
               "next": lambda: next(obj), "str": lambda: str(obj), "repr": lambda: repr(obj),
               "setattr": lambda: setattr(obj, name, args[0]), "delattr": lambda: delattr(obj, name),
@@ -338,6 +410,7 @@ def run_candidate(source: str, namespace: dict) -> str | None:
     root = os.path.realpath(os.getcwd())
     sys.path.insert(0, root)
     sys.addaudithook(make_hook(root))
+    os.open = posix.open = checked_open(root, posix.open)
     try:
         exec(code, namespace)
     except BaseException as exc:  # noqa: BLE001 - any failure of untrusted code fails the check
@@ -406,28 +479,40 @@ class Peer:
         self.fault = self.fault or fault
         return self.fault
 
+    def broke(self, what: str) -> CandidateFault:
+        return self.fail(CandidateFault(f"the code under test broke the protocol ({what})"))
+
     def receive(self) -> dict:
+        """The next frame, validated here, outside the tests' code: whatever is wrong with it
+        (nesting, sizes, types) is a fault, never an exception a test's `except` could swallow."""
         try:
             msg = recv(self.replies)
-        except (ProtocolError, ValueError) as exc:
-            raise self.fail(CandidateFault(f"the code under test broke the protocol ({exc})")) from None
+        except Exception as exc:  # noqa: BLE001 - any malformed frame is the candidate's fault
+            raise self.broke(str(exc)[:200] if isinstance(exc, ProtocolError) else type(exc).__name__) from None
         if msg is None:
             raise self.fail(CandidateGone("the code under test ended without a result"))
-        violations = msg.get("x")
+        violations = msg.get("x", [])
+        if type(violations) is not list:
+            raise self.broke("bad violations list")
         if violations:
             raise self.fail(CandidateFault(f"forbidden operation: {str(violations[0])[:300]}"))
         return msg
 
     def start(self) -> dict:
+        """The candidate's top-level names, less those of builtins: a test's `all([...])` or
+        `isinstance` is always the builtin, whatever the candidate defined."""
         msg = self.receive()
-        if "fail" in msg:
-            raise self.fail(CandidateFault(str(msg["fail"])[:500]))
-        if type(msg.get("ready")) is not list:
-            raise self.fail(CandidateFault("the code under test broke the protocol (no names)"))
-        names = {str(pair[0]): self.decode(pair[1]) for pair in msg["ready"]}
-        return {name: value for name, value in names.items() if not name.startswith("__")}
+        if type(msg.get("fail")) is str:
+            raise self.fail(CandidateFault(msg["fail"][:500]))
+        pairs = msg.get("ready")
+        if type(pairs) is not list or not all(type(p) is list and len(p) == 2 and type(p[0]) is str for p in pairs):
+            raise self.broke("no names")
+        return {name: self.decode(value) for name, value in pairs
+                if not name.startswith("__") and name not in PRISTINE_BUILTINS}
 
-    def ask(self, op: str, hid: int, **fields):
+    def ask(self, op: str, hid: int, want=None, **fields):
+        """The candidate's answer to one request; `want(value)` says whether its type is one
+        the operation can return (a forged frame could send any)."""
         if self.fault is not None:
             raise self.fault
         try:
@@ -438,24 +523,30 @@ class Peer:
         if "e" in msg:
             raise self.remote_error(msg, allow_stop=op == "next")
         if "v" not in msg:
-            raise self.fail(CandidateFault("the code under test broke the protocol (no value)"))
-        return self.decode(msg["v"])
+            raise self.broke("no value")
+        value = self.decode(msg["v"])
+        if want is not None and not want(value):
+            raise self.broke(f"{op} answered with a {type(value).__name__}")
+        return value
 
     def decode(self, value):
         try:
             return decode(value, self.proxy)
-        except ProtocolError as exc:
-            raise self.fail(CandidateFault(f"the code under test broke the protocol ({exc})")) from None
+        except Exception as exc:  # noqa: BLE001 - ProtocolError, or anything building a value raised
+            raise self.broke(str(exc)[:200] if isinstance(exc, ProtocolError) else type(exc).__name__) from None
 
     def encode(self, value):
         return encode(value, self.handle_of)
 
     def proxy(self, tag: dict):
-        hid, kind = int(tag["h"]), str(tag.get("r", "object"))[:100]
+        hid, kind, mro = tag.get("h"), tag.get("r", "object"), tag.get("exc", [])
+        if type(hid) is not int or type(kind) is not str or not _names(mro):
+            raise ProtocolError("bad handle")
+        kind = kind[:100]
         if "exc" not in tag:
             return Remote(self, hid, kind)
         if hid not in self.exc_classes:
-            base = builtin_exception(tag["exc"], allow_stop=True) or Exception
+            base = builtin_exception(mro, allow_stop=True) or Exception
             cls = type(kind, (base,), {"__module__": "solution"})
             self.exc_classes[hid], self.exc_ids[cls] = cls, hid
         return self.exc_classes[hid]
@@ -469,16 +560,31 @@ class Peer:
                         "only plain data (int, str, list, dict, ...) and values it returned")
 
     def remote_error(self, msg: dict, allow_stop: bool) -> BaseException:
-        name, text = str(msg.get("e"))[:100], str(msg.get("m", ""))[:1000]
-        cls = self.exc_classes.get(msg.get("c")) or builtin_exception(msg.get("exc"), allow_stop)
+        """The exception to raise in the tests for an error reply; a malformed one, or one that is
+        no Exception (SystemExit, KeyboardInterrupt: it would skip the tests' `except Exception`
+        in plain Python and end the run), is a fault."""
+        name, text, where, mro, cid = (msg.get(k, d) for k, d in
+                                       (("e", None), ("m", ""), ("w", ""), ("exc", None), ("c", None)))
+        if not (type(name) is str and type(text) is str and type(where) is str and _names(mro)
+                and (cid is None or type(cid) is int)):
+            return self.broke("malformed error reply")
+        if "Exception" not in mro:
+            return self.fail(CandidateFault(f"the code under test raised {name[:100]} during the tests"))
+        name, text = name[:100], text[:1000]
+        cls = self.exc_classes.get(cid) or builtin_exception(mro, allow_stop)
         if cls is not None and issubclass(cls, (StopIteration, StopAsyncIteration)) and not allow_stop:
             cls = None  # a call that "stops" would end the tests' loops (map, all) early
         try:
             exc = (cls or RemoteError)(text)
         except TypeError:  # builtins with other signatures (UnicodeDecodeError...)
             exc = RemoteError(text)
-        exc.flywheel_where, exc.flywheel_name = str(msg.get("w", ""))[:200], name
+        exc.flywheel_where, exc.flywheel_name = where[:200], name
         return exc
+
+
+def _names(value) -> bool:
+    """A list of strings (an MRO's class names)."""
+    return type(value) is list and all(type(x) is str for x in value)
 
 
 class Remote:
@@ -494,9 +600,9 @@ class Remote:
         object.__setattr__(self, "_hid", hid)
         object.__setattr__(self, "_kind", kind)
 
-    def _ask(self, op: str, *args, **fields):
+    def _ask(self, op: str, *args, want=None, **fields):
         peer = object.__getattribute__(self, "_peer")
-        return peer.ask(op, object.__getattribute__(self, "_hid"), a=[peer.encode(x) for x in args], **fields)
+        return peer.ask(op, object.__getattribute__(self, "_hid"), want, a=[peer.encode(x) for x in args], **fields)
 
     def __getattr__(self, name):
         return self._ask("getattr", n=name)
@@ -521,22 +627,19 @@ class Remote:
         self._ask("delitem", key)
 
     def __len__(self):
-        return self._ask("len")
+        return self._ask("len", want=lambda n: type(n) is int and n >= 0)
 
     def __iter__(self):
-        return self._ask("iter")
+        return self._ask("iter", want=lambda it: isinstance(it, Remote))
 
     def __next__(self):
         return self._ask("next")
 
     def __contains__(self, item):
-        return self._ask("contains", item)
+        return self._ask("contains", item, want=lambda b: type(b) is bool)
 
     def __str__(self):
-        text = self._ask("str")
-        if type(text) is not str:
-            raise TypeError("__str__ of the code under test returned a non-string")
-        return text
+        return self._ask("str", want=lambda text: type(text) is str)
 
     def __repr__(self):
         try:
@@ -564,8 +667,13 @@ def _operator_methods() -> None:
         op = name + "_" if name in ("and", "or") else name
         setattr(Remote, f"__{name}__", lambda self, other, _op=op: self._ask("op", other, n=_op))
         setattr(Remote, f"__r{name}__", lambda self, other, _op=op: self._ask("rop", other, n=_op))
-    for name in ("neg", "pos", "abs", "invert", "index", "int", "float"):
+    for name in ("neg", "pos", "abs", "invert"):
         setattr(Remote, f"__{name}__", lambda self, _op=name: self._ask("op", n=_op))
+    # What Python itself requires these to return: another type raises in the tests, where a
+    # test's `except` could swallow it; here it is a fault.
+    for name, kind in (("index", int), ("int", int), ("float", float)):
+        setattr(Remote, f"__{name}__",
+                lambda self, _op=name, _kind=kind: self._ask("op", n=_op, want=lambda v: type(v) is _kind))
 
 
 _operator_methods()
@@ -575,7 +683,7 @@ def run_tests(tests: str, peer: Peer) -> tuple[bool, str, bool]:
     """(passed, reason, the candidate ended early)."""
     try:
         code = compile(tests, "tests.py", "exec", dont_inherit=True)
-        namespace = {"__name__": "__tests__", "__builtins__": builtins, **peer.start()}
+        namespace = {"__name__": "__tests__", "__builtins__": dict(PRISTINE_BUILTINS), **peer.start()}
         exec(code, namespace)
     except CandidateFault as fault:
         return False, fault.reason, fault.gone
@@ -588,21 +696,72 @@ def run_tests(tests: str, peer: Peer) -> tuple[bool, str, bool]:
 
 
 def tests(cfg: dict, replies: int, requests: int, result: int) -> None:
-    ok, reason, gone = run_tests(cfg["tests"], Peer(replies, requests))
-    os.write(result, json.dumps({"ok": ok, "reason": reason, "gone": gone}).encode())
+    if tests_nothing(cfg["tests"]):
+        verdict = {"ok": False, "reason": "the test snippet has no statement that tests anything "
+                   "(only blank lines, comments, docstrings or pass): give it asserts", "refused": True}
+    else:
+        ok, reason, gone = run_tests(cfg["tests"], Peer(replies, requests))
+        verdict = {"ok": ok, "reason": reason, "gone": gone}
+    os.write(result, json.dumps(verdict).encode())
     os._exit(0)
+
+
+def _inert(node: ast.stmt) -> bool:
+    """A statement that does nothing: `pass`, or a lone constant (a docstring, `...`)."""
+    return isinstance(node, ast.Pass) or (isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant))
+
+
+def tests_nothing(tests: str) -> bool:
+    try:
+        body = ast.parse(tests).body
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return False  # compiling it reports the error
+    return all(_inert(node) for node in body)
+
+
+def adds_nothing(source: str, start: int) -> bool:
+    """Whether everything from `start` on (the completion; the source compiles) is comments,
+    blank lines or inert statements (docstrings, `pass`, `...`): it verifies nothing, and would
+    pass on the strength of a prefix that compiles alone. Fails closed: untokenizable is nothing."""
+    try:
+        tree = ast.parse(source)
+        lines = source.split("\n")
+        offsets = [0]
+        for line in lines:
+            offsets.append(offsets[-1] + len(line) + 1)
+
+        def at(lineno: int, col: int, utf8: bool = False) -> int:
+            text = lines[lineno - 1]
+            return offsets[lineno - 1] + (len(text.encode()[:col].decode(errors="ignore")) if utf8 else col)
+
+        inert = [(at(n.lineno, n.col_offset, True), at(n.end_lineno, n.end_col_offset, True))
+                 for n in ast.walk(tree) if isinstance(n, ast.stmt) and _inert(n)]
+        for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+            first, last = at(*tok.start), at(*tok.end)
+            if tok.type in SILENT_TOKENS or last <= start:
+                continue
+            if not any(a <= first and last <= b for a, b in inert):
+                return False
+    except (SyntaxError, ValueError, RecursionError, MemoryError, IndexError, tokenize.TokenError):
+        return True
+    return True
 
 
 # ---------------------------------------------------------------------------------- compile, script
 
 
-def compile_only(cfg: dict, result: int) -> None:
+def compile_one(source: str, start: int) -> dict:
     try:
-        compile(cfg["source"], "solution.py", "exec", dont_inherit=True)
-        ok, reason = True, "compiles"
+        compile(source, "solution.py", "exec", dont_inherit=True)
     except BaseException as exc:  # noqa: BLE001 - a parser crash is a failed check
-        ok, reason = False, describe(exc, "solution.py")
-    os.write(result, json.dumps({"ok": ok, "reason": reason}).encode())
+        return {"ok": False, "reason": describe(exc, "solution.py")}
+    if adds_nothing(source, start):
+        return {"ok": False, "reason": "the completion adds no code (only comments, docstrings or pass)"}
+    return {"ok": True, "reason": "compiles"}
+
+
+def compile_only(cfg: dict, result: int) -> None:
+    os.write(result, json.dumps(compile_one(cfg["source"], cfg.get("start", 0))).encode())
     os._exit(0)
 
 
@@ -610,13 +769,8 @@ def compile_many(cfg: dict, result: int) -> None:
     """Compile each source (never run one): compiling executes nothing, so sources cannot affect
     one another; a source that exhausts a limit fails the whole batch, which is then checked
     one by one outside."""
-    out = []
-    for source in cfg["sources"]:
-        try:
-            compile(source, "solution.py", "exec", dont_inherit=True)
-            out.append({"ok": True, "reason": "compiles"})
-        except BaseException as exc:  # noqa: BLE001 - a parser crash is a failed check
-            out.append({"ok": False, "reason": describe(exc, "solution.py")})
+    starts = cfg.get("starts") or [0] * len(cfg["sources"])
+    out = [compile_one(source, start) for source, start in zip(cfg["sources"], starts, strict=True)]
     os.write(result, json.dumps({"ok": True, "reason": "batch", "results": out}).encode())
     os._exit(0)
 
