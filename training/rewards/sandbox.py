@@ -6,7 +6,7 @@ What the code inside gets (`_bwrap_args`):
   namespace's PID 1, so when it ends, everything it might have left behind ends with it;
 - a read-only root holding only the base interpreter, its stdlib (site-/dist-packages masked
   by an empty read-only tmpfs), the shared libraries they link (found with `ldd`), a minimal
-  /dev and `_harness.py`: no project tree, no venv, no /etc, no /proc, no /sys; the same root
+  /dev and `harness/`: no project tree, no venv, no /etc, no /proc, no /sys; the same root
   whatever the worker's process did before (its environment, sys.path, sysconfig, cwd): the
   layout comes from an isolated run of the base interpreter and ldd runs in an empty environment;
 - a private tmpfs work dir (/sandbox/work, `disk_mb` big), an empty environment but HOME/TMPDIR/PATH/LANG;
@@ -51,8 +51,8 @@ from pathlib import Path
 from typing import IO, Any
 
 BWRAP_ENV = "FLYWHEEL_BWRAP"
-HARNESS = Path(__file__).with_name("_harness.py")
-HARNESS_INSIDE = "/sandbox/harness.py"
+HARNESS = Path(__file__).with_name("harness")  # a folder of stdlib-only modules, mounted read-only
+HARNESS_INSIDE = "/sandbox/harness"
 WORKDIR = "/sandbox/work"  # a path no host file is likely to share: the audit hook tells them apart
 NOBODY = "65534"
 
@@ -357,7 +357,7 @@ class Sandboxed:
 
 
 def spawn(role: str, config: Mapping[str, Any], limits: SandboxLimits, fds: Sequence[int] = ()) -> Sandboxed:
-    """Starts `_harness.py ROLE FDS...` in a fresh sandbox; `config` (+ the limits) reaches it on stdin.
+    """Starts `harness/main.py ROLE FDS...` in a fresh sandbox; `config` (+ the limits) reaches it on stdin.
 
     `fds` are the only descriptors the sandbox inherits besides stdin/stdout/stderr."""
     exe, _ = _interpreter()
@@ -373,7 +373,7 @@ def spawn(role: str, config: Mapping[str, Any], limits: SandboxLimits, fds: Sequ
             stdin.write(json.dumps({**config, "limits": asdict(limits)}).encode())
             stdin.seek(0)
             argv = [bwrap_path(), "--json-status-fd", str(status_w), *_bwrap_args(limits, seccomp_fd),
-                    exe, "-I", "-S", "-B", "-X", "utf8", HARNESS_INSIDE, role, *map(str, fds)]
+                    exe, "-I", "-S", "-B", "-X", "utf8", f"{HARNESS_INSIDE}/main.py", role, *map(str, fds)]
             keep = (*fds, status_w, *([seccomp_fd] if seccomp_fd is not None else []))
             # env={}: not even bwrap's own /proc/PID/environ holds the worker's secrets.
             proc = subprocess.Popen(argv, stdin=stdin, stdout=output, stderr=subprocess.STDOUT, env={},
