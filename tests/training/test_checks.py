@@ -13,8 +13,8 @@ TESTS = "assert add(2, 3) == 5\nassert add(-1, 1) == 0\n"
 LIMITS = {"cpu_s": 1, "wall_s": 3.0, "memory_mb": 256}
 
 
-def run_tests(completion: str, prefix: str = "") -> CheckResult:
-    return make_check("python_tests", tests=TESTS, **LIMITS).run(completion, {"prefix": prefix})
+def run_tests(completion: str, prefix: str = "", **limits) -> CheckResult:
+    return make_check("python_tests", tests=TESTS, **{**LIMITS, **limits}).run(completion, {"prefix": prefix})
 
 
 def test_a_correct_completion_passes_and_the_prefix_is_prepended():
@@ -56,7 +56,9 @@ HOSTILE = {
 @pytest.mark.parametrize("name", sorted(HOSTILE))
 def test_a_hostile_completion_scores_zero_with_a_reason(name):
     code, reason = HOSTILE[name]
-    result = run_tests(code)
+    # The CPU limit must be met before the wall clock, however loaded the machine: a second of CPU
+    # can take longer than 3 s of wall time on shared cores.
+    result = run_tests(code, **({"wall_s": 60.0} if reason.startswith("CPU") else {}))
     assert result.score == 0.0
     assert reason in result.reason, result.reason
 

@@ -112,7 +112,7 @@ def test_project_files_and_the_hosts_etc_are_not_there():
     out = script(f"""
 import os, sys
 print(sorted(os.listdir("/")))
-for path in ({str(SETTINGS)!r}, {str(ROOT / 'training' / 'rewards' / '_harness.py')!r}, "/etc/passwd", "/etc/shadow"):
+for path in ({str(SETTINGS)!r}, {str(ROOT / 'training' / 'rewards' / 'harness' / 'main.py')!r}, "/etc/passwd", "/etc/shadow"):
     try:
         open(path).read()
         print(path, "READ")
@@ -378,7 +378,7 @@ while (req := found["recv"](found["requests"])) is not None:  # answer every req
     "truthy object": "class Yes:\n    def __bool__(self):\n        return True\ndef is_even(n):\n    return Yes()\n",
     "StopIteration ends the tests' loop": "def is_even(n):\n    raise StopIteration\n",
     "clearing its own violations": "import os\ntry:\n    os.fork()\nexcept Exception:\n    pass\n"
-                                   "import sys\nsys.modules['__main__'].VIOLATIONS.clear()\n"
+                                   "import sys\nsys.modules['harness.audit'].VIOLATIONS.clear()\n"
                                    "def add(a, b):\n    return a - b\n",
 }
 EVEN_TESTS = "assert all(map(is_even, [2, 4, 6]))\nassert is_even(8)\n"

@@ -26,9 +26,12 @@ nonce because there is none. What it can do is answer the tests' calls: returnin
 values is passing. Limits of the split: values are copied (a test that mutates a list in place
 through the candidate sees its own copy), callbacks cannot be passed to the candidate, and a
 test that compares the candidate's objects (not data) fails with a reason saying so. All of
-these fail closed. As in plain Python, a test sees the candidate's top-level names, so one that
-shadows a builtin the test leans on (`sorted`) is the candidate's; and a test that evals what
-the candidate returns runs the candidate's code with the tests' powers. A test snippet is
+these fail closed. A test sees the candidate's top-level names except those of builtins: its
+`all`, `sorted` or `isinstance` are always the builtins (a task must not name its function
+after one); and a test that evals what the candidate returns runs the candidate's code with the
+tests' powers. Non-finite numbers (NaN compares false with everything, so it would pass a "fail
+if error > tol" test) and malformed frames are faults of the candidate, decided outside the
+tests' code, so no `except Exception` in a snippet can swallow them. A test snippet is
 trusted to state the verdict (it is the spec), not to run outside the sandbox.
 "python_compiles" runs only the compiler, in one sandbox, and reports on the same kind of pipe.
 
@@ -119,21 +122,25 @@ def check_from_config(config: Mapping[str, Any]) -> Check:
 CPU_KILLED = (128 + 24, 128 + 9)  # bwrap's exit code for SIGXCPU and SIGKILL (RLIMIT_CPU's hard limit)
 
 
-def run_sandboxed(source: str, tests: str, mode: str, limits: SandboxLimits) -> CheckResult:
-    """Compile (`mode="compile"`) or run source + tests in fresh sandboxes; pass iff the tests sandbox says so."""
+def run_sandboxed(source: str, tests: str, mode: str, limits: SandboxLimits, start: int = 0) -> CheckResult:
+    """Compile (`mode="compile"`) or run source + tests in fresh sandboxes; pass iff the tests sandbox says so.
+
+    `start`: where the completion begins in `source` (what comes before is the prefix); compiling
+    fails a completion that adds only comments, docstrings or `pass`. A test snippet that tests
+    nothing (blank, comments, docstrings) raises CheckConfigError: it would pass any code."""
     if len(source) + len(tests) > limits.max_source_chars:
         return CheckResult(0.0, f"source too long ({len(source) + len(tests)} > {limits.max_source_chars} chars)")
     ensure_available()
     deadline = time.monotonic() + limits.wall_s
     if mode == "compile":
-        return _compile(source, limits, deadline)
+        return _compile(source, start, limits, deadline)
     return _run_tests(source, tests, limits, deadline)
 
 
-def _compile(source: str, limits: SandboxLimits, deadline: float) -> CheckResult:
+def _compile(source: str, start: int, limits: SandboxLimits, deadline: float) -> CheckResult:
     result_r, result_w = os.pipe()
     try:
-        box = spawn("compile", {"source": source}, limits, fds=(result_w,))
+        box = spawn("compile", {"source": source, "start": start}, limits, fds=(result_w,))
     finally:
         os.close(result_w)
     try:
@@ -179,6 +186,8 @@ def _verdict(raw: bytes | None, judge: Sandboxed, candidate: Sandboxed, limits: 
         return _ended(judge, "the test run", limits, deadline)
     if result["ok"]:
         return CheckResult(1.0, str(result["reason"]))
+    if result.get("refused") is True:
+        raise CheckConfigError(str(result["reason"]))
     if result.get("gone"):
         return _ended(candidate, "the code under test", limits, deadline)
     return CheckResult(0.0, str(result["reason"]))
@@ -214,11 +223,14 @@ class _SandboxCheck(Check):
         self.prompt_is_prefix = bool(prompt_is_prefix)
         self.limits = SandboxLimits(**limits)
 
-    def source(self, completion: str, context: Mapping[str, Any]) -> str:
+    def prefix(self, context: Mapping[str, Any]) -> str:
         prefix = context.get("prefix")
         if prefix is None and self.prompt_is_prefix:
             prefix = context.get("prompt", "")
-        return str(prefix or "") + completion
+        return str(prefix or "")
+
+    def source(self, completion: str, context: Mapping[str, Any]) -> str:
+        return self.prefix(context) + completion
 
 
 NOTHING_SUGGESTED = CheckResult(0.0, "empty completion: nothing to verify")
@@ -233,30 +245,33 @@ class PythonCompiles(_SandboxCheck):
     def run(self, completion: str, context: Mapping[str, Any] | None = None) -> CheckResult:
         if not completion.strip():
             return NOTHING_SUGGESTED
-        ctx = context or {}
-        return run_sandboxed(self.source(completion, ctx), "", "compile", self.limits)
+        prefix = self.prefix(context or {})
+        return run_sandboxed(prefix + completion, "", "compile", self.limits, start=len(prefix))
 
     def run_many(self, items: Sequence[tuple[str, Mapping[str, Any] | None]]) -> list[CheckResult]:
         # An empty suggestion verifies nothing: with a prefix that compiles on its own it would
         # otherwise pass, and a policy learns silence (measured: candidates refused for concision).
         todo = [i for i, (completion, _) in enumerate(items) if completion.strip()]
-        sources = [self.source(items[i][0], items[i][1] or {}) for i in todo]
+        prefixes = [self.prefix(items[i][1] or {}) for i in todo]
+        sources = [(p + items[i][0], len(p)) for i, p in zip(todo, prefixes, strict=True)]
         compiled: list[CheckResult] = []
-        for start in range(0, len(sources), self.batch):
-            compiled += self._compile_batch(sources[start : start + self.batch])
+        for first in range(0, len(sources), self.batch):
+            compiled += self._compile_batch(sources[first : first + self.batch])
         out = [NOTHING_SUGGESTED] * len(items)
         for i, result in zip(todo, compiled, strict=True):
             out[i] = result
         return out
 
-    def _compile_batch(self, sources: list[str]) -> list[CheckResult]:
-        if sum(map(len, sources)) > self.limits.max_source_chars:
-            return [run_sandboxed(s, "", "compile", self.limits) for s in sources]
+    def _compile_batch(self, sources: list[tuple[str, int]]) -> list[CheckResult]:
+        """(source, where its completion starts) pairs, compiled in one sandbox."""
+        if sum(len(s) for s, _ in sources) > self.limits.max_source_chars:
+            return [run_sandboxed(s, "", "compile", self.limits, start) for s, start in sources]
         ensure_available()
         deadline = time.monotonic() + self.limits.wall_s
         result_r, result_w = os.pipe()
+        config = {"sources": [s for s, _ in sources], "starts": [start for _, start in sources]}
         try:
-            box = spawn("compile_many", {"sources": sources}, self.limits, fds=(result_w,))
+            box = spawn("compile_many", config, self.limits, fds=(result_w,))
         finally:
             os.close(result_w)
         try:
@@ -267,7 +282,7 @@ class PythonCompiles(_SandboxCheck):
         results = (_parse(raw) or {}).get("results") if raw is not None else None
         if not isinstance(results, list) or len(results) != len(sources):
             # One source exhausted a limit (or the batch failed): each gets its own verdict.
-            return [run_sandboxed(s, "", "compile", self.limits) for s in sources]
+            return [run_sandboxed(s, "", "compile", self.limits, start) for s, start in sources]
         return [CheckResult(1.0 if r.get("ok") is True else 0.0, str(r.get("reason", ""))[:2000]) for r in results]
 
 
@@ -282,6 +297,7 @@ class PythonTests(_SandboxCheck):
     def run(self, completion: str, context: Mapping[str, Any] | None = None) -> CheckResult:
         ctx = context or {}
         tests = ctx.get("tests", self.tests)
-        if not tests:
-            raise CheckConfigError("python_tests needs a test snippet: pass tests= or context['tests']")
+        if not tests or not str(tests).strip():
+            raise CheckConfigError("python_tests needs a test snippet (it is missing or blank, and would "
+                                   "pass any code): pass tests= or context['tests'] with asserts")
         return run_sandboxed(self.source(completion, ctx), str(tests), "exec", self.limits)

@@ -6,14 +6,15 @@ What the code inside gets (`_bwrap_args`):
   namespace's PID 1, so when it ends, everything it might have left behind ends with it;
 - a read-only root holding only the base interpreter, its stdlib (site-/dist-packages masked
   by an empty read-only tmpfs), the shared libraries they link (found with `ldd`), a minimal
-  /dev and `_harness.py`: no project tree, no venv, no /etc, no /proc, no /sys; the same root
+  /dev and `harness/`: no project tree, no venv, no /etc, no /proc, no /sys; the same root
   whatever the worker's process did before (its environment, sys.path, sysconfig, cwd): the
   layout comes from an isolated run of the base interpreter and ldd runs in an empty environment;
 - a private tmpfs work dir (/sandbox/work, `disk_mb` big), an empty environment but HOME/TMPDIR/PATH/LANG;
 - a seccomp filter (x86_64, aarch64) refusing new processes (threads are fine), ptrace,
   process_vm_*, bpf, userfaultfd, io_uring, perf_event_open, keyrings, mount/namespace calls,
-  module/kexec loading, and any other syscall ABI (i386, x32): kernel attack surface Python
-  never needs (elsewhere: no filter, and RLIMIT_NPROC alone caps forks, unless root);
+  module/kexec loading, socket families other than unix/inet/inet6 (AF_VSOCK, AF_NETLINK...), and
+  any other syscall ABI (i386, x32): kernel attack surface Python never needs (elsewhere: no
+  filter, and RLIMIT_NPROC alone caps forks, unless root);
 - rlimits (CPU, AS, FSIZE, NPROC, NOFILE, CORE) set by the harness before any code runs, a
   wall-clock deadline kept by the parent, who then kills the sandbox (its PID namespace dies
   with it, grandchildren included).
@@ -50,8 +51,8 @@ from pathlib import Path
 from typing import IO, Any
 
 BWRAP_ENV = "FLYWHEEL_BWRAP"
-HARNESS = Path(__file__).with_name("_harness.py")
-HARNESS_INSIDE = "/sandbox/harness.py"
+HARNESS = Path(__file__).with_name("harness")  # a folder of stdlib-only modules, mounted read-only
+HARNESS_INSIDE = "/sandbox/harness"
 WORKDIR = "/sandbox/work"  # a path no host file is likely to share: the audit hook tells them apart
 NOBODY = "65534"
 
@@ -230,11 +231,16 @@ _DENIED: dict[str, tuple[int, int | None]] = {
     "fork": (57, None), "vfork": (58, None),  # aarch64 has only clone
 }
 _CLONE, _CLONE3 = (56, 220), (435, 435)
+_SOCKET_CALLS = ((41, 198), (53, 199))  # socket, socketpair: their first argument is the family
+# AF_UNIX, AF_INET, AF_INET6 (the network namespace has only its own loopback): every other family
+# (AF_VSOCK reaches the hypervisor's host, AF_NETLINK, AF_PACKET, AF_ALG... are kernel attack
+# surface) answers EAFNOSUPPORT.
+_SOCKET_FAMILIES = (1, 2, 10)
 _ARCHES = {"x86_64": (0xC000003E, 0), "aarch64": (0xC00000B7, 1)}  # AUDIT_ARCH_*, column in the tables
 _X32_BIT, _CLONE_THREAD = 0x40000000, 0x00010000
 _LD, _JEQ, _JGE, _JSET, _RET = 0x20, 0x15, 0x35, 0x45, 0x06
 _ALLOW, _KILL, _ERRNO = 0x7FFF0000, 0x80000000, 0x00050000
-_EPERM, _ENOSYS = 1, 38
+_EPERM, _ENOSYS, _EAFNOSUPPORT = 1, 38, 97
 
 
 def seccomp_program(machine: str | None = None) -> bytes | None:
@@ -242,7 +248,8 @@ def seccomp_program(machine: str | None = None) -> bytes | None:
 
     Besides the denied calls it refuses new processes (fork, vfork, clone without CLONE_THREAD;
     clone3 answers ENOSYS so libc falls back to clone, whose flags a filter can read): RLIMIT_NPROC
-    does not bind a worker running as root, whom the sandbox user maps to."""
+    does not bind a worker running as root, whom the sandbox user maps to. Sockets: only the
+    families in `_SOCKET_FAMILIES`."""
     arch = _ARCHES.get(machine or platform.machine())
     if arch is None:
         return None
@@ -251,13 +258,18 @@ def seccomp_program(machine: str | None = None) -> bytes | None:
         (_LD, 0, 0, 4), (_JEQ, 0, "kill", audit_arch), (_LD, 0, 0, 0),  # seccomp_data.arch, then .nr
         *([(_JGE, "deny", 0, _X32_BIT)] if col == 0 else []),
         *[(_JEQ, "deny", 0, numbers[col]) for numbers in _DENIED.values() if numbers[col] is not None],
+        *[(_JEQ, "socket", 0, numbers[col]) for numbers in _SOCKET_CALLS],
         (_JEQ, "enosys", 0, _CLONE3[col]), (_JEQ, 0, "allow", _CLONE[col]),
         (_LD, 0, 0, 16), (_JSET, "allow", "deny", _CLONE_THREAD),  # clone's flags, low 32 bits
     ]
-    labels = {"allow": (_RET, 0, 0, _ALLOW), "deny": (_RET, 0, 0, _ERRNO | _EPERM),
-              "enosys": (_RET, 0, 0, _ERRNO | _ENOSYS), "kill": (_RET, 0, 0, _KILL)}
-    at = {name: len(prog) + i for i, name in enumerate(labels)}
-    prog += labels.values()
+    blocks = {"socket": [(_LD, 0, 0, 16), *[(_JEQ, "allow", 0, family) for family in _SOCKET_FAMILIES],
+                         (_RET, 0, 0, _ERRNO | _EAFNOSUPPORT)],  # args[0], the family (low 32 bits)
+              "allow": [(_RET, 0, 0, _ALLOW)], "deny": [(_RET, 0, 0, _ERRNO | _EPERM)],
+              "enosys": [(_RET, 0, 0, _ERRNO | _ENOSYS)], "kill": [(_RET, 0, 0, _KILL)]}
+    at = {}
+    for name, block in blocks.items():
+        at[name] = len(prog)
+        prog += block
 
     def jump(i: int, target: str | int) -> int:
         return at[target] - i - 1 if isinstance(target, str) else target
@@ -345,7 +357,7 @@ class Sandboxed:
 
 
 def spawn(role: str, config: Mapping[str, Any], limits: SandboxLimits, fds: Sequence[int] = ()) -> Sandboxed:
-    """Starts `_harness.py ROLE FDS...` in a fresh sandbox; `config` (+ the limits) reaches it on stdin.
+    """Starts `harness/main.py ROLE FDS...` in a fresh sandbox; `config` (+ the limits) reaches it on stdin.
 
     `fds` are the only descriptors the sandbox inherits besides stdin/stdout/stderr."""
     exe, _ = _interpreter()
@@ -361,7 +373,7 @@ def spawn(role: str, config: Mapping[str, Any], limits: SandboxLimits, fds: Sequ
             stdin.write(json.dumps({**config, "limits": asdict(limits)}).encode())
             stdin.seek(0)
             argv = [bwrap_path(), "--json-status-fd", str(status_w), *_bwrap_args(limits, seccomp_fd),
-                    exe, "-I", "-S", "-B", "-X", "utf8", HARNESS_INSIDE, role, *map(str, fds)]
+                    exe, "-I", "-S", "-B", "-X", "utf8", f"{HARNESS_INSIDE}/main.py", role, *map(str, fds)]
             keep = (*fds, status_w, *([seccomp_fd] if seccomp_fd is not None else []))
             # env={}: not even bwrap's own /proc/PID/environ holds the worker's secrets.
             proc = subprocess.Popen(argv, stdin=stdin, stdout=output, stderr=subprocess.STDOUT, env={},
