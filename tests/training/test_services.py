@@ -188,7 +188,7 @@ def test_a_run_recomputes_missing_behaviour_logprobs_records_steps_and_registers
     steps = list(TrainingStep.objects.filter(run=run))
     assert [s.step for s in steps] == [0, 1, 2]
     # mu was recomputed from v1, the policy being trained, so at step 0 it equals pi_old.
-    assert steps[0].mismatch_kl == pytest.approx(0.0, abs=1e-6)
+    assert steps[0].mismatch_kl == pytest.approx(0.0, abs=1e-6) and steps[0].staleness_kl is None  # all served by v1
     assert run.config["behaviour_unknown"] == 0 and run.config["samples"] == 8
     candidate = run.candidate
     assert (candidate.state, candidate.parent, candidate.number) == ("candidate", production, 2)

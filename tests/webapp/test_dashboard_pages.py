@@ -98,7 +98,7 @@ def test_runs_page_compares_two_runs(loaded, bob):
     a, b = TrainingRun.objects.filter(project=loaded).order_by("id")[:2]
     body = _client(bob).get(f"/p/{loaded.slug}/runs/?run={a.id}&compare={b.id}").content.decode()
     assert f"run {a.id}" in body and f"run {b.id}" in body
-    for metric in ("loss", "kl_ref", "entropy", "clip_fraction", "mismatch_kl", "grad_norm", "reward_mean",
+    for metric in ("loss", "kl_ref", "entropy", "clip_fraction", "mismatch_kl", "staleness_kl", "grad_norm", "reward_mean",
                    "tokens_per_s"):
         assert f'data-figure="{metric}"' in body
 
