@@ -11,6 +11,9 @@ PostgreSQL stores and the trainer reads without a special case:
 - every number is finite and within the 64-bit float range; typed fields are tighter:
   log-probs in [-10000, 0], `value` and step `reward` within +-1e6 (a custom signal's value is
   its reward), aspect labels on the judges' scale [0, 1];
+- a graded signal's `value` is its grade (`GRADED_VALUES`): an `accept`'s is the accepted
+  characters (a whole number in [0, 100000]; a partial accept), an `edit_kept`'s the kept fraction
+  in [0, 1]; the reward spec says how it scales the signal's reward;
 - `occurred_at` lies in 2000-01-01 .. now + 1 day (clients buffer events; clocks drift);
 - free-form JSON (prompt, tool calls, extra fields) nests at most 32 levels;
 - token ids lie in [0, 2**22): policy versions do not record their vocabulary size, so one bound
@@ -66,6 +69,9 @@ EVENT_TYPES = ("trajectory", "feedback")
 _TRAJECTORY_FIELDS = frozenset(
     {"type", "id", "policy_version", "task", "tags", "source", "prompt", "steps", "occurred_at"}
 )
+MAX_ACCEPTED_CHARS = 100_000  # characters of one accepted suggestion
+# Signals whose `value` grades them, and the unit it is in (training.rewards.spec scales by it).
+GRADED_VALUES = {"accept": "chars", "edit_kept": "fraction"}
 _FEEDBACK_FIELDS = frozenset(
     {"type", "id", "trajectory_id", "signal", "value", "step", "user", "occurred_at", "aspect_labels"}
 )
@@ -183,7 +189,7 @@ def parse_feedback(raw: dict, now: datetime, user_salt: str) -> FeedbackRecord:
         event_id=raw["id"],
         trajectory_external_id=_identifier(raw.get("trajectory_id"), "trajectory_id"),
         signal=signal,
-        value=_bounded(raw.get("value"), "value", -VALUE_LIMIT, VALUE_LIMIT),
+        value=_signal_value(signal, raw.get("value")),
         step=_optional_int(raw.get("step"), "step"),
         user_hash=hash_user(user, user_salt) if user is not None else "",
         aspect_labels=_json_text(labels, "aspect_labels") if labels is not None else None,
@@ -201,6 +207,20 @@ def hash_user(user: str, key: str) -> str:
 def _is_custom(signal: str) -> bool:
     name = signal.removeprefix("custom:")
     return signal.startswith("custom:") and 0 < len(signal) <= MAX_SIGNAL_CHARS and name.replace("_", "").isalnum()
+
+
+def _signal_value(signal: str, raw: Any) -> float | None:
+    unit = GRADED_VALUES.get(signal)
+    if unit is None or raw is None:
+        return _bounded(raw, "value", -VALUE_LIMIT, VALUE_LIMIT)
+    value = _as_float(raw)
+    if unit == "chars" and (value is None or not value.is_integer() or not 0 <= value <= MAX_ACCEPTED_CHARS):
+        raise EventError(f"'value'={_show(raw)} of an 'accept' is the accepted characters: send a finite whole number in "
+                         f"[0, {MAX_ACCEPTED_CHARS}] (the characters of a partial accept), or null for a full accept")
+    if unit == "fraction" and (value is None or not 0 <= value <= 1):
+        raise EventError(f"'value'={_show(raw)} of an 'edit_kept' is the kept fraction: send a finite number in [0, 1] "
+                         "(0.25: a quarter of the suggestion survived the edit), or null")
+    return value
 
 
 def _user(raw: Any) -> str | None:

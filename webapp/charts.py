@@ -10,7 +10,9 @@ if TYPE_CHECKING:
     from feedback.models import FeedbackEvent, Trajectory
     from training.models import TrainingRun
 
-METRICS = ("loss", "kl_ref", "entropy", "clip_fraction", "mismatch_kl", "grad_norm", "reward_mean", "tokens_per_s")
+# mismatch_kl: engine mismatch on rows the run's base served; staleness_kl: rows an older version served
+METRICS = ("loss", "kl_ref", "entropy", "clip_fraction", "mismatch_kl", "staleness_kl", "grad_norm", "reward_mean",
+           "tokens_per_s")
 
 
 def version_name(v: int | None) -> str:

@@ -19,6 +19,7 @@ from django.views.defaults import page_not_found
 from core.errors import ApplicationError, Forbidden, html_error_response
 from core.params import query_datetime, query_int, query_text
 from training.replicas.selectors import replica_rows
+from training.rewards import selectors as reward_selectors
 from training.versions.selectors import policy_by_number, production_at
 from webapp import charts, selectors, services
 
@@ -112,7 +113,8 @@ def rubrics(request: HttpRequest, slug: str) -> HttpResponse:
     return render(request, "dashboard/rubrics.html", _ctx(
         request, project, "rubrics", task=task, tag=tag, filters=selectors.rubric_filters(project),
         figures=figures, agreement=view["agreement"], judge_failures=view["judge_failures"],
-        reward_models=selectors.reward_model_history(project)))
+        reward_models=selectors.reward_model_history(project),
+        signals=reward_selectors.signal_rows(project)))
 
 
 @page

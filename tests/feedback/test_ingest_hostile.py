@@ -413,3 +413,27 @@ def test_a_project_without_an_active_secret_answers_like_a_wrong_signature(post_
     no_secret = post_events(None, raw=body, headers=headers, project=other_creds.project.slug)
     wrong = post_events(None, raw=body, headers=headers, project=creds.project.slug)
     assert no_secret.status_code == 401 and _answer(no_secret) == _answer(wrong)
+
+
+# --- graded signals ------------------------------------------------------------------------------------
+
+
+def test_a_graded_value_out_of_its_range_refuses_its_event_with_the_unit(post_events):
+    _each_refused_alone(post_events, {
+        "negative chars": (feedback("x", value=-3), "accepted characters: send a finite whole number in [0, 100000]"),
+        "fractional chars": (feedback("x", value=2.5), "whole number"),
+        "too many chars": (feedback("x", value=100_001), "[0, 100000]"),
+        "chars as text": (feedback("x", value="12"), "accepted characters"),
+        "fraction above 1": (feedback("x", signal="edit_kept", value=1.5), "kept fraction: send a finite number in [0, 1]"),
+        "negative fraction": (feedback("x", signal="edit_kept", value=-0.1), "kept fraction"),
+        "fraction as a bool": (feedback("x", signal="edit_kept", value=True), "kept fraction"),
+    })
+
+
+def test_graded_values_in_range_are_stored(post_events):
+    events = [feedback("a", value=17), feedback("b", value=0), feedback("c", signal="edit_kept", value=0.25),
+              feedback("d", value=None), feedback("e", signal="reject", value=-3)]
+    response = post_events(None, raw=json.dumps({"events": events}).encode())
+    assert [r["status"] for r in response.json()["results"]] == ["accepted"] * 5
+    assert dict(FeedbackEvent.objects.values_list("event_id", "value")) == {
+        "a": 17.0, "b": 0.0, "c": 0.25, "d": None, "e": -3.0}

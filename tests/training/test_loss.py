@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from training.rl.loss import LossInputs, k3, policy_loss
+from training.rl.loss import KL_TOKEN_BOUND, LossInputs, k3, k3_bounded, policy_loss
 
 EPS, EPS_HIGH, CAP = 0.2, 0.28, 2.0
 
@@ -97,3 +97,46 @@ def test_normalizer_and_entropy_are_passed_through():
     out = run(inputs)
     assert out.loss.item() == pytest.approx(-0.25)
     assert out.entropy.item() == pytest.approx(0.7)
+
+
+def _stale_rows(beta: float):
+    """Two rows: one served by the run's base weights (mu = pi_old), one served by an older version
+    on which pi_theta has moved far off the reference: log(pi_ref / pi_theta) = 30 and 17 nats."""
+    old = torch.tensor([[-1.0, -1.0], [-40.0, -25.0]])
+    logp = old.clone().requires_grad_()
+    return LossInputs(logprobs=logp, old_logprobs=old, advantages=torch.tensor([1.0, 1.0]),
+                      mask=torch.ones(2, 2, dtype=torch.bool),
+                      behaviour_logprobs=torch.tensor([[-1.0, -1.0], [-0.5, -24.0]]),
+                      ref_logprobs=torch.tensor([[-1.0, -1.0], [-10.0, -8.0]]),
+                      same_weights=torch.tensor([True, False])), logp
+
+
+def test_kl_ref_on_stale_rows_stays_finite_and_its_gradient_bounded():
+    inputs, logp = _stale_rows(beta=0.1)
+    unbounded = k3(inputs.ref_logprobs - inputs.old_logprobs)[1]  # exp(30): what the demo's 22,767,958 was
+    assert float(unbounded.max()) > 1e12
+    out = run(inputs, beta=0.1)
+    assert math.isfinite(out.kl_ref.item()) and out.kl_ref.item() == pytest.approx((0 + 0 + 10 + 10) / 4)
+    out.loss.backward()
+    assert torch.isfinite(logp.grad).all()
+    # PPO's part is -rho A / 4 per token (rho = 1) and the clamped tokens add no KL gradient.
+    assert logp.grad.abs().max().item() == pytest.approx(0.25, rel=1e-6)
+
+
+def test_the_bounded_k3_is_k3_inside_its_bounds_and_clamped_outside():
+    x = torch.tensor([-30.0, -1.0, 0.0, 0.5, 2.0, 3.0, 30.0], requires_grad=True)
+    y = k3_bounded(x)
+    assert y[1:5].tolist() == pytest.approx(k3(x[1:5].detach()).tolist())
+    assert y[0].item() == KL_TOKEN_BOUND and y[5].item() == KL_TOKEN_BOUND and y[6].item() == KL_TOKEN_BOUND
+    y.sum().backward()
+    assert x.grad.abs().max().item() < 12.6  # |e^x - 1| below x ~ 2.53, where k3 reaches the bound
+
+
+def test_staleness_is_measured_apart_from_the_engine_mismatch():
+    inputs, _ = _stale_rows(beta=0.0)
+    out = run(inputs)
+    assert out.mismatch_kl.item() == 0.0 and out.mismatch_tokens == 2  # the base's own rows: no engine fault
+    expected = (KL_TOKEN_BOUND + k3(torch.tensor(-1.0)).item()) / 2  # log(pi_old / mu) = -39.5 (bounded) and -1
+    assert out.staleness_kl.item() == pytest.approx(expected, rel=1e-6) and out.staleness_tokens == 2
+    everyone = run(LossInputs(**{**inputs.__dict__, "same_weights": None}))
+    assert everyone.staleness_tokens == 0 and everyone.mismatch_tokens == 4  # unknown origin: all the base's

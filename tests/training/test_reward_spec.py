@@ -56,3 +56,51 @@ def test_custom_signals_use_their_value_and_missing_checks_are_an_error():
     assert parts["feedback:thumbs"] == 0.4 and parts["feedback:mystery"] == 0.0 and total == pytest.approx(1.4)
     with pytest.raises(ValueError, match="no result for check 'python_tests'"):
         compute_reward(spec, ["accept"], {}, {})
+
+
+GRADED = {"accept": {"reward": 0.75, "value": "chars", "scale": 40}, "edit_kept": {"reward": 0.5, "value": "fraction"}}
+
+
+@pytest.mark.parametrize(("signal", "value", "expected"), [
+    ("accept", 10, 0.75 * 10 / 40),  # a partial accept of 10 characters: a quarter of the way to saturation
+    ("accept", 40, 0.75),  # saturated at `scale`
+    ("accept", 400, 0.75),  # and no further
+    ("accept", 0, 0.0),
+    ("accept", None, 0.75),  # a plain accept (no grade measured) earns the full reward
+    ("edit_kept", 0.25, 0.125),
+    ("edit_kept", 1.0, 0.5),
+    ("edit_kept", None, 0.5),
+    ("reject", 7, -0.25),  # an ungraded signal ignores a value
+])
+def test_a_graded_signal_scales_its_reward_by_its_value(signal, value, expected):
+    spec = RewardSpecData.from_json(GRADED)
+    total, parts = compute_reward(spec, [{"signal": signal, "value": value}], {}, {})
+    assert parts == {f"feedback:{signal}": pytest.approx(expected)} and total == pytest.approx(expected)
+
+
+def test_of_repeated_graded_events_the_last_value_counts_once():
+    spec = RewardSpecData.from_json(GRADED)
+    _, parts = compute_reward(spec, [("accept", 8.0), ("accept", 20.0)], {}, {})
+    assert parts == {"feedback:accept": pytest.approx(0.375)}
+
+
+def test_a_graded_spec_round_trips_through_json():
+    spec = RewardSpecData.from_json(GRADED)
+    assert spec.to_json()["signal_rewards"]["accept"] == {"reward": 0.75, "value": "chars", "scale": 40.0}
+    assert RewardSpecData.from_json(**spec.to_json()) == spec
+    assert spec.signal_rewards["accept"] == 0.75  # the full reward, as the reward model's expectation reads it
+
+
+@pytest.mark.parametrize(("entry", "fix"), [
+    ({"reject": {"reward": -0.25, "value": "chars", "scale": 4}}, "give reject a plain number"),
+    ({"accept": {"reward": 0.75, "value": "fraction"}}, "set \"value\": 'chars'"),
+    ({"accept": {"reward": 0.75, "value": "chars"}}, "scale=None: give a finite number"),
+    ({"accept": {"reward": 0.75, "value": "chars", "scale": 0}}, r"a number in \[1, 100000\]"),
+    ({"edit_kept": {"reward": 0.5, "value": "fraction", "scale": 3}}, "remove \"scale\""),
+    ({"accept": {"reward": 0.75, "unit": "chars"}}, "grade a signal as"),
+    ({"accept": {"reward": float("nan"), "value": "chars", "scale": 4}}, "reward=nan: give a finite number"),
+    ({"accept": "lots"}, "accept='lots': give a finite number"),
+])
+def test_a_bad_grade_is_refused_with_the_fix(entry, fix):
+    with pytest.raises(ValueError, match=fix):
+        RewardSpecData.from_json(entry)

@@ -117,6 +117,20 @@ def test_an_invalid_spec_edit_is_refused_with_the_reason(creds):
     assert RewardSpec.objects.get().judge == DEFAULT_JUDGE
 
 
+def test_a_partial_accept_is_rewarded_by_its_accepted_characters(creds):
+    from core.errors import BadRequest
+
+    plain_spec(creds.project, settle_seconds=0)
+    with pytest.raises(BadRequest, match="scale=0: give the accepted characters that earn the full reward"):
+        reward_spec_update(creds.project, signal_rewards={"accept": {"reward": 0.8, "value": "chars", "scale": 0}})
+    reward_spec_update(creds.project, signal_rewards={"accept": {"reward": 0.8, "value": "chars", "scale": 40}})
+    feedback_ingest(creds.project, [trajectory("t-1"), feedback("fb-1", "t-1", "accept", value=10),
+                                    trajectory("t-2"), feedback("fb-2", "t-2", "accept")])
+    rewards_compute_pending(creds.project, now=later(1))
+    totals = dict(Reward.objects.values_list("trajectory__external_id", "total"))
+    assert totals == {"t-1": pytest.approx(0.2), "t-2": pytest.approx(0.8)}  # 0.8 x 10/40; a plain accept in full
+
+
 def test_the_default_spec_scores_rubric_aspects_with_the_rule_judge(creds):
     spec = reward_spec_update(creds.project, settle_seconds=0)
     feedback_ingest(creds.project, [trajectory("t-1"), feedback("fb-1", "t-1", "accept")])
@@ -174,7 +188,7 @@ def test_a_run_recomputes_missing_behaviour_logprobs_records_steps_and_registers
     steps = list(TrainingStep.objects.filter(run=run))
     assert [s.step for s in steps] == [0, 1, 2]
     # mu was recomputed from v1, the policy being trained, so at step 0 it equals pi_old.
-    assert steps[0].mismatch_kl == pytest.approx(0.0, abs=1e-6)
+    assert steps[0].mismatch_kl == pytest.approx(0.0, abs=1e-6) and steps[0].staleness_kl is None  # all served by v1
     assert run.config["behaviour_unknown"] == 0 and run.config["samples"] == 8
     candidate = run.candidate
     assert (candidate.state, candidate.parent, candidate.number) == ("candidate", production, 2)

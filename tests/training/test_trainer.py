@@ -251,6 +251,20 @@ def test_metrics_report_mismatch_kl_kl_ref_routing_and_staleness():
     assert all(math.isfinite(v) for v in metrics.to_dict().values() if isinstance(v, float))
 
 
+def test_a_step_reports_staleness_apart_from_engine_mismatch_and_a_finite_kl_on_stale_rows():
+    model, ref = tiny_dense(), tiny_dense(seed=1)
+    cfg = RLConfig(beta=0.5, micro_batch_size=1, shared_prefix=False)
+    fresh = Sample([1, 2], [3, 4], reward=1.0, policy_version=3)  # mu recomputed = pi_old: no mismatch
+    stale = Sample([1, 2], [5, 6], reward=0.0, behaviour_logprobs=[-30.0, -0.01], policy_version=2)
+    batch = prepare_batch([fresh, stale], current_version=3, cfg=cfg, pad_id=PAD)
+    assert batch.same_weights.tolist() == [True, False]
+    metrics = rl_step(model, ref, batch, torch.optim.AdamW(model.parameters(), lr=1e-3), cfg)
+    assert metrics.mismatch_kl == pytest.approx(0.0, abs=1e-6)  # the base's own row, micro-batched alone
+    assert 0 < metrics.staleness_kl <= 10 and math.isfinite(metrics.kl_ref) and math.isfinite(metrics.grad_norm)
+    only_fresh = rl_step(model, ref, prepare_batch([fresh], 3, cfg, PAD), torch.optim.SGD(model.parameters(), lr=0), cfg)
+    assert only_fresh.staleness_kl is None and only_fresh.mismatch_kl is not None
+
+
 # ------------------------------------------------------------------------------ learning
 
 PROMPTS = [[1, 2], [3, 4], [5, 6], [7, 8]]

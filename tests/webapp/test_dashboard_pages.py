@@ -98,7 +98,7 @@ def test_runs_page_compares_two_runs(loaded, bob):
     a, b = TrainingRun.objects.filter(project=loaded).order_by("id")[:2]
     body = _client(bob).get(f"/p/{loaded.slug}/runs/?run={a.id}&compare={b.id}").content.decode()
     assert f"run {a.id}" in body and f"run {b.id}" in body
-    for metric in ("loss", "kl_ref", "entropy", "clip_fraction", "mismatch_kl", "grad_norm", "reward_mean",
+    for metric in ("loss", "kl_ref", "entropy", "clip_fraction", "mismatch_kl", "staleness_kl", "grad_norm", "reward_mean",
                    "tokens_per_s"):
         assert f'data-figure="{metric}"' in body
 
@@ -198,3 +198,15 @@ def test_the_rubric_page_shows_the_users_reward_model_per_run(creds, bob):
     table = body[body.index('id="reward-model"'):]
     assert f"?run={run.id}" in table and "812" in table and "0.971" in table and "0.142 (0.566)" in table
     assert table.count("<tr>") == 2  # the header and the one run that fitted a model
+
+
+def test_the_rubric_page_shows_how_graded_signals_scale_their_reward(creds, bob):
+    from training.rewards.services import reward_spec_update
+
+    reward_spec_update(creds.project, signal_rewards={"accept": {"reward": 0.75, "value": "chars", "scale": 40},
+                                                      "edit_kept": {"reward": 0.5, "value": "fraction"}})
+    body = _client(bob).get(f"/p/{creds.project.slug}/rubrics/").content.decode()
+    table = body[body.index('id="signal-rewards"'):body.index('id="reward-model"')]
+    assert "<td>accept</td><td>0.750</td><td>x min(chars, 40) / 40</td>" in table
+    assert "<td>edit_kept</td><td>0.500</td><td>x kept fraction</td>" in table
+    assert "<td>reject</td><td>-0.250</td><td>-</td>" in table

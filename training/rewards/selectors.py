@@ -13,6 +13,7 @@ from feedback.models import FeedbackEvent, Project, Quarantine, Step, Trajectory
 from training.models import AgentTask, Reward, RewardSpec, RubricScore
 from training.rewards.calibration import Agreement, aspect_agreement
 from training.rewards.reward_model import Labelled
+from training.rewards.spec import RewardSpecData
 
 
 def reward_list(project: Project, spec: RewardSpec | None = None) -> QuerySet[Reward]:
@@ -80,14 +81,30 @@ def judge_agreement(
     return {judge: aspect_agreement(r, threshold, human_threshold) for judge, r in sorted(rows.items())}
 
 
+def signal_rows(project: Project) -> list[dict[str, Any]]:
+    """The current spec's signal -> reward map as the rubric page shows it (the defaults before a
+    spec exists): each signal's full reward and, for a graded one, how its value scales it."""
+    spec = RewardSpec.objects.filter(project=project).order_by("-version").first()
+    data = RewardSpecData.from_json(spec.signal_rewards if spec is not None else None)
+    rows = []
+    for name, reward in data.signal_rewards.items():
+        grade = data.grades.get(name)
+        how = ("" if grade is None else f"x min(chars, {grade.scale:g}) / {grade.scale:g}" if grade.unit == "chars"
+               else "x kept fraction")
+        rows.append({"signal": name, "reward": reward, "graded": how})
+    return rows
+
+
 CLICKS = ("accept", "reject")
 
 
 def labelled_suggestions(project: Project, spec: RewardSpec, limit: int = 4000) -> list[Labelled]:
     """The newest `limit` live suggestions a user accepted or rejected, oldest first, with their
     check outcomes under `spec` (its reward components): what the reward model is fitted on.
-    The later of accept/reject on one suggestion is its label."""
+    The later of accept/reject on one suggestion is its label: 0 for a reject, for an accept 1 or,
+    when the spec grades accepts, the share of the reward its value earned (a partial accept)."""
     weights = {c["name"]: float(c.get("weight", 1.0)) for c in spec.checks}
+    grade = RewardSpecData.from_json(spec.signal_rewards).grades.get("accept")
     clicked = FeedbackEvent.objects.filter(trajectory=OuterRef("trajectory"), signal__in=CLICKS)
     rewards = (
         Reward.objects.filter(spec=spec, trajectory__project=project, trajectory__source="live")
@@ -112,9 +129,15 @@ def labelled_suggestions(project: Project, spec: RewardSpec, limit: int = 4000) 
             completion="".join(s.content for s in steps),
             checks=checks,
             completion_ids=[int(t) for s in steps for t in (s.token_ids or [])],
-            label=1.0 if events[-1].signal == "accept" else 0.0,
+            label=_label(events[-1], grade),
         ))
     return out
+
+
+def _label(event: FeedbackEvent, grade: Any) -> float:
+    if event.signal != "accept":
+        return 0.0
+    return grade.factor(event.value) if grade is not None else 1.0
 
 
 def agent_tasks(project: Project) -> list[Any]:

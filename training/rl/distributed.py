@@ -20,7 +20,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, astuple, dataclass, fields, replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from training.rl.config import RLConfig
-from training.rl.trainer import METRIC_KEYS, Batch, StepMetrics, backward_batch
+from training.rl.trainer import METRIC_KEYS, Batch, DriftSums, StepMetrics, backward_batch
 
 
 @dataclass(frozen=True)
@@ -107,15 +107,17 @@ def distributed_rl_step(
     cfg = replace(cfg, shared_prefix=False)
     mine = rank_share(batch, world)
     optimizer.zero_grad(set_to_none=True)
-    sums, replayed, differed = backward_batch(model, ref_model, mine, cfg, normalizer)
-    totals = torch.tensor([sums["loss"], *(sums[k] for k in METRIC_KEYS), replayed, differed], dtype=torch.float64)
+    sums, drift, replayed, differed = backward_batch(model, ref_model, mine, cfg, normalizer)
+    totals = torch.tensor([sums["loss"], *(sums[k] for k in METRIC_KEYS), *astuple(drift), replayed, differed],
+                          dtype=torch.float64)
     dist.all_reduce(totals)
     grad_norm = float(torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], cfg.grad_clip))
     optimizer.step()
     values = totals.tolist()
-    summed = dict(zip(("loss", *METRIC_KEYS), values[:-2], strict=True))
+    summed = dict(zip(("loss", *METRIC_KEYS), values[: len(METRIC_KEYS) + 1], strict=True))
+    drift = DriftSums(*values[len(METRIC_KEYS) + 1: -2])
     return StepMetrics(
-        **summed, grad_norm=grad_norm, reward_mean=float(batch.rewards.mean()),
+        **summed, **drift.means(), grad_norm=grad_norm, reward_mean=float(batch.rewards.mean()),
         tokens_per_s=float(batch.attention_mask.sum()) / (time.perf_counter() - start),
         dropped_stale=batch.dropped_stale, tokens=total_tokens,
         routing_mismatch=values[-1] / values[-2] if values[-2] else 0.0,

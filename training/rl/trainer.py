@@ -60,6 +60,9 @@ class Batch:
     rewards: torch.Tensor  # (B,)
     routing: torch.Tensor | None = None  # (B, L, T, k), -1 where not recorded
     old_logprobs: torch.Tensor | None = None  # (B, T) pi_old; None: this step's pre-update forward
+    # (B,) bool: sampled by the weights pi_old is (served by the current version, or by the run);
+    # the others measure staleness, not engine mismatch. None: every row.
+    same_weights: torch.Tensor | None = None
     dropped_stale: int = 0
 
     @classmethod
@@ -205,6 +208,7 @@ def prepare_batch(
         raise NoFreshSamples(dropped)
     batch = Batch.from_samples(kept, pad_id, compute_advantages(kept, cfg, baseline))
     batch.dropped_stale = dropped
+    batch.same_weights = torch.tensor([_version(s) is None or _version(s) == current_version for s in kept])
     return batch
 
 
@@ -314,7 +318,7 @@ class StepMetrics:
     kl_ref: float
     entropy: float
     clip_fraction: float
-    mismatch_kl: float
+    mismatch_kl: float | None  # engine mismatch, on the rows sampled by pi_old's weights (None: no such row)
     is_truncated: float
     grad_norm: float
     reward_mean: float
@@ -322,6 +326,7 @@ class StepMetrics:
     dropped_stale: int
     tokens: int  # completion tokens in the loss
     routing_mismatch: float = 0.0  # share of replayed tokens whose own experts differed
+    staleness_kl: float | None = None  # KL(mu || pi_old) on rows served by another version (None: none)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -459,22 +464,24 @@ def _micro_loss(
         mask=mb.completion_mask,
         behaviour_logprobs=torch.where(mb.behaviour_mask, mb.behaviour_logprobs, old),
         ref_logprobs=ref,
+        same_weights=mb.same_weights,
         entropy=entropy,
         normalizer=normalizer,
     )
     return policy_loss(inputs, cfg.eps, cfg.eps_high, cfg.is_cap, cfg.beta), stats
 
 
-METRIC_KEYS = ("kl_ref", "entropy", "clip_fraction", "mismatch_kl", "is_truncated")
+METRIC_KEYS = ("kl_ref", "entropy", "clip_fraction", "is_truncated")
 
 
 def backward_batch(
     model: nn.Module, ref_model: nn.Module | None, batch: Batch, cfg: RLConfig, normalizer: float
-) -> tuple[dict[str, float], int, int]:
+) -> tuple[dict[str, float], DriftSums, int, int]:
     """Accumulates the gradients of `batch`'s loss, normalised by `normalizer` tokens (the whole
     step's: under torch.distributed, every rank's tokens), micro-batch by micro-batch. Returns the
-    token-weighted metric sums and the routing replay counts."""
+    token-weighted metric sums, the mismatch/staleness sums and the routing replay counts."""
     sums = dict.fromkeys(("loss", *METRIC_KEYS), 0.0)
+    drift = DriftSums()
     replayed = differed = 0
     for mb in batch.micro_batches(cfg.micro_batch_size):
         out, stats = _micro_loss(model, ref_model, mb, cfg, normalizer)
@@ -483,8 +490,9 @@ def backward_batch(
         sums["loss"] += float(out.loss.detach())
         for key in METRIC_KEYS:
             sums[key] += float(getattr(out, key)) * share
+        drift.add(out)
         replayed, differed = replayed + stats.replayed, differed + stats.differed
-    return sums, replayed, differed
+    return sums, drift, replayed, differed
 
 
 def rl_step(
@@ -500,7 +508,7 @@ def rl_step(
         group, _ = _prompt_groups(batch)
         batch = batch.rows(torch.tensor(sorted(range(batch.size), key=group.__getitem__)))
     optimizer.zero_grad(set_to_none=True)
-    sums, replayed, differed = backward_batch(model, ref_model, batch, cfg, normalizer)
+    sums, drift, replayed, differed = backward_batch(model, ref_model, batch, cfg, normalizer)
     params = [p for p in model.parameters() if p.requires_grad]
     grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip))
     optimizer.step()
@@ -513,4 +521,27 @@ def rl_step(
         dropped_stale=batch.dropped_stale,
         tokens=total_tokens,
         routing_mismatch=differed / replayed if replayed else 0.0,
+        **drift.means(),
     )
+
+
+@dataclass
+class DriftSums:
+    """Token-weighted sums of the engine mismatch and the staleness KL over micro-batches: each
+    is a mean over its own rows' tokens, so it is averaged by those counts, not the batch's."""
+
+    mismatch: float = 0.0
+    mismatch_tokens: int = 0
+    staleness: float = 0.0
+    staleness_tokens: int = 0
+
+    def add(self, out: LossOutputs) -> None:
+        self.mismatch += float(out.mismatch_kl) * out.mismatch_tokens
+        self.mismatch_tokens += out.mismatch_tokens
+        if out.staleness_kl is not None:
+            self.staleness += float(out.staleness_kl) * out.staleness_tokens
+            self.staleness_tokens += out.staleness_tokens
+
+    def means(self) -> dict[str, float | None]:
+        return {"mismatch_kl": self.mismatch / self.mismatch_tokens if self.mismatch_tokens else None,
+                "staleness_kl": self.staleness / self.staleness_tokens if self.staleness_tokens else None}

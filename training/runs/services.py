@@ -207,17 +207,20 @@ def training_run_heartbeat_start(run_id: int) -> threading.Event:
     return stop
 
 
+STEP_METRICS = ("loss", "kl_ref", "entropy", "clip_fraction", "grad_norm", "reward_mean", "tokens_per_s")
+STEP_DRIFTS = ("mismatch_kl", "staleness_kl")  # None when the step had no row of that kind
+
+
 def training_step_record(run: TrainingRun, step: int, metrics: dict[str, Any], steps_total: int) -> None:
+    drifts = {k: None if metrics.get(k) is None else float(metrics[k]) for k in STEP_DRIFTS}
     TrainingStep.objects.create(
-        run=run, step=step, **{k: float(metrics[k]) for k in (
-            "loss", "kl_ref", "entropy", "clip_fraction", "mismatch_kl", "grad_norm", "reward_mean", "tokens_per_s")},
+        run=run, step=step, **{k: float(metrics[k]) for k in STEP_METRICS}, **drifts,
         dropped_stale=int(metrics["dropped_stale"]),
     )
     progress = (step + 1) / steps_total
     TrainingRun.objects.filter(pk=run.pk).update(progress=progress)
     project_event(run.project_id, {"type": "training_step", "run": run.pk, "step": step, "progress": progress,
-                                   **{k: metrics[k] for k in ("loss", "kl_ref", "entropy", "clip_fraction", "mismatch_kl",
-                                                                "grad_norm", "reward_mean", "tokens_per_s")}})
+                                   **{k: metrics[k] for k in STEP_METRICS}, **drifts})
 
 
 class RunLost(RuntimeError):
