@@ -55,7 +55,8 @@ def test_a_candidate_better_by_construction_passes_every_check():
     checks = verdict(changed(prod, verifiable=0.1, aspects={"style": 0.05, "helpfulness": 0.1}), prod, margin=0.1)
     assert set(checks) == {"reward_improvement", "aspect:style", "aspect:helpfulness", "kl", "length_drift",
                            "silence_jump", "repeated_ngram_jump", "tool_call_failure_jump",
-                           "judge_verifiable_divergence"}
+                           "judge_verifiable_divergence", "median_chars", "naturalness_logprob", "invented_names",
+                           "collapse_top_share", "collapse_distinct"}
     assert all(checks.values()), checks
 
 
@@ -109,7 +110,7 @@ def test_a_candidate_that_shrinks_below_the_median_floor_is_refused_unless_produ
     tiny = changed(prod, verifiable=0.2, length=0.1)  # better on the checks, one word per suggestion
     checks = verdict(tiny, prod, length_ratio_max=100.0, min_median_chars=20)
     assert checks["median_chars"] is False and checks["reward_improvement"] and checks["length_drift"]
-    assert "median_chars" not in verdict(tiny, prod, length_ratio_max=100.0)  # off by default
+    assert "median_chars" not in verdict(tiny, prod, length_ratio_max=100.0, min_median_chars=None)  # off
     # production already shows one-word suggestions: the floor is what it shows, not more
     short_prod = changed(prod, length=0.1, seed=3)
     assert verdict(changed(short_prod, verifiable=0.2, seed=4), short_prod, min_median_chars=20)["median_chars"]

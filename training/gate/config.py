@@ -4,9 +4,11 @@ API validate a GatePolicy or an EvalSuite without importing either."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
+AUTO = "auto"  # a threshold derived from measurements of the project's base (training/gate/defaults.py)
+DERIVED = ("kl_budget", "length_ratio_max", "min_median_chars", "logprob_tolerance")
 
 @dataclass(frozen=True)
 class GateThresholds:
@@ -15,12 +17,26 @@ class GateThresholds:
     margin: float = 0.0  # lower bound of the reward-improvement interval must exceed this
     aspect_tolerance: float = 0.05  # an aspect may lose at most this (interval lower bound)
     aspect_tolerances: dict[str, float] = field(default_factory=dict)  # per-aspect overrides
-    kl_budget: float | None = 0.5  # nats per token, KL(candidate ‖ production); None: not checked
-    length_ratio_max: float = 1.5  # candidate/production mean length within [1/x, x]
+    # "auto" (the default of the four below): derived from the project's own base at the gate's
+    # first run (training/gate/defaults.py; the report's policy["base"] shows the figures); a
+    # number overrides it.
+    kl_budget: float | str | None = AUTO  # nats per token, KL(candidate ‖ production); None: not checked
+    length_ratio_max: float | str = AUTO  # candidate/production mean length within [1/x, x]
     silence_jump_max: float = 0.05  # empty/refusal/clarifying-question rate increase
     # The candidate's shown suggestions must keep a median of at least this many characters (or
     # production's median, if that is lower): no gain by shrinking. None: not checked.
-    min_median_chars: int | None = None
+    min_median_chars: float | str | None = AUTO
+    # Naturalness: the candidate's suite completions' mean log-prob per token under the project's
+    # reference (its base) may fall below the reference's own completions' by at most this
+    # (interval lower bound, nats/token). None: not checked.
+    logprob_tolerance: float | str | None = AUTO
+    # The share of the names its suggestions write that exist neither in the project nor in the
+    # language may not exceed the base's by more than this (interval lower bound). None: not checked.
+    invented_jump_max: float | None = 0.0
+    # Collapse: the most common suggestion's share of the suite's prompts may exceed the base's by
+    # at most this, and the distinct-suggestion rate fall below the base's by at most that.
+    top_share_jump_max: float | None = 0.1
+    distinct_drop_max: float | None = 0.2
     repeated_ngram_jump_max: float = 0.05
     ngram: int = 4
     tool_failure_jump_max: float = 0.05
@@ -47,9 +63,34 @@ class GateThresholds:
             raise ValueError(f"confidence must be in (0, 1), got {out.confidence}")
         if not 1 <= out.agent_G <= 16:
             raise ValueError(f"agent_G must be in [1, 16], got {out.agent_G}")
-        if out.length_ratio_max < 1:
-            raise ValueError(f"length_ratio_max must be >= 1, got {out.length_ratio_max}")
+        for problem in out.problems():
+            raise ValueError(problem)
         return out
+
+    def problems(self) -> list[str]:
+        """What is wrong with these thresholds (empty when nothing), each saying how to fix it."""
+        out = []
+        for name in (*DERIVED, "invented_jump_max", "top_share_jump_max", "distinct_drop_max"):
+            value, floor = getattr(self, name), 1 if name == "length_ratio_max" else 0
+            if (name in DERIVED and value == AUTO) or (value is None and floor == 0):
+                continue
+            if isinstance(value, bool) or not isinstance(value, int | float) or value < floor:
+                allowed = [f"a number >= {floor}", *([repr(AUTO)] if name in DERIVED else []),
+                           *(["null (not checked)"] if floor == 0 else [])]
+                out.append(f"{name} must be {', '.join(allowed[:-1])} or {allowed[-1]}, got {value!r}")
+        return out
+
+    @property
+    def automatic(self) -> list[str]:
+        """The thresholds left to the base's measurements."""
+        return [name for name in DERIVED if getattr(self, name) == AUTO]
+
+    def resolved(self, derived: Mapping[str, float]) -> GateThresholds:
+        """These thresholds with each "auto" one replaced by its value derived from the base."""
+        missing = sorted(set(self.automatic) - set(derived))
+        if missing:
+            raise ValueError(f"no derived value for {missing}: measure the base first (training/gate/defaults.py)")
+        return replace(self, **{name: float(derived[name]) for name in self.automatic})
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

@@ -8,13 +8,16 @@ GateReport's check rows. No Django; torch only through the engines passed in.
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from training.gate import detectors, stats
 from training.gate.config import GateThresholds, SuiteSpec
+from training.gate.defaults import base_measure
+from training.gate.naturalness import naturalness_rows
+from training.gate.samples import CheckRow, Sample, SuiteSamples, by_prompt
 from training.rewards.checks import Check, check_from_config
 from training.rewards.judges import Judge, make_judge
 from training.rewards.spec import RewardSpecData, compute_reward
@@ -30,41 +33,6 @@ class Policy(Protocol):
 
     def score_many(self, pairs: Sequence[tuple[list[int], list[int]]],
                    sampling: SamplingParams | None = None) -> list[tuple[list[float], Any]]: ...
-
-
-@dataclass(frozen=True)
-class Sample:
-    """One scored completion."""
-
-    prompt_id: str
-    text: str
-    tokens: int
-    reward: float
-    verifiable: float | None = None  # weighted mean of the checks, in [0, 1]
-    judge: float | None = None  # mean of the judge's aspects, in [0, 1]
-    aspects: dict[str, float] = field(default_factory=dict)
-    logprobs: list[float] | None = None  # under the policy that sampled it
-    other_logprobs: list[float] | None = None  # same tokens under the other policy
-    token_ids: tuple[int, ...] = ()  # the completion's tokens (the users' reward model reads them)
-
-
-@dataclass
-class SuiteSamples:
-    candidate: list[Sample]
-    production: list[Sample]
-
-
-@dataclass(frozen=True)
-class CheckRow:
-    name: str
-    value: float | None
-    threshold: float | list[float] | None
-    interval: list[float] | None
-    passed: bool
-    detail: str = ""
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 # ---------------------------------------------------------------------------------- scoring
@@ -105,39 +73,65 @@ class SuiteScorer:
 # ---------------------------------------------------------------------------------- sampling
 
 
-def suite_collect(spec: SuiteSpec, candidate: Policy, production: Policy, scorer: SuiteScorer | None = None) -> SuiteSamples:
+def suite_collect(spec: SuiteSpec, candidate: Policy, production: Policy, scorer: SuiteScorer | None = None,
+                  reference: Policy | None = None) -> SuiteSamples:
     """Sample both policies on the suite and score every completion; candidate samples also carry
-    production's log-probs of the same tokens (for the KL estimate)."""
-    # Imported here: the runner's scoring and statistics stay importable without torch.
-    from inference.engines import SamplingParams
-
+    production's log-probs of the same tokens (for the KL estimate) and the reference's (for the
+    naturalness rows). `reference`: the project's base when it is not production (None: it is);
+    it samples the suite too, with the same seeds."""
     scorer = scorer or SuiteScorer(spec)
-    sampling = SamplingParams(max_tokens=spec.max_tokens, temperature=spec.temperature, seed=spec.seed)
+    sampling = suite_sampling(spec)
     texts = [p.prompt for p in spec.prompts]
     cand = candidate.generate(texts, n=spec.n_samples, sampling=sampling)
     prod = production.generate(texts, n=spec.n_samples, sampling=sampling)
     scores = scorer.score_many([(spec.prompts[c.prompt_index].prompt, c.text, spec.prompts[c.prompt_index].context)
                                 for c in [*cand, *prod]])
     # production's log-probs of the candidate's tokens, in batched forwards (one per length)
-    other = [lp for lp, _ in production.score_many([(c.prompt_token_ids, c.token_ids) for c in cand], sampling)]
+    pairs = [(c.prompt_token_ids, c.token_ids) for c in cand]
+    other = [lp for lp, _ in production.score_many(pairs, sampling)]
+    on_ref = other if reference is None else [lp for lp, _ in reference.score_many(pairs, sampling)]
     return SuiteSamples(
-        candidate=[_sample(spec, s, c, lp) for c, s, lp in zip(cand, scores, other, strict=False)],
+        candidate=[_sample(spec, s, c, lp, ref) for c, s, lp, ref in zip(cand, scores, other, on_ref, strict=False)],
         production=[_sample(spec, s, c, None) for c, s in zip(prod, scores[len(cand):], strict=True)],
+        reference=None if reference is None else suite_sample(spec, reference),
+        prompts={p.id: p.prompt for p in spec.prompts},
     )
 
 
-def _sample(spec: SuiteSpec, scored: dict[str, Any], c: Completion, other_lp: list[float] | None) -> Sample:
+def suite_sampling(spec: SuiteSpec, seed: int | None = None) -> SamplingParams:
+    # Imported here: the runner's scoring and statistics stay importable without torch.
+    from inference.engines import SamplingParams
+
+    return SamplingParams(max_tokens=spec.max_tokens, temperature=spec.temperature,
+                          seed=spec.seed if seed is None else seed)
+
+
+def suite_sample(spec: SuiteSpec, policy: Policy, seed: int | None = None) -> list[Sample]:
+    """The policy's own samples of the suite (at the suite's seed, or `seed`), not scored: what the
+    naturalness rows and the base's measurements read (text, tokens, own log-probs)."""
+    out = policy.generate([p.prompt for p in spec.prompts], n=spec.n_samples, sampling=suite_sampling(spec, seed))
+    unscored = {"reward": math.nan, "verifiable": None, "judge": None, "aspects": {}}
+    return [_sample(spec, unscored, c, None) for c in out]
+
+
+def _sample(spec: SuiteSpec, scored: dict[str, Any], c: Completion, other_lp: list[float] | None,
+            ref_lp: list[float] | None = None) -> Sample:
     return Sample(spec.prompts[c.prompt_index].id, c.text, len(c.token_ids), logprobs=list(c.logprobs),
-                  other_logprobs=other_lp, token_ids=tuple(c.token_ids), **scored)
+                  other_logprobs=other_lp, token_ids=tuple(c.token_ids), ref_logprobs=ref_lp, **scored)
 
 
 # ---------------------------------------------------------------------------------- evaluation
 
 
-def evaluate(samples: SuiteSamples, t: GateThresholds) -> list[CheckRow]:
-    """The gate's check rows: reward improvement, per-aspect non-regression, KL, detectors."""
+def evaluate(samples: SuiteSamples, t: GateThresholds, known: frozenset[str] | None = None) -> list[CheckRow]:
+    """The gate's check rows: reward improvement, per-aspect non-regression, KL, detectors,
+    naturalness and collapse against the base. Thresholds left "auto" are derived from the base's
+    samples here (one seed); the gate service derives them once per base, from two, and stores them.
+    `known`: the project's names (default: the suite's prompts' and the language's)."""
+    if t.automatic:
+        t = t.resolved(base_measure([samples.base]).derived())
     boot = {"confidence": t.confidence, "resamples": t.resamples, "seed": t.seed}
-    cand, prod = _by_prompt(samples.candidate), _by_prompt(samples.production)
+    cand, prod = by_prompt(samples.candidate), by_prompt(samples.production)
     shared = sorted(set(cand) & set(prod))
     if not shared:
         raise ValueError("candidate and production samples share no prompt; nothing to compare")
@@ -145,14 +139,8 @@ def evaluate(samples: SuiteSamples, t: GateThresholds) -> list[CheckRow]:
     rows += _aspect_rows(cand, prod, shared, t, boot)
     rows.append(_kl_row(samples.candidate, t))
     rows += _detector_rows(samples, t)
+    rows += naturalness_rows(samples, t, known, boot)
     return rows
-
-
-def _by_prompt(samples: Sequence[Sample]) -> dict[str, list[Sample]]:
-    out: dict[str, list[Sample]] = defaultdict(list)
-    for s in samples:
-        out[s.prompt_id].append(s)
-    return out
 
 
 def _mean(values: Sequence[float]) -> float:

@@ -20,7 +20,17 @@ from core.errors import Conflict
 from core.workers import WorkerRef
 from feedback.models import Project
 from training.gate.config import GateThresholds, SuiteSpec
-from training.gate.runner import CheckRow, SuiteSamples, agent_collect, agent_row, evaluate, suite_collect
+from training.gate.defaults import BaseMeasure, base_measure
+from training.gate.runner import (
+    CheckRow,
+    SuiteSamples,
+    agent_collect,
+    agent_row,
+    evaluate,
+    suite_collect,
+    suite_sample,
+)
+from training.gate.selectors import gate_base_measured, gate_known_names, gate_reference
 from training.models import AuditLog, EvalSuite, GatePolicy, GateReport, PolicyVersion
 from training.promotion.selectors import gate_policy_active, gate_policy_json
 from training.rewards.selectors import agent_tasks
@@ -70,11 +80,11 @@ def gate_run(version_id: int, *, actor: Actor = "system:gate", suite: str = "def
     version, baseline = _gate_claim(version_id, actor, worker or WorkerRef.here())
     policy = gate_policy_active(version.project)
     try:
-        rows, suite_info = _gate_rows(version, baseline, policy, suite, engine_factory or default_engine_factory)
+        rows, suite_info, extra = _gate_rows(version, baseline, policy, suite, engine_factory or default_engine_factory)
     except Exception as exc:
         _gate_abort(version.id, actor, exc)
         raise
-    return _gate_finish(version.id, baseline, policy, rows, suite_info, actor)
+    return _gate_finish(version.id, baseline, policy, rows, suite_info, actor, extra)
 
 
 def _gate_claim(version_id: int, actor: Actor, worker: WorkerRef) -> tuple[PolicyVersion, PolicyVersion | None]:
@@ -108,29 +118,54 @@ def gate_lost_reason(version: PolicyVersion, now: datetime | None = None) -> str
 
 
 def _gate_rows(version: PolicyVersion, baseline: PolicyVersion | None, policy: GatePolicy, suite_name: str,
-               engine_factory: EngineFactory) -> tuple[list[CheckRow], dict[str, Any]]:
+               engine_factory: EngineFactory) -> tuple[list[CheckRow], dict[str, Any], dict[str, Any]]:
     if baseline is None:
         row = CheckRow("baseline", None, None, None, True, "no production version yet: the first one is approved by a person")
-        return [row], {}
+        return [row], {}, {}
     suite = eval_suite_active(version.project, suite_name)
+    spec = suite.as_spec()
     thresholds = GateThresholds.from_json(policy.thresholds)
     tasks = agent_tasks(version.project)
+    reference = gate_reference(version.project) or baseline
+    reference = baseline if reference.id == version.id else reference
+    known = gate_known_names(version.project, spec)
     engines = [engine_factory(version), engine_factory(baseline)]
+    if reference.id != baseline.id:  # production is not the base: the base samples the suite too
+        engines.append(engine_factory(reference))
     try:
-        samples = suite_collect(suite.as_spec(), engines[0], engines[1])
+        samples = suite_collect(spec, engines[0], engines[1], reference=engines[2] if len(engines) > 2 else None)
+        base = _base_measured(version.project, reference, suite, spec, samples, engines[-1], known)
         shares = agent_collect(tasks, engines[0], engines[1], thresholds.agent_G, thresholds.seed) if tasks else None
     finally:
         for engine in engines:
             getattr(engine, "close", lambda: None)()
     info = {"name": suite.name, "version": suite.version, "prompts": len(suite.prompts),
-            "accept": _accept_on_suite(version.project, suite.as_spec(), samples)}
-    rows = evaluate(samples, thresholds)
+            "accept": _accept_on_suite(version.project, spec, samples)}
+    derived = BaseMeasure.from_dict(base["measure"]).derived()
+    base["thresholds"] = {name: derived[name] for name in thresholds.automatic}
+    rows = evaluate(samples, thresholds.resolved(derived), known)
     if shares is not None:  # the project's agent tasks: candidate vs production tests pass share
         rows.append(agent_row(*shares, thresholds))
         info["agent"] = {"tasks": len(tasks), "G": thresholds.agent_G,
                          **{side: round(sum(map(sum, s.values())) / max(1, sum(map(len, s.values()))), 4)
                             for side, s in zip(("candidate", "production"), shares, strict=True)}}
-    return rows, info
+    return rows, info, {"base": base}
+
+
+def _base_measured(project: Project, reference: PolicyVersion, suite: EvalSuite, spec: SuiteSpec,
+                   samples: SuiteSamples, engine: Any, known: frozenset[str]) -> dict[str, Any]:
+    """The base's measurements on this suite: those a previous gate run stored, or measured now on
+    its samples of this run (the suite's seed) and of one more seed (training/gate/defaults.py)."""
+    key = (f"policy_version:{reference.id}|suite:{suite.name}@{suite.version}|n{spec.n_samples}"
+           f"|max_tokens{spec.max_tokens}|T{spec.temperature:g}|seed{spec.seed}")
+    stored = gate_base_measured(project, key)
+    fresh = stored is None
+    if fresh:
+        seeds = (spec.seed, spec.seed + 1)
+        stored = base_measure([samples.base, suite_sample(spec, engine, seeds[1])], seeds, samples.prompts,
+                              known).as_dict()
+    return {"key": key, "reference": {"version": reference.number, "id": reference.id},
+            "measured_now": fresh, "measure": stored}
 
 
 def _accept_on_suite(project: Project, spec: SuiteSpec, samples: SuiteSamples) -> dict[str, Any] | None:
@@ -158,13 +193,13 @@ def _gate_abort(version_id: int, actor: Actor, exc: Exception) -> None:
 
 
 def _gate_finish(version_id: int, baseline: PolicyVersion | None, policy: GatePolicy, rows: list[CheckRow],
-                 suite_info: dict[str, Any], actor: Actor) -> GateReport:
+                 suite_info: dict[str, Any], actor: Actor, extra: dict[str, Any] | None = None) -> GateReport:
     passed = all(r.passed for r in rows)
     checks = [{k: _finite(v) for k, v in r.as_dict().items()} for r in rows]
     with transaction.atomic():
         version = version_locked(version_id)
         report = GateReport.objects.create(version=version, baseline=baseline, passed=passed, checks=checks,
-                                           policy={**gate_policy_json(policy), "suite": suite_info})
+                                           policy={**gate_policy_json(policy), "suite": suite_info, **(extra or {})})
         failed = [r.name for r in rows if not r.passed]
         reason = "all checks passed" if passed else f"failed: {', '.join(failed)}"
         version_transition(version, "awaiting_approval" if passed else "rejected", actor,

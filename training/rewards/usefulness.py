@@ -88,18 +88,21 @@ def known_names(texts: Iterable[str]) -> frozenset[str]:
     return frozenset(names) | language_names()
 
 
-def invented_names(suggestion: str, prompt: str, known: frozenset[str], truncated: bool = True) -> list[str]:
-    """Identifiers the suggestion writes that `known` lacks. The first one is read together with the
-    prompt's unfinished identifier (the suggestion continues it); when `truncated`, a last identifier
-    cut at the suggestion's end only has to be the start of a known name."""
+def written_names(suggestion: str, prompt: str) -> list[tuple[int, str]]:
+    """The identifiers the suggestion writes, as (end offset, name) in prompt-head + suggestion: the
+    first one is read together with the prompt's unfinished identifier (the suggestion continues it)."""
     head = re.search(r"[A-Za-z0-9_]*$", prompt).group(0)
-    text = head + suggestion
-    spans = [(m.end(), m.group(0)) for m in IDENTIFIER.finditer(text) if m.end() > len(head)]
+    return [(m.end() - len(head), m.group(0)) for m in IDENTIFIER.finditer(head + suggestion) if m.end() > len(head)]
+
+
+def invented_names(suggestion: str, prompt: str, known: frozenset[str], truncated: bool = True) -> list[str]:
+    """Identifiers the suggestion writes (`written_names`) that `known` lacks; when `truncated`, a
+    last identifier cut at the suggestion's end only has to be the start of a known name."""
     invented = []
-    for end, name in spans:
+    for end, name in written_names(suggestion, prompt):
         if name in known:
             continue
-        if truncated and end == len(text) and _is_prefix_of_known(name, known):
+        if truncated and end == len(suggestion) and _is_prefix_of_known(name, known):
             continue
         invented.append(name)
     return invented
