@@ -1,17 +1,27 @@
 """Does the loop make the model better for its users? The demo deployment, headless, for a budget.
 
-    .venv/bin/python bench/learning_curve.py [--minutes 10] [--seed 0] [--taste compiles]
-        [--corpus DIR] [--pretrain-steps 1000] [--json]
+    .venv/bin/python bench/learning_curve.py [--minutes 10] [--seed 0] [--taste intent]
+        [--corpus DIR] [--pretrain-steps 1000] [--held-out 200] [--quick] [--json]
 
 Runs the processes `make demo AUTO_APPROVE=1` runs (uvicorn, a Celery worker, beat, the serving
 process, simulated users who approve what passes the gate) on a database of its own, then every
 minute reads which version is in production and measures each version once on **held-out prompts
-the users never sent** (the tail of the corpus, minus the gate's suite): one completion per
-prompt, the same seeds for every version, judged by the population's taste without click noise.
+the users never sent** (the code base's held-out files, by path hash, minus the gate's suite):
+one completion per prompt, the same seeds for every version, judged by the population's taste
+without click noise (webapp/demo/simulator.py `population_metrics`).
 
-Per minute and per version it prints: accept rate on held-out prompts, silent rate (no
-suggestion shown), median suggestion length, the live accept rate of that minute's feedback, and
-the versions promoted. With --json the last line is one JSON object.
+The population (`--taste`): `intent` (default) types real lines of a code base the base never saw
+(django's source, or --corpus) and accepts what it was about to type, partly when only a prefix is
+right; `compiles`, `one-statement` and the gameable `short-compiles` judge statement starts of the
+standard library (or --corpus).
+
+Per version: accepted characters per request (the utility), accept rate, silence, the share of
+shown suggestions that invent a name (against the code base's names and Python's), the share of
+the most common suggestion, and the characters matching what the user was about to type against
+the base's. Per minute: the production version's figures and the live accepted characters per
+request and accept rate of that minute's feedback. `--quick`: one minute on a base pretrained 10
+steps and 40 held-out prompts (proves the bench runs; measures nothing). With --json the last line
+is one JSON object.
 """
 
 from __future__ import annotations
@@ -31,7 +41,6 @@ sys.path.insert(0, str(ROOT))
 
 from bench._django import bench_database_url  # noqa: E402
 
-HELD_OUT = 200
 MAX_TOKENS = 16
 EVAL_SEED = 1234
 
@@ -46,7 +55,7 @@ def main() -> int:
 
     django.setup()
     state = _prepare(args)
-    held_out = _held_out_prompts(args)
+    held_out = _held_out_prompts(args)  # (requests, the code base's names)
     from webapp.demo import demo_processes
 
     logs = ROOT / "var" / "bench-learning" / f"seed-{args.seed}" / "log"
@@ -54,12 +63,11 @@ def main() -> int:
     procs = []
     for name, cmd in demo_processes(int(env["BENCH_WEB_PORT"]), state, simulate=True):
         if name == "users":  # AUTO_APPROVE=1 in the environment adds --approve
-            cmd = [*cmd, "--seed", str(args.seed), "--taste", args.taste]
-            if args.corpus:
-                cmd += ["--corpus", args.corpus]
+            cmd = [*cmd, "--seed", str(args.seed), "--taste", args.taste, "--corpus", str(_corpus(args))]
         log = open(logs / f"{name}.log", "wb")
         procs.append(subprocess.Popen(cmd, cwd=ROOT, env={**os.environ}, stdout=log, stderr=subprocess.STDOUT))
     try:
+        _wait_serving(os.environ["FLYWHEEL_INFERENCE_URL"])
         rows, evaluations = _observe(args, held_out)
         loop = _loop_record()
         if args.screenshot:
@@ -77,15 +85,24 @@ def main() -> int:
 
 def _args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from webapp.demo.simulator import INTENT, POPULATIONS
+
     parser.add_argument("--minutes", type=float, default=10)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--taste", default="compiles")
-    parser.add_argument("--corpus", default=None, help="the users' code base (*.py under DIR); default stdlib")
+    parser.add_argument("--taste", choices=POPULATIONS, default=INTENT)
+    parser.add_argument("--corpus", default=None,
+                        help="the users' code base (*.py under DIR); default django's source (intent) or the stdlib")
     parser.add_argument("--pretrain-steps", type=int, default=1000)
+    parser.add_argument("--held-out", type=int, default=200, help="held-out prompts per version")
+    parser.add_argument("--quick", action="store_true",
+                        help="a minute, a base pretrained 10 steps, 40 held-out prompts: the bench runs end to end")
     parser.add_argument("--screenshot", default=None, metavar="PNG",
                         help="at the end, the dashboard's overview in chromium (Playwright), saved here")
     parser.add_argument("--json", action="store_true")
-    return parser.parse_args()
+    args = parser.parse_args()
+    if args.quick:
+        args.minutes, args.pretrain_steps, args.held_out = 1, 10, 40
+    return args
 
 
 def _environment(db: str, args: argparse.Namespace) -> dict[str, str]:
@@ -103,6 +120,23 @@ def _environment(db: str, args: argparse.Namespace) -> dict[str, str]:
         "AUTO_APPROVE": "1", "FLYWHEEL_PRETRAIN_STEPS": str(args.pretrain_steps),
         "BENCH_WEB_PORT": str(web),
     }
+
+
+def _wait_serving(url: str, seconds: float = 900) -> None:
+    """The clock starts when the serving process answers (vLLM takes minutes to start on a busy
+    machine: a minute counted before it is a minute nobody was served)."""
+    import httpx
+
+    started = time.monotonic()
+    while time.monotonic() - started < seconds:
+        try:
+            if httpx.get(url + "/healthz", timeout=5).status_code == 200:
+                print(f"serving answered after {time.monotonic() - started:.0f} s", flush=True)
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(2)
+    raise SystemExit(f"the serving process at {url} did not answer in {seconds:.0f} s: see its log")
 
 
 def _fresh_database(db: str) -> None:
@@ -141,31 +175,35 @@ def _prepare(args: argparse.Namespace) -> dict:
     return state
 
 
-def _held_out_prompts(args: argparse.Namespace) -> list[str]:
-    """Statement starts the users never send and the gate never sees (same seed for every run)."""
-    from training.pretrain import sample_lines, stdlib_corpus
+def _corpus(args: argparse.Namespace):
+    from webapp.demo.simulator import INTENT, django_source, stdlib_source
+
+    return args.corpus or (django_source() if args.taste == INTENT else stdlib_source())
+
+
+def _held_out_prompts(args: argparse.Namespace):
+    """Requests from the files the users never send, none the gate's suite holds (same seed for
+    every run); and the code base (its names)."""
     from webapp.demo import _demo_suite_prompts
-    from webapp.demo.simulator import corpus_lines
+    from webapp.demo.simulator import code_base, held_out_prompts
 
-    lines = corpus_lines(args.corpus) if args.corpus else stdlib_corpus()
-    # The users sample the first 20,000 lines (stdlib) or the whole folder; held-out is the tail.
-    tail = lines[-20_000:] if not args.corpus else lines[len(lines) // 2:]
+    code = code_base(_corpus(args))
     gate = {p["prompt"] for p in _demo_suite_prompts()}
-    pool = [line.strip() for line in tail if len(line.strip()) >= 12 and line.strip()[:20] not in gate]
-    return [line[: 8 + (i * 7) % 17] for i, line in enumerate(sample_lines(pool, HELD_OUT, seed=11))]
+    requests = [r for r in held_out_prompts(code, args.taste, args.held_out + 50) if r.prompt[:20] not in gate]
+    return requests[: args.held_out], code.known
 
 
-def _observe(args: argparse.Namespace, held_out: list[str]) -> tuple[list[dict], dict[int, dict]]:
+def _observe(args: argparse.Namespace, held_out: tuple) -> tuple[list[dict], dict[int, dict]]:
+    from django.utils import timezone
+
     from feedback.models import Project
     from training.versions.selectors import policy_production
 
     project = Project.objects.get(slug="demo")
-    from django.utils import timezone
-
     evaluations: dict[int, dict] = {}
     rows: list[dict] = []
     start, started_at = time.monotonic(), timezone.now()
-    minutes = int(round(args.minutes))
+    minutes = max(int(round(args.minutes)), 1)
     for minute in range(minutes + 1):
         while time.monotonic() - start < minute * 60:
             time.sleep(1)
@@ -178,38 +216,43 @@ def _observe(args: argparse.Namespace, held_out: list[str]) -> tuple[list[dict],
     return rows, evaluations
 
 
-def _evaluate(version, prompts: list[str], taste: str) -> dict:
-    """One completion per held-out prompt from `version`'s weights, fixed seeds."""
+def _evaluate(version, held_out: tuple, taste: str) -> dict:
+    """One completion per held-out request from `version`'s weights, fixed seeds; the population's
+    figures (webapp.demo.simulator.population_metrics) and ten suggestions as they came."""
     from inference.engines import SamplingParams, make_engine
     from training.versions.services import policy_folder
-    from webapp.demo.simulator import likes, shown
+    from webapp.demo.simulator import population_metrics, shown
 
+    requests, known = held_out
     engine = make_engine("torch", policy_folder(version), version=version.number, seed=EVAL_SEED)
     try:
-        out = engine.generate(prompts, n=1, sampling=SamplingParams(max_tokens=MAX_TOKENS, seed=EVAL_SEED))
+        out = engine.generate([r.prompt for r in requests], n=1,
+                              sampling=SamplingParams(max_tokens=MAX_TOKENS, seed=EVAL_SEED))
     finally:
         engine.close()
     texts = [c.text for c in sorted(out, key=lambda c: c.prompt_index)]
     visible = [t for t in texts if shown(t)]
-    return {
-        "accept_rate": sum(likes(taste, p, t) for p, t in zip(prompts, texts, strict=True)) / len(prompts),
-        "silent_rate": 1 - len(visible) / len(prompts),
-        "median_chars": statistics.median(len(t.strip()) for t in visible) if visible else 0,
-    }
+    return {**population_metrics(taste, requests, texts, known),
+            "median_chars": statistics.median(len(t.strip()) for t in visible) if visible else 0,
+            "samples": [{"typed": r.prompt.rsplit("\n", 1)[-1], "intended": r.intended, "suggestion": t}
+                        for r, t in zip(requests[:10], texts[:10], strict=True)]}
 
 
 def _live(project) -> dict:
-    from django.db.models import Count
+    """That minute's feedback: clicks, accept rate, and accepted characters per request served
+    (an accept's `value` is the characters kept; a line taste's accept carries none)."""
+    from django.db.models import Count, Q, Sum
     from django.utils import timezone
 
-    from feedback.models import FeedbackEvent
+    from feedback.models import FeedbackEvent, Trajectory
 
     since = timezone.now() - timedelta(seconds=60)
-    counts = dict(FeedbackEvent.objects.filter(project=project, received_at__gte=since,
-                                               signal__in=("accept", "reject"))
-                  .values_list("signal").annotate(n=Count("id")))
-    clicks = counts.get("accept", 0) + counts.get("reject", 0)
-    return {"live_accept_rate": counts.get("accept", 0) / clicks if clicks else None, "live_clicks": clicks}
+    clicks = FeedbackEvent.objects.filter(project=project, received_at__gte=since, signal__in=("accept", "reject"))
+    agg = clicks.aggregate(n=Count("id"), accepts=Count("id", filter=Q(signal="accept")),
+                           chars=Sum("value", filter=Q(signal="accept")))
+    served = Trajectory.objects.filter(project=project, received_at__gte=since, source="live").count()
+    return {"live_accept_rate": agg["accepts"] / agg["n"] if agg["n"] else None, "live_clicks": agg["n"],
+            "live_accepted_chars": (agg["chars"] or 0) / served if served else None, "live_served": served}
 
 
 def _promotions(project, started_at) -> dict:
@@ -252,7 +295,16 @@ def _loop_record() -> dict:
                       "width": (interval[1] - interval[0]) if None not in interval else None,
                       "failed": [n for n, c in rows.items() if not c.get("passed")],
                       "kl": rows.get("kl", {}).get("value"), "length_drift": rows.get("length_drift", {}).get("value")})
-    return {"runs": runs, "gates": gates}
+    from django.db.models import Sum
+
+    from feedback.models import FeedbackEvent
+    from webapp.models import AgreementRollup
+    from webapp.rollups import rollups_refresh
+
+    rollups_refresh()
+    labels = FeedbackEvent.objects.filter(project__slug="demo", aspect_labels__isnull=False).count()
+    pairs = AgreementRollup.objects.filter(project__slug="demo", tag="").aggregate(n=Sum("pairs"))["n"] or 0
+    return {"runs": runs, "gates": gates, "aspect_labels": labels, "agreement_pairs": pairs}
 
 
 def _screenshot(port: int, path: str) -> None:
@@ -288,26 +340,57 @@ def _screenshot(port: int, path: str) -> None:
         browser.close()
 
 
+COLUMNS = (("accepted_chars", "chars/req", ".3f"), ("accept_rate", "accept", ".3f"), ("silent_rate", "silent", ".3f"),
+           ("invented_share", "invented", ".3f"), ("top_suggestion_share", "top sugg", ".3f"),
+           ("matched_chars", "matched", ".2f"), ("median_chars", "median", ".1f"))
+
+
 def _print_row(row: dict, evaluations: dict[int, dict]) -> None:
     if row["minute"] == 0:
-        print(f"{'min':>4} {'prod':>5} {'held-out accept':>16} {'silent':>7} {'median chars':>13} "
-              f"{'live accept':>12} {'clicks':>7}  promoted", flush=True)
+        print(f"{'min':>4} {'prod':>5} " + " ".join(f"{h:>9}" for _, h, _ in COLUMNS)
+              + f" {'live c/req':>10} {'live acc':>9} {'clicks':>7}  promoted", flush=True)
     e = evaluations.get(row["production"] or -1, {})
-    live = "-" if row["live_accept_rate"] is None else f"{row['live_accept_rate']:.3f}"
-    prod = f"v{row['production']}"
     promoted = ", ".join(f"v{n}" for n in row["promoted"]) or "-"
-    print(f"{row['minute']:>4} {prod:>5} {e.get('accept_rate', float('nan')):>16.3f} "
-          f"{e.get('silent_rate', float('nan')):>7.3f} {e.get('median_chars', 0):>13} {live:>12} "
-          f"{row['live_clicks']:>7}  {promoted}", flush=True)
+    print(f"{row['minute']:>4} {'v' + str(row['production']):>5} "
+          + " ".join(f"{_fmt(e.get(k), spec):>9}" for k, _, spec in COLUMNS)
+          + f" {_fmt(row['live_accepted_chars']):>10} {_fmt(row['live_accept_rate']):>9} {row['live_clicks']:>7}  {promoted}",
+          flush=True)
 
 
 def _report(args: argparse.Namespace, rows: list[dict], evaluations: dict[int, dict], loop: dict) -> int:
     base = evaluations.get(1, {})
     final = evaluations.get(rows[-1]["production"] or -1, {})
     promoted = rows[-1]["promoted"]
-    print("\nversion  held-out accept  silent  median chars")
+    print(f"\n{'version':<8}" + " ".join(f"{h:>9}" for _, h, _ in COLUMNS) + f" {'matched vs base':>16}")
     for number, e in sorted(evaluations.items()):
-        print(f"v{number:<7} {e['accept_rate']:>15.3f} {e['silent_rate']:>7.3f} {e['median_chars']:>13}")
+        delta = e["matched_chars"] - base.get("matched_chars", 0)
+        print(f"v{number:<7}" + " ".join(f"{_fmt(e.get(k), spec):>9}" for k, _, spec in COLUMNS) + f" {delta:>+16.2f}")
+    print(f"\nfinal version's suggestions (v{rows[-1]['production']}), as served:")
+    for sample in final.get("samples", []):
+        print(f"  {sample['typed']!r} -> {sample['suggestion']!r}   (about to type {sample['intended']!r})")
+    _print_loop(loop)
+    first = rows[-1]["promoted_minutes"][0] if rows[-1]["promoted_minutes"] else None
+    result = {
+        "baseline_accepted_chars": base.get("accepted_chars"), "final_accepted_chars": final.get("accepted_chars"),
+        "baseline_accept_rate": base.get("accept_rate"), "final_accept_rate": final.get("accept_rate"),
+        "gain_points": round(100 * (final.get("accept_rate", 0) - base.get("accept_rate", 0)), 1),
+        "baseline_invented_share": base.get("invented_share"), "final_invented_share": final.get("invented_share"),
+        "final_top_suggestion_share": final.get("top_suggestion_share"),
+        "matched_chars_vs_base": (final.get("matched_chars", 0) - base.get("matched_chars", 0)) if base else None,
+        "minutes": args.minutes, "versions_promoted": promoted, "first_promotion_minutes": first,
+        "silent_rate": final.get("silent_rate"), "median_suggestion_chars": final.get("median_chars"),
+        "seed": args.seed, "taste": args.taste, "corpus": str(_corpus(args)), "held_out_prompts": args.held_out,
+        "pretrain_steps": args.pretrain_steps, "quick": args.quick,
+        "per_minute": [{k: r[k] for k in ("minute", "production", "live_accept_rate", "live_accepted_chars")}
+                       for r in rows],
+        "per_version": {f"v{n}": e for n, e in sorted(evaluations.items())}, **loop,
+    }
+    if args.json:
+        print(json.dumps(result))
+    return 0
+
+
+def _print_loop(loop: dict) -> None:
     print("\nrun  base  cand  samples  rollouts  RM AUC  clip   mismatch KL  KL to prod  len/prod  stopped")
     for r in loop["runs"]:
         stopped = "-" if r["stopped_after_round"] is None else f"round {r['stopped_after_round']} ({r['stopped_by']})"
@@ -319,19 +402,8 @@ def _report(args: argparse.Namespace, rows: list[dict], evaluations: dict[int, d
         lo, hi = g["interval"]
         print(f"v{g['version']:<4} {str(g['passed']):<7} {_fmt(g['improvement']):>11}  [{_fmt(lo)}, {_fmt(hi)}]"
               f"{'':>4}{_fmt(g['width']):>6}  {_fmt(g['kl'])}  {_fmt(g['length_drift'])}  {', '.join(g['failed']) or '-'}")
-    first = rows[-1]["promoted_minutes"][0] if rows[-1]["promoted_minutes"] else None
-    result = {
-        "baseline_accept_rate": base.get("accept_rate"), "final_accept_rate": final.get("accept_rate"),
-        "gain_points": round(100 * (final.get("accept_rate", 0) - base.get("accept_rate", 0)), 1),
-        "minutes": args.minutes, "versions_promoted": promoted, "first_promotion_minutes": first,
-        "silent_rate": final.get("silent_rate"), "median_suggestion_chars": final.get("median_chars"),
-        "seed": args.seed, "taste": args.taste, "corpus": args.corpus or "stdlib", "held_out_prompts": HELD_OUT,
-        "per_minute": [{k: r[k] for k in ("minute", "production", "live_accept_rate")} for r in rows],
-        "per_version": {f"v{n}": e for n, e in sorted(evaluations.items())}, **loop,
-    }
-    if args.json:
-        print(json.dumps(result))
-    return 0
+    print(f"\naspect labels sent by the users: {loop.get('aspect_labels', 0)}; judge-vs-human pairs on the rubric page: "
+          f"{loop.get('agreement_pairs', 0)}")
 
 
 def _fmt(value, spec: str = ".3f") -> str:

@@ -32,7 +32,7 @@ from training.models import (
     TrainingStep,
 )
 from training.rl.advantages import turn_returns
-from webapp import charts
+from webapp import charts, usefulness
 from webapp.charts import METRICS
 from webapp.models import AgreementRollup, FeedbackHourly, RubricRollup, TrajectoryHourly
 
@@ -158,7 +158,9 @@ def accept_by_version(project: Project, days: int, limit: int = 8) -> list[dict[
     (silence counts as not accepted, so going quiet never looks better); held_out: the accept rate
     the users' reward model predicts on the gate's held-out suite (the version's newest gate
     report, as candidate or else as the production it was compared with; None before there were
-    enough clicks to fit one)."""
+    enough clicks to fit one); accepted_chars: characters the users accepted per live completion
+    served (what they did not have to type: the utility); invented_share, recent: what it writes
+    now (webapp.usefulness.writes_now)."""
     since = timezone.now() - timedelta(days=days)
     versions = list(PolicyVersion.objects.filter(project=project).exclude(state__in=("candidate", "failed"))
                     .order_by("-number").values("number", "state", "created_at")[:limit])
@@ -178,9 +180,16 @@ def accept_by_version(project: Project, days: int, limit: int = 8) -> list[dict[
         held.setdefault(number, accept.get("candidate"))
         if baseline is not None and baseline not in held:
             held[baseline] = accept.get("production")
+    chars = usefulness.accepted_chars_by_version(project, numbers, since)
+    writes = usefulness.writes_now(project, numbers, since)
     return [{**v, "served": served.get(v["number"], 0),
              "live": (accepted.get(v["number"], 0) / served[v["number"]]) if served.get(v["number"]) else None,
-             "held_out": held.get(v["number"])} for v in versions]
+             "accepted_chars": chars.get(v["number"], 0.0) / served[v["number"]] if served.get(v["number"]) else None,
+             "held_out": held.get(v["number"]), **_writes(writes.get(v["number"]))} for v in versions]
+
+
+def _writes(row: dict[str, Any] | None) -> dict[str, Any]:
+    return {"invented_share": row["invented_share"] if row else None, "recent": row["recent"] if row else []}
 
 
 def run_active(project: Project) -> dict[str, Any] | None:

@@ -1,28 +1,41 @@
 """Simulated users for the demo: they ask the serving process for completions and react to them.
 
-A population has a *taste* (which suggestions it accepts) and a *noise* rate (random clicks).
-The default taste accepts a tab completion when prompt + completion compiles as Python; others
-are in TASTES (a different learnable one, and a gameable one for the gate's detectors). An empty
-suggestion is not shown to a user, so it gets no click (silence). Now and then a user says
-happy/sad or sends a dissatisfied follow-up. Feedback goes through the signed webhook like a real
-product's; the completions through the OpenAI-compatible endpoint. No Django import.
+A population has a *taste* (which suggestions it accepts), a *code base* (the code its users are
+writing) and a *noise* rate (random clicks). The default taste, `intent`, is a tab-completion
+user typing a real line of a code base the base policy never saw (django's source, or
+`--corpus`): the prompt is the file's preceding lines plus the line's first characters, and the
+user accepts the suggestion's first line when it is what they were about to type, part of it when
+only a prefix is right (`accept` with `value` = the characters kept), and rejects the rest
+(training.rewards.usefulness.intent_reaction). The line tastes in TASTES (`compiles`,
+`one-statement`, the gameable `short-compiles`) judge a statement's start with no context. An
+empty suggestion is not shown to a user, so it gets no click (silence). Held-out files (fixed by
+a hash of their path) are never sent by users: they are what the learning bench evaluates on.
+Now and then a user says happy/sad, labels the suggestion's aspects, or sends a dissatisfied
+follow-up. Feedback goes through the signed webhook like a real product's; the completions
+through the OpenAI-compatible endpoint. No Django import.
 """
 
 from __future__ import annotations
 
+import hashlib
+import importlib.util
 import random
+import sysconfig
 import threading
 import time
 import uuid
 import warnings
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 import httpx
 
 from feedback.client import FlywheelClient
+from training.rewards.usefulness import accepted_chars, intent_reaction, invents, known_names
 
 
 @dataclass
@@ -56,8 +69,10 @@ def _short_and_compiles(prompt: str, completion: str) -> bool:
 
 
 Taste = Callable[[str, str], bool]
+INTENT = "intent"  # accepts what the user was about to type (needs the rest of their line)
 TASTES: dict[str, Taste] = {"compiles": _compiles, "one-statement": _one_statement,
                             "short-compiles": _short_and_compiles}
+POPULATIONS = (INTENT, *TASTES)  # every taste a population can have; the first is the default
 
 
 def shown(completion: str) -> bool:
@@ -65,20 +80,28 @@ def shown(completion: str) -> bool:
     return completion.strip() != ""
 
 
-def likes(taste: str, prompt: str, completion: str) -> bool:
-    """The population's judgement without click noise (what a held-out evaluation measures)."""
+def likes(taste: str, prompt: str, completion: str, intended: str = "") -> bool:
+    """The population's judgement without click noise (what a held-out evaluation measures); the
+    intent taste also needs `intended`, the rest of the line the user was typing."""
+    if taste == INTENT:
+        return intent_reaction(completion, intended).signal == "accept"
     return shown(completion) and TASTES[taste](prompt, completion)
 
 
-def react(prompt: str, completion: str, rng: random.Random, taste: str = "compiles",
-          noise: float = 0.05) -> list[Reaction]:
+def react(prompt: str, completion: str, rng: random.Random, taste: str = INTENT,
+          noise: float = 0.05, intended: str = "") -> list[Reaction]:
     """What one simulated user does after seeing `completion` for `prompt`: nothing when it was
-    not shown; otherwise accept/reject by taste, a random click with probability `noise`."""
+    not shown; otherwise accept/reject by taste, a random click with probability `noise`. An
+    intent user's accept carries the characters kept (`value`; a random accept keeps the first
+    line whole)."""
     if not shown(completion):
         return []
-    good = likes(taste, prompt, completion)
+    good = likes(taste, prompt, completion, intended)
     accepted = rng.random() < 0.5 if rng.random() < noise else good
     reactions = [Reaction("accept" if accepted else "reject")]
+    if taste == INTENT and accepted:
+        kept = intent_reaction(completion, intended).value if good else len(completion.split("\n", 1)[0].rstrip())
+        reactions[0].value = float(kept)
     if rng.random() < 0.2:
         reactions.append(Reaction("happy" if good else "sad"))
     if not good and rng.random() < 0.1:
@@ -86,19 +109,175 @@ def react(prompt: str, completion: str, rng: random.Random, taste: str = "compil
     return reactions
 
 
+@dataclass(frozen=True)
+class UserPrompt:
+    """One request: what is sent (`prompt`), what the user was about to type (`intended`, the rest
+    of their line), and the file it came from."""
+
+    prompt: str
+    intended: str
+    path: str = ""
+
+
+@dataclass(frozen=True)
+class CodeFile:
+    path: str  # relative to the code base's root
+    lines: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class CodeBase:
+    """A folder of Python files: the ones users write in, the held-out ones, and every name it has."""
+
+    root: str
+    files: tuple[CodeFile, ...]
+    held_out_share: float = 0.1
+
+    def is_held_out(self, path: str) -> bool:
+        """Fixed by the path alone (the same on every machine and run)."""
+        digest = int(hashlib.sha256(path.encode()).hexdigest()[:8], 16)
+        return digest / 0xFFFFFFFF < self.held_out_share
+
+    def users_files(self) -> list[CodeFile]:
+        return [f for f in self.files if not self.is_held_out(f.path)]
+
+    def held_out_files(self) -> list[CodeFile]:
+        return [f for f in self.files if self.is_held_out(f.path)]
+
+    @cached_property
+    def known(self) -> frozenset[str]:
+        """Every name of the code base and of the language: what a suggestion may use."""
+        return known_names("\n".join(f.lines) for f in self.files)
+
+
+def django_source() -> Path:
+    """The held-out code base by default: django's source as installed (never in pretraining,
+    which reads the standard library); found without importing Django."""
+    spec = importlib.util.find_spec("django")
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError("django is not installed here: pass --corpus DIR (a folder of *.py files)")
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def stdlib_source() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def code_base(folder: str | Path, held_out_share: float = 0.1) -> CodeBase:
+    """The *.py files under `folder` (tests and site-packages skipped for the standard library),
+    in a fixed (sorted) order."""
+    root = Path(folder)
+    files = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root)
+        if "site-packages" in rel.parts or "test" in rel.parts or "tests" in rel.parts:
+            continue
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+        if text.strip():
+            files.append(CodeFile(rel.as_posix(), tuple(text.splitlines())))
+    if not files:
+        raise ValueError(f"no Python files under {folder}: pass a folder of *.py files")
+    return CodeBase(str(root), tuple(files), held_out_share)
+
+
+CONTEXT_LINES = 6  # a tab-completion prompt carries the file's preceding lines ...
+CONTEXT_CHARS = 360  # ... at most this much of them (the policy's context is short)
+
+
+def intent_prompt(lines: Sequence[str], index: int, cut: int) -> UserPrompt | None:
+    """The user has typed line `index` up to `cut` characters past its indentation: the prompt is
+    the preceding lines of the file and that start; what is left of the line is `intended`."""
+    line = lines[index].rstrip()
+    indent = len(line) - len(line.lstrip())
+    if len(line) - indent < 12 or cut > len(line) - indent - 3:
+        return None
+    context = "\n".join(lines[max(0, index - CONTEXT_LINES):index])[-CONTEXT_CHARS:]
+    head = line[:indent + cut]
+    return UserPrompt((context + "\n" if context else "") + head, line[indent + cut:])
+
+
+def line_prompt(line: str, cut: int) -> UserPrompt | None:
+    """A statement's start with no context, its indentation dropped (an indented prefix alone
+    never compiles, whatever the completion: the line tastes could accept nothing)."""
+    text = line.strip()
+    if len(text) < max(8, cut):
+        return None
+    return UserPrompt(text[:cut], text[cut:])
+
+
 def prompts_from(lines: Sequence[str], rng: random.Random, prefix_chars: int = 24) -> Iterator[str]:
-    """The start of a statement: a line's first 8..prefix_chars characters, its indentation dropped
-    (an indented prefix alone never compiles, whatever the completion: users could accept nothing)."""
+    """The start of a statement: a line's first 8..prefix_chars characters (line tastes)."""
     while True:
         line = rng.choice(lines).strip()
         yield line[: rng.randint(8, prefix_chars)]
+
+
+def user_prompts(source: CodeBase | Sequence[str], taste: str, rng: random.Random) -> Iterator[UserPrompt]:
+    """The requests of one user, forever. From a code base: its files minus the held-out ones
+    (intent: a line in its file's context; line tastes: a statement's start). From plain lines
+    (an older caller): statement starts."""
+    if not isinstance(source, CodeBase):
+        while True:
+            line = rng.choice(source).strip()
+            if (p := line_prompt(line, rng.randint(8, 24))) is not None:
+                yield p
+    files = [f for f in source.users_files() if f.lines]
+    while True:
+        file = rng.choice(files)
+        index = rng.randrange(len(file.lines))
+        if taste == INTENT:
+            p = intent_prompt(file.lines, index, rng.randint(2, 20))
+        else:
+            p = line_prompt(file.lines[index], rng.randint(8, 24))
+        if p is not None:
+            yield UserPrompt(p.prompt, p.intended, file.path)
+
+
+def held_out_prompts(code: CodeBase, taste: str, n: int, seed: int = 11) -> list[UserPrompt]:
+    """`n` requests from the held-out files only (users never send them), the same for a seed."""
+    rng = random.Random(seed)
+    files = [f for f in code.held_out_files() if f.lines]
+    out: list[UserPrompt] = []
+    for _ in range(n * 50):
+        if len(out) == n or not files:
+            break
+        file = rng.choice(files)
+        index = rng.randrange(len(file.lines))
+        cut = rng.randint(2, 20) if taste == INTENT else rng.randint(8, 24)
+        p = intent_prompt(file.lines, index, cut) if taste == INTENT else line_prompt(file.lines[index], cut)
+        if p is not None:
+            out.append(UserPrompt(p.prompt, p.intended, file.path))
+    return out
+
+
+def population_metrics(taste: str, requests: Sequence[UserPrompt], suggestions: Sequence[str],
+                       known: frozenset[str]) -> dict[str, float]:
+    """What a population's users got from one suggestion per request, without click noise:
+    accepted characters per request (the utility: what they did not have to type), the accept
+    rate by the population's taste, silence, the share of shown suggestions that invent a name,
+    the share of the most common suggestion, and the characters matching what the user was about
+    to type (any length, the first line's common prefix)."""
+    n = max(len(requests), 1)
+    visible = [(r, s) for r, s in zip(requests, suggestions, strict=True) if shown(s)]
+    counts = Counter(s.strip() for _, s in visible)
+    return {
+        "accepted_chars": sum(accepted_chars(s, r.intended) for r, s in visible) / n,
+        "accept_rate": sum(likes(taste, r.prompt, s, r.intended) for r, s in visible) / n,
+        "silent_rate": 1 - len(visible) / n,
+        "invented_share": sum(invents(s, r.prompt, known) for r, s in visible) / len(visible) if visible else 0.0,
+        "top_suggestion_share": counts.most_common(1)[0][1] / len(visible) if visible else 0.0,
+        "matched_chars": sum(accepted_chars(s, r.intended, min_chars=1) for r, s in visible) / n,
+    }
 
 
 def run_users(
     serving_url: str,
     sender: FlywheelClient,
     model: str,
-    lines: Sequence[str],
+    source: CodeBase | Sequence[str],
     *,
     serve_key: str,
     requests: int | None = None,
@@ -106,11 +285,12 @@ def run_users(
     max_tokens: int = 16,
     seed: int = 0,
     users: int = 4,
-    taste: str = "compiles",
+    taste: str = INTENT,
     noise: float = 0.05,
 ) -> int:
     """Asks for completions and sends reactions; returns the number of completions served.
 
+    `source`: the code base the users write in (or, for a line taste, plain lines).
     `users` simulated users work concurrently (the server batches their requests); they ask with
     `serve_key`, an API key of scope `serve`."""
     served = [0]
@@ -130,15 +310,15 @@ def run_users(
     def user(index: int) -> None:
         rng = random.Random(seed + 1000 * index)
         with httpx.Client(base_url=serving_url, timeout=120, headers={"Authorization": f"Bearer {serve_key}"}) as http:
-            for prompt in prompts_from(lines, rng):
+            for request in user_prompts(source, taste, rng):
                 if not claim():
                     break
-                choice = _complete(http, model, prompt, max_tokens)
+                choice = _complete(http, model, request.prompt, max_tokens)
                 if choice is None:
                     unclaim()
                     time.sleep(2)
                     continue
-                events = _feedback_events(choice, prompt, rng, taste, noise)
+                events = _feedback_events(choice, request, rng, taste, noise)
                 if events:
                     sender.send(events)
                 time.sleep(pause_s)
@@ -163,16 +343,16 @@ def _complete(http: httpx.Client, model: str, prompt: str, max_tokens: int) -> d
     return r.json()["choices"][0] if r.status_code == 200 else None
 
 
-def _feedback_events(choice: dict[str, Any], prompt: str, rng: random.Random, taste: str,
+def _feedback_events(choice: dict[str, Any], request: UserPrompt, rng: random.Random, taste: str,
                      noise: float) -> list[dict[str, Any]]:
     user = f"sim-{rng.randint(1, 50)}"
     events = [
         {"type": "feedback", "id": f"sim-{uuid.uuid4().hex}", "trajectory_id": choice["trajectory_id"],
          "signal": r.signal, "value": r.value, "user": user}
-        for r in react(prompt, choice["text"], rng, taste, noise)
+        for r in react(request.prompt, choice["text"], rng, taste, noise, request.intended)
     ]
     if events and rng.random() < LABEL_SHARE:
-        events[0]["aspect_labels"] = aspect_labels(prompt, choice["text"])
+        events[0]["aspect_labels"] = aspect_labels(request.prompt, choice["text"])
     return events
 
 

@@ -1,11 +1,13 @@
 """python manage.py simulate_users --project demo --web http://127.0.0.1:8000 [--serving URL] [--serve-key fw_...]
     [--requests N]
-    [--taste compiles|one-statement|short-compiles] [--corpus DIR] [--noise 0.05] [--approve]
+    [--taste intent|compiles|one-statement|short-compiles] [--corpus DIR] [--noise 0.05] [--approve]
 
 Simulated users of the demo product (see webapp/demo/simulator.py): they ask the OpenAI-compatible
 serving endpoint for completions and send their reactions through the signed webhook. A population
-is a taste (which suggestions it accepts), a corpus (the code it writes: the stdlib by default, or
-the *.py files under --corpus) and a random-click rate. With --approve, a service account approves
+is a taste (which suggestions it accepts: `intent`, what the user was about to type, by default),
+a code base (the *.py files under --corpus; by default django's source for `intent`, a code base
+the base policy never saw, and the standard library for the line tastes; its held-out files are
+never sent) and a random-click rate. With --approve, a service account approves
 what passes the gate through the versions API (an admin-scope key: --api-key or
 FLYWHEEL_APPROVER_KEY); a person's approval stays the default everywhere else.
 """
@@ -18,8 +20,15 @@ import threading
 from django.core.management.base import BaseCommand, CommandError
 
 from feedback.client import FlywheelClient
-from training.pretrain import stdlib_corpus
-from webapp.demo.simulator import TASTES, auto_approve, corpus_lines, run_users
+from webapp.demo.simulator import (
+    INTENT,
+    POPULATIONS,
+    auto_approve,
+    code_base,
+    django_source,
+    run_users,
+    stdlib_source,
+)
 
 
 class Command(BaseCommand):
@@ -36,9 +45,9 @@ class Command(BaseCommand):
         parser.add_argument("--pause", type=float, default=0.5)
         parser.add_argument("--users", type=int, default=4)
         parser.add_argument("--seed", type=int, default=0)
-        parser.add_argument("--taste", choices=sorted(TASTES), default=os.environ.get("FLYWHEEL_DEMO_TASTE", "compiles"))
+        parser.add_argument("--taste", choices=POPULATIONS, default=os.environ.get("FLYWHEEL_DEMO_TASTE", INTENT))
         parser.add_argument("--corpus", default=os.environ.get("FLYWHEEL_DEMO_CORPUS") or None,
-                            help="a folder of *.py files the users write (default: the stdlib)")
+                            help="a folder of *.py files the users write (default: django's source for intent, else the stdlib)")
         parser.add_argument("--noise", type=float, default=0.05, help="share of random clicks")
         parser.add_argument("--approve", action="store_true", help="approve what passes the gate (service account)")
         parser.add_argument("--api-key", default=os.environ.get("FLYWHEEL_APPROVER_KEY", ""))
@@ -55,14 +64,15 @@ class Command(BaseCommand):
         if not 0 <= opts["noise"] <= 1:
             raise CommandError("--noise is a share of clicks in [0, 1]")
         try:
-            lines = corpus_lines(opts["corpus"]) if opts["corpus"] else stdlib_corpus(max_lines=20_000)
+            default = django_source() if opts["taste"] == INTENT else stdlib_source()
+            code = code_base(opts["corpus"] or default)
         except ValueError as exc:
             raise CommandError(str(exc)) from None
         stop = threading.Event()
         if opts["approve"]:
             threading.Thread(target=auto_approve, args=(opts["web"], opts["api_key"], stop), daemon=True).start()
         sender = FlywheelClient(opts["web"], opts["secret"], project=opts["project"])
-        served = run_users(opts["serving"], sender, opts["project"], lines, serve_key=opts["serve_key"],
+        served = run_users(opts["serving"], sender, opts["project"], code, serve_key=opts["serve_key"],
                            requests=opts["requests"],
                            pause_s=opts["pause"], seed=opts["seed"], users=opts["users"], taste=opts["taste"],
                            noise=opts["noise"])
