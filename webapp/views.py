@@ -19,6 +19,7 @@ from django.views.decorators.http import require_POST
 from django.views.defaults import page_not_found
 
 from core.errors import ApplicationError, BadRequest, Forbidden, html_error_response
+from training.corpora.selectors import corpus_rows
 from training.replicas.selectors import replica_rows
 from training.versions.selectors import policy_by_number, production_at
 from webapp import charts, selectors, services
@@ -141,6 +142,13 @@ def replay(request: HttpRequest, slug: str, trajectory_id: int) -> HttpResponse:
     figures = {"timeline": data["timeline"]}
     figures.update({f"routing-{s.step.index}": s.routing for s in data["steps"] if s.routing})
     return render(request, "dashboard/replay.html", _ctx(request, project, "rollouts", flt=flt, figures=figures, **data))
+
+
+@page
+def corpora(request: HttpRequest, slug: str) -> HttpResponse:
+    project = request.project  # type: ignore[attr-defined]
+    return render(request, "dashboard/corpora.html", _ctx(request, project, "corpora",
+                                                          corpora=corpus_rows(project)))
 
 
 @page
