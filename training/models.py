@@ -89,7 +89,9 @@ class PolicyVersion(models.Model):
 
 class TrainingRun(models.Model):
     STATES = [("queued", "queued"), ("running", "running"), ("succeeded", "succeeded"), ("failed", "failed")]
+    KINDS = [("rl", "rl"), ("midtrain", "midtrain")]  # midtrain: next-token training on a corpus
 
+    kind = models.CharField(max_length=16, choices=KINDS, default="rl")
     project = models.ForeignKey(Project, on_delete=models.CASCADE, related_name="training_runs")
     base_version = models.ForeignKey(PolicyVersion, on_delete=models.PROTECT, related_name="runs_from")
     candidate = models.ForeignKey(
@@ -318,3 +320,44 @@ class AgentTask(models.Model):
 
     def __str__(self) -> str:
         return f"{self.project.slug} agent task {self.name}"
+
+
+# --- corpora (training.corpora) --------------------------------------------------------------------
+
+
+class Corpus(models.Model):
+    """A project's own code (its repository): text files stored content-addressed under
+    FLYWHEEL_CORPUS_DIR, a fixed held-out slice of them (by path) kept for evaluation. Rows are not
+    edited: adding files again makes a new corpus."""
+
+    project = models.ForeignKey(Project, on_delete=models.CASCADE, related_name="corpora")
+    name = models.CharField(max_length=200)
+    heldout_percent = models.PositiveSmallIntegerField(default=10)
+    files_count = models.PositiveIntegerField(default=0)
+    bytes = models.BigIntegerField(default=0)
+    tokens = models.BigIntegerField(null=True, blank=True)  # under `tokenizer_version`'s tokenizer
+    heldout_tokens = models.BigIntegerField(null=True, blank=True)
+    tokenizer_version = models.PositiveIntegerField(null=True, blank=True)
+    skipped = models.JSONField(default=list, blank=True)  # [[path, why]] (the first 200)
+    created_by = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.SET_NULL, null=True, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        indexes = [models.Index(fields=["project", "-created_at"], name="corpus_project_time")]
+
+    def __str__(self) -> str:
+        return f"{self.project.slug} corpus {self.pk} ({self.name})"
+
+
+class CorpusFile(models.Model):
+    corpus = models.ForeignKey(Corpus, on_delete=models.CASCADE, related_name="files")
+    path = models.CharField(max_length=1000)
+    sha256 = models.CharField(max_length=64)  # the blob's name in the store
+    bytes = models.PositiveIntegerField()
+    lines = models.PositiveIntegerField()
+    tokens = models.PositiveIntegerField(null=True, blank=True)
+    heldout = models.BooleanField(default=False)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["corpus", "path"], name="uniq_corpusfile_path")]
+        ordering = ["corpus_id", "path"]

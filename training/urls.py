@@ -1,8 +1,9 @@
-"""API of the training app under /api/v1/ (versions, promotion)."""
+"""API of the training app under /api/v1/ (versions, promotion, corpora, mid-training)."""
 
 from django.urls import path
 
 from training import apis
+from training.corpora.apis import CorpusApi
 
 urlpatterns = [
     path("versions", apis.VersionListApi.as_view(), name="api-versions"),
@@ -10,4 +11,5 @@ urlpatterns = [
     path("versions/<int:version_id>/approve", apis.VersionApproveApi.as_view(), name="api-version-approve"),
     path("versions/<int:version_id>/reject", apis.VersionRejectApi.as_view(), name="api-version-reject"),
     path("versions/<int:version_id>/rollback", apis.VersionRollbackApi.as_view(), name="api-version-rollback"),
+    path("corpora", CorpusApi.as_view(), name="api-corpora"),
 ]

@@ -308,6 +308,13 @@ SPECTACULAR_SETTINGS = {
 
 FLYWHEEL_CHECKPOINT_DIR = Path(env_str("FLYWHEEL_CHECKPOINT_DIR", str(VAR_DIR / "checkpoints")))
 FLYWHEEL_INFERENCE_URL = env_str("FLYWHEEL_INFERENCE_URL", "")
+# Corpora (training/corpora): blobs by SHA-256 under FLYWHEEL_CORPUS_DIR; bounds of one corpus and
+# of one upload to POST /api/v1/corpora (compressed bytes as sent).
+FLYWHEEL_CORPUS_DIR = Path(env_str("FLYWHEEL_CORPUS_DIR", str(VAR_DIR / "corpora")))
+FLYWHEEL_CORPUS_MAX_FILES = env_int("FLYWHEEL_CORPUS_MAX_FILES", 20_000)
+FLYWHEEL_CORPUS_MAX_BYTES = env_int("FLYWHEEL_CORPUS_MAX_BYTES", 200 * 2**20)
+FLYWHEEL_CORPUS_MAX_FILE_BYTES = env_int("FLYWHEEL_CORPUS_MAX_FILE_BYTES", 2**20)
+FLYWHEEL_CORPUS_UPLOAD_MAX_BYTES = env_int("FLYWHEEL_CORPUS_UPLOAD_MAX_BYTES", 50 * 2**20)
 
 
 def _internal_url(public: str) -> str:

@@ -18,6 +18,7 @@ from django.views.defaults import page_not_found
 
 from core.errors import ApplicationError, Forbidden, html_error_response
 from core.params import query_datetime, query_int, query_text
+from training.corpora.selectors import corpus_rows
 from training.replicas.selectors import replica_rows
 from training.rewards import selectors as reward_selectors
 from training.versions.selectors import policy_by_number, production_at
@@ -134,6 +135,13 @@ def replay(request: HttpRequest, slug: str, trajectory_id: int) -> HttpResponse:
     figures = {"timeline": data["timeline"]}
     figures.update({f"routing-{s.step.index}": s.routing for s in data["steps"] if s.routing})
     return render(request, "dashboard/replay.html", _ctx(request, project, "rollouts", flt=flt, figures=figures, **data))
+
+
+@page
+def corpora(request: HttpRequest, slug: str) -> HttpResponse:
+    project = request.project  # type: ignore[attr-defined]
+    return render(request, "dashboard/corpora.html", _ctx(request, project, "corpora",
+                                                          corpora=corpus_rows(project)))
 
 
 @page
