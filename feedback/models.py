@@ -277,3 +277,14 @@ class ConsentOptOut(models.Model):
             models.UniqueConstraint(fields=["project", "user_hash"], name="uniq_opt_out"),
             models.CheckConstraint(condition=~Q(user_hash=""), name="opt_out_user_not_empty"),
         ]
+
+
+class RedactionTally(models.Model):
+    """Matches each redactor replaced at ingest, per project (the Data page and /metrics)."""
+
+    project = models.ForeignKey(Project, on_delete=models.CASCADE, related_name="redaction_tallies")
+    redactor = models.CharField(max_length=32)
+    count = models.BigIntegerField(default=0)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["project", "redactor"], name="uniq_redaction_tally")]

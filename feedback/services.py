@@ -33,6 +33,7 @@ from feedback.events import (
     parse_event,
 )
 from feedback.models import SERVICE_ACCOUNT_PREFIX, ApiKey, DataPolicy, Membership, Project, WebhookSecret
+from feedback.userdata import redaction
 
 SECRET_ROTATION_GRACE = timedelta(hours=24)
 
@@ -203,7 +204,7 @@ def feedback_ingest(
 def _ingest(project: Project, raw_events: list[Any], webhook_id: str | None,
             on_commit: Callable[[dict[str, int]], None] | None) -> list[EventResult]:
     now = timezone.now()
-    results, trajectories, feedback = _parse_batch(project, raw_events, now)
+    results, trajectories, feedback, redacted = _parse_batch(project, raw_events, now)
     with transaction.atomic():
         _statement_timeout()
         if webhook_id is not None and not _delivery_record(project, webhook_id, len(raw_events)):
@@ -219,6 +220,8 @@ def _ingest(project: Project, raw_events: list[Any], webhook_id: str | None,
             new_ids, new_feedback = _insert_each(project, list(trajectories.values()), rows, now, refused)
         _link_feedback(project, list(new_ids))
         counts = _settle(results, new_ids, new_feedback, refused)
+        if redacted:
+            transaction.on_commit(lambda: redaction_tally(project, redacted))
         if on_commit is not None:
             transaction.on_commit(lambda: on_commit(counts))
     return results
@@ -230,12 +233,17 @@ def _parse_batch(project: Project, raw_events: list[Any], now: datetime):
     feedback: dict[str, FeedbackRecord] = {}
     key = user_hash_key(project)
     policy = data_policy_of(project)
+    # Before anything is parsed, stored or trained on; a policy that does not compile refuses the
+    # batch (nothing is ever stored unredacted).
+    redactor = redaction.redactor_for(policy.redactors, policy.custom_patterns) if (
+        policy.redactors or policy.custom_patterns) else None
+    redacted: dict[str, int] = {}
     for index, raw in enumerate(raw_events):
         kind, ident = event_identity(raw)
         result = EventResult(index=index, id=ident, type=kind, status="rejected")
         results.append(result)
         try:
-            record = parse_event(raw, now, key)
+            record = parse_event(redaction.redact_event(raw, redactor, redacted) if redactor else raw, now, key)
         except EventError as exc:
             result.reason = str(exc)
             continue
@@ -252,7 +260,19 @@ def _parse_batch(project: Project, raw_events: list[Any], now: datetime):
         record.consent = record.consent or policy.consent_default
         seen[ident_of] = record
         result.status = "pending"
-    return results, trajectories, feedback
+    return results, trajectories, feedback, redacted
+
+
+def redaction_tally(project: Project, counts: dict[str, int]) -> None:
+    """Adds one batch's matches per redactor to the project's tallies (after its commit)."""
+    names = sorted(counts)
+    with connection.cursor() as cur:
+        cur.execute(
+            "INSERT INTO feedback_redactiontally (project_id, redactor, count) "
+            "SELECT %s, r, c FROM unnest(%s::text[], %s::bigint[]) AS t(r, c) "
+            "ON CONFLICT (project_id, redactor) DO UPDATE SET count = feedback_redactiontally.count + EXCLUDED.count",
+            [project.id, names, [counts[n] for n in names]],
+        )
 
 
 def _statement_timeout() -> None:

@@ -23,6 +23,7 @@ import re._constants as sre_c
 import re._parser as sre_parse
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from core.errors import BadRequest
 
@@ -260,3 +261,59 @@ def reference_scan(atoms: tuple[Atom, ...], text: str, boundary: str | None = No
         else:
             i += 1
     return spans, work
+
+
+# --- events ----------------------------------------------------------------------------------------
+
+# Fields that are identifiers or choices, never free text (ids, signals, versions, roles).
+_STRUCTURAL = frozenset({"type", "id", "trajectory_id", "signal", "user", "occurred_at", "policy_version", "source",
+                         "task", "tags", "consent", "group", "value", "step", "aspect_labels"})
+_SAMPLED = ("token_ids", "logprobs", "routing", "prompt_token_ids", "tokens")  # they encode the text
+MAX_WALK_DEPTH = 40  # deeper than ingest accepts (32): such an event is refused by parse_event anyway
+
+
+def redact_event(raw: Any, redactor: Redactor, counts: dict[str, int]) -> Any:
+    """A copy of one raw ingest event with its free text redacted (prompt, steps' content and tool
+    calls, extra fields). A step whose text changed loses its sampled token ids, log-probs and
+    routing (they encode the redacted text; the trainer re-tokenises the turn), and a redacted
+    prompt drops the recorded prompt token ids. `raw` itself is not changed."""
+    if not isinstance(raw, dict) or not redactor.patterns:
+        return raw
+    out: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key in _STRUCTURAL or key == "steps":
+            out[key] = value
+        else:
+            out[key] = _walk(value, redactor, counts, 0)
+    if out.get("prompt") != raw.get("prompt"):
+        out.pop("prompt_token_ids", None)
+    steps = raw.get("steps")
+    if isinstance(steps, list):
+        out["steps"] = [_step(s, redactor, counts) for s in steps]
+        if out.get("prompt") != raw.get("prompt"):
+            for s in out["steps"]:
+                if isinstance(s, dict):
+                    s.pop("prompt_token_ids", None)
+    return out
+
+
+def _step(raw: Any, redactor: Redactor, counts: dict[str, int]) -> Any:
+    if not isinstance(raw, dict):
+        return raw
+    out = {k: (v if k in _SAMPLED or k == "role" else _walk(v, redactor, counts, 0)) for k, v in raw.items()}
+    if out.get("content") != raw.get("content") or out.get("tool_calls") != raw.get("tool_calls"):
+        for key in _SAMPLED:
+            out.pop(key, None)
+    return out
+
+
+def _walk(value: Any, redactor: Redactor, counts: dict[str, int], depth: int) -> Any:
+    if isinstance(value, str):
+        return redactor.redact(value, counts)
+    if depth > MAX_WALK_DEPTH:
+        return value
+    if isinstance(value, list):
+        return [_walk(v, redactor, counts, depth + 1) for v in value]
+    if isinstance(value, dict):
+        return {k: _walk(v, redactor, counts, depth + 1) for k, v in value.items()}
+    return value
