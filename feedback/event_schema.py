@@ -68,6 +68,11 @@ MESSAGE = {
                    "content": {"oneOf": [_text(), {"type": "array", "items": {}}]}},
 }
 
+_USER = {"description": "The person it was served to or who reacted; stored hashed.", "oneOf": [
+    _text(ev.MAX_USER_CHARS), {"type": "integer", "minimum": -(2**63) + 1, "maximum": 2**63 - 1}]}
+_CONSENT = {"type": "string", "enum": sorted(ev.CONSENTS), "nullable": True,
+            "description": "no_train: stored and shown, never trained on; absent: the project's default."}
+
 TRAJECTORY_EVENT = {
     "type": "object",
     "description": "A completion (prompt and steps) a policy produced; extra fields are kept.",
@@ -87,6 +92,8 @@ TRAJECTORY_EVENT = {
         "check_context": {"type": "object", "nullable": True, "properties": {
             "prefix": _text(ev.MAX_CHECK_CHARS),
             "tests": {**_text(ev.MAX_CHECK_CHARS, min_length=1), "pattern": "\\S"}}},
+        "user": _USER,
+        "consent": _CONSENT,
         "occurred_at": _TIMESTAMP,
     },
 }
@@ -105,8 +112,8 @@ FEEDBACK_EVENT = {
         ]},
         "value": _bounded(-ev.VALUE_LIMIT, ev.VALUE_LIMIT, nullable=True),
         "step": _VERSION,
-        "user": {"description": "Stored hashed.", "oneOf": [
-            _text(ev.MAX_USER_CHARS), {"type": "integer", "minimum": -(2**63) + 1, "maximum": 2**63 - 1}]},
+        "user": _USER,
+        "consent": _CONSENT,
         "aspect_labels": {"type": "object", "nullable": True, "maxProperties": ev.MAX_ASPECTS,
                           "additionalProperties": _bounded(*ev.LABEL_SCALE),
                           "description": f"Aspect name (1 to {ev.MAX_ASPECT_CHARS} characters) -> score in [0, 1]."},

@@ -66,14 +66,15 @@ _FINITE = "send a finite number (NaN, Infinity and numbers beyond +-1.8e308 are 
 KNOWN_SIGNALS = frozenset({"happy", "sad", "accept", "reject", "edit_kept", "followup_dissatisfied"})
 SOURCES = frozenset({"live", "simulated", "eval"})
 EVENT_TYPES = ("trajectory", "feedback")
+CONSENTS = frozenset({"train", "no_train"})  # absent: the project's default
 _TRAJECTORY_FIELDS = frozenset(
-    {"type", "id", "policy_version", "task", "tags", "source", "prompt", "steps", "occurred_at"}
+    {"type", "id", "policy_version", "task", "tags", "source", "prompt", "steps", "occurred_at", "user", "consent"}
 )
 MAX_ACCEPTED_CHARS = 100_000  # characters of one accepted suggestion
 # Signals whose `value` grades them, and the unit it is in (training.rewards.spec scales by it).
 GRADED_VALUES = {"accept": "chars", "edit_kept": "fraction"}
 _FEEDBACK_FIELDS = frozenset(
-    {"type", "id", "trajectory_id", "signal", "value", "step", "user", "occurred_at", "aspect_labels"}
+    {"type", "id", "trajectory_id", "signal", "value", "step", "user", "occurred_at", "aspect_labels", "consent"}
 )
 _STEP_FIELDS = frozenset({"role", "content", "token_ids", "logprobs", "tool_calls", "routing", "reward"})
 
@@ -110,6 +111,8 @@ class TrajectoryRecord:
     extra: str
     occurred_at: datetime
     steps: list[StepRecord] = field(default_factory=list)
+    user_hash: str = ""
+    consent: str | None = None  # "train" | "no_train" | None (the project's default)
 
 
 @dataclass(slots=True)
@@ -123,6 +126,7 @@ class FeedbackRecord:
     aspect_labels: str | None
     extra: str
     occurred_at: datetime
+    consent: str | None = None
 
 
 def event_identity(raw: Any) -> tuple[str | None, str | None]:
@@ -135,7 +139,8 @@ def event_identity(raw: Any) -> tuple[str | None, str | None]:
     return kind, ident if usable else None
 
 
-def parse_event(raw: Any, now: datetime, user_salt: str) -> TrajectoryRecord | FeedbackRecord:
+def parse_event(raw: Any, now: datetime, user_key: str) -> TrajectoryRecord | FeedbackRecord:
+    """`user_key`: the HMAC key user ids are hashed with (feedback.services.user_hash_key)."""
     if not isinstance(raw, dict):
         raise EventError(f"an event must be a JSON object, got {type(raw).__name__}")
     kind = raw.get("type")
@@ -143,11 +148,11 @@ def parse_event(raw: Any, now: datetime, user_salt: str) -> TrajectoryRecord | F
         raise EventError(f"unknown type {_show(kind)}: use 'trajectory' or 'feedback'")
     _identifier(raw.get("id"), "id")
     if kind == "trajectory":
-        return parse_trajectory(raw, now)
-    return parse_feedback(raw, now, user_salt)
+        return parse_trajectory(raw, now, user_key)
+    return parse_feedback(raw, now, user_key)
 
 
-def parse_trajectory(raw: dict, now: datetime) -> TrajectoryRecord:
+def parse_trajectory(raw: dict, now: datetime, user_key: str = "") -> TrajectoryRecord:
     steps = raw.get("steps", [])
     if not isinstance(steps, list) or len(steps) > MAX_STEPS:
         raise EventError(f"'steps' must be a list of at most {MAX_STEPS} {{role, content, token_ids?, logprobs?}}")
@@ -164,6 +169,7 @@ def parse_trajectory(raw: dict, now: datetime) -> TrajectoryRecord:
     _check_context(raw.get("check_context"))
     # Recorded prompt ids belong to the first step with token ids: the one the trainer scores.
     first = next((i for i, s in enumerate(steps) if isinstance(s, dict) and s.get("token_ids")), None)
+    user = _user(raw.get("user"))
     return TrajectoryRecord(
         external_id=raw["id"],
         policy_version=_optional_int(raw.get("policy_version"), "policy_version"),
@@ -174,10 +180,12 @@ def parse_trajectory(raw: dict, now: datetime) -> TrajectoryRecord:
         extra=_json_text(_extra(raw, _TRAJECTORY_FIELDS), ""),
         occurred_at=_timestamp(raw.get("occurred_at"), now),
         steps=[_step(i, s, prompt_ids if i == first else None) for i, s in enumerate(steps)],
+        user_hash=hash_user(user, user_key) if user is not None else "",
+        consent=_consent(raw.get("consent")),
     )
 
 
-def parse_feedback(raw: dict, now: datetime, user_salt: str) -> FeedbackRecord:
+def parse_feedback(raw: dict, now: datetime, user_key: str) -> FeedbackRecord:
     signal = raw.get("signal")
     if not isinstance(signal, str) or not (signal in KNOWN_SIGNALS or _is_custom(signal)):
         raise EventError(
@@ -191,11 +199,19 @@ def parse_feedback(raw: dict, now: datetime, user_salt: str) -> FeedbackRecord:
         signal=signal,
         value=_signal_value(signal, raw.get("value")),
         step=_optional_int(raw.get("step"), "step"),
-        user_hash=hash_user(user, user_salt) if user is not None else "",
+        user_hash=hash_user(user, user_key) if user is not None else "",
         aspect_labels=_json_text(labels, "aspect_labels") if labels is not None else None,
         extra=_json_text(_extra(raw, _FEEDBACK_FIELDS), ""),
         occurred_at=_timestamp(raw.get("occurred_at"), now),
+        consent=_consent(raw.get("consent")),
     )
+
+
+def _consent(raw: Any) -> str | None:
+    if raw is None or (isinstance(raw, str) and raw in CONSENTS):
+        return raw
+    raise EventError(f"'consent'={_show(raw)}: send 'no_train' (stored and shown, never trained on) or 'train', "
+                     "or leave it out for the project's default")
 
 
 def hash_user(user: str, key: str) -> str:

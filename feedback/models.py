@@ -133,6 +133,10 @@ class Trajectory(models.Model):
     tags = models.JSONField(default=list, blank=True)
     prompt = models.JSONField(default=list)
     extra = models.JSONField(default=dict, blank=True)  # fields beyond the contract, kept verbatim
+    # Whose data it is (the person it was served to), hashed like FeedbackEvent.user_hash.
+    user_hash = models.CharField(max_length=64, blank=True, default="", db_default="")
+    # consent "no_train" at ingest (or the project's default then): stored and shown, never trained on.
+    no_train = models.BooleanField(default=False, db_default=False)
     occurred_at = models.DateTimeField()
     received_at = models.DateTimeField(auto_now_add=True)
 
@@ -141,6 +145,7 @@ class Trajectory(models.Model):
             models.UniqueConstraint(fields=["project", "external_id"], name="uniq_trajectory_per_project"),
         ]
         indexes = [
+            models.Index(fields=["project", "user_hash"], name="traj_project_user", condition=~Q(user_hash="")),
             models.Index(fields=["project", "-occurred_at"], name="traj_project_time"),
             models.Index(fields=["project", "policy_version", "-occurred_at"], name="traj_project_version"),
             models.Index(fields=["project", "task", "-occurred_at"], name="traj_project_task"),
@@ -180,6 +185,7 @@ class FeedbackEvent(models.Model):
     value = models.FloatField(null=True, blank=True)
     step = models.IntegerField(null=True, blank=True)
     user_hash = models.CharField(max_length=64, blank=True, default="")
+    no_train = models.BooleanField(default=False, db_default=False)  # consent "no_train" at ingest, as on Trajectory
     aspect_labels = models.JSONField(null=True, blank=True)  # human labels per rubric aspect
     extra = models.JSONField(default=dict, blank=True)
     occurred_at = models.DateTimeField()
@@ -188,6 +194,7 @@ class FeedbackEvent(models.Model):
     class Meta:
         constraints = [models.UniqueConstraint(fields=["project", "event_id"], name="uniq_feedback_per_project")]
         indexes = [
+            models.Index(fields=["project", "user_hash"], name="fb_project_user", condition=~Q(user_hash="")),
             models.Index(fields=["project", "-occurred_at"], name="fb_project_time"),
             models.Index(fields=["project", "signal", "-occurred_at"], name="fb_project_signal"),
             models.Index(
@@ -227,3 +234,57 @@ class Quarantine(models.Model):
 
     def __str__(self) -> str:
         return f"{self.project.slug} {self.kind}: {self.item}"
+
+
+class DataPolicy(models.Model):
+    """What a project does with its users' data: the consent default, how long raw events are
+    kept, what happens to the versions that learned from an erased user, which redactors run at
+    ingest. A project without a row has the defaults (`data_policy_of`)."""
+
+    CONSENTS = [("train", "train"), ("no_train", "no_train")]
+    ERASURE_POLICIES = [("keep", "keep"), ("flag", "flag"), ("retrain", "retrain")]
+
+    project = models.OneToOneField(Project, on_delete=models.CASCADE, related_name="data_policy")
+    consent_default = models.CharField(max_length=16, choices=CONSENTS, default="train")
+    # Raw events and trajectories older than this are deleted by beat (None: kept for ever).
+    retention_days = models.PositiveIntegerField(null=True, blank=True)
+    erasure_policy = models.CharField(max_length=16, choices=ERASURE_POLICIES, default="flag")
+    redactors = models.JSONField(default=list, blank=True)  # names of feedback.redaction.BUILTIN
+    custom_patterns = models.JSONField(default=list, blank=True)  # [{"name", "pattern"}], validated
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        constraints = [
+            models.CheckConstraint(condition=Q(consent_default__in=["train", "no_train"]), name="consent_known"),
+            models.CheckConstraint(condition=Q(erasure_policy__in=["keep", "flag", "retrain"]),
+                                   name="erasure_policy_known"),
+        ]
+
+    def __str__(self) -> str:
+        return f"data policy of {self.project.slug}"
+
+
+class ConsentOptOut(models.Model):
+    """A user (by hashed id) who opted out of training: none of their trajectories or feedback is
+    trained on from the moment the row exists (feedback.selectors.trainable)."""
+
+    project = models.ForeignKey(Project, on_delete=models.CASCADE, related_name="opt_outs")
+    user_hash = models.CharField(max_length=64)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["project", "user_hash"], name="uniq_opt_out"),
+            models.CheckConstraint(condition=~Q(user_hash=""), name="opt_out_user_not_empty"),
+        ]
+
+
+class RedactionTally(models.Model):
+    """Matches each redactor replaced at ingest, per project (the Data page and /metrics)."""
+
+    project = models.ForeignKey(Project, on_delete=models.CASCADE, related_name="redaction_tallies")
+    redactor = models.CharField(max_length=32)
+    count = models.BigIntegerField(default=0)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["project", "redactor"], name="uniq_redaction_tally")]

@@ -7,7 +7,7 @@ from datetime import datetime
 from itertools import groupby
 from typing import Any
 
-from django.db.models import F, IntegerField, JSONField, Prefetch, QuerySet, TextField
+from django.db.models import Exists, F, IntegerField, JSONField, OuterRef, Prefetch, Q, QuerySet, TextField
 from django.db.models.expressions import RawSQL
 from django.db.models.fields.json import KT
 from django.db.models.functions import Cast
@@ -15,7 +15,7 @@ from django.db.models.functions import Cast
 from core.errors import BadRequest, NotFound
 from feedback import export
 from feedback.auth import SLUG, Principal
-from feedback.models import FeedbackEvent, Membership, Project, Quarantine, Step, Trajectory
+from feedback.models import ConsentOptOut, FeedbackEvent, Membership, Project, Quarantine, Step, Trajectory
 
 
 def project_get(slug: str) -> Project:
@@ -156,6 +156,28 @@ def quarantine_recent(project: Project, limit: int = 10) -> list[Quarantine]:
     return list(Quarantine.objects.filter(project=project).order_by("-last_at", "-id")[:limit])
 
 
+# --- consent: what may be trained on ------------------------------------------------------------
+
+
+def trainable(queryset: QuerySet, trajectory: str = "") -> QuerySet:
+    """`queryset` (of trajectories, or of rows reaching one through `trajectory`, e.g.
+    "trajectory" for rewards) without what may not be trained on: a trajectory sent with consent
+    "no_train" (or under a project default of it), one served to a user who opted out, and one
+    carrying feedback that may not be trained on (sent "no_train", or from a user who opted out).
+    Decided when the query runs, so an opt-out holds for every run that starts after it. Every
+    reader that feeds training goes through here (runs, group-rollout prompts, the reward model,
+    the dataset export)."""
+    to = f"{trajectory}__" if trajectory else ""
+    pk = f"{trajectory}_id" if trajectory else "pk"
+    served_to_opted_out = ConsentOptOut.objects.filter(project_id=OuterRef(f"{to}project_id"),
+                                                       user_hash=OuterRef(f"{to}user_hash"))
+    from_opted_out = ConsentOptOut.objects.filter(project_id=OuterRef("project_id"), user_hash=OuterRef("user_hash"))
+    refused_feedback = FeedbackEvent.objects.filter(trajectory_id=OuterRef(pk)).filter(
+        Q(no_train=True) | Exists(from_opted_out))
+    return queryset.filter(**{f"{to}no_train": False}).exclude(Exists(served_to_opted_out)).exclude(
+        Exists(refused_feedback))
+
+
 # --- dataset export --------------------------------------------------------------------------
 
 EXPORT_CHUNK = 500  # trajectories fetched (with their steps and events) per round trip
@@ -167,7 +189,7 @@ def dataset_rows(project: Project, fmt: export.Format, **filters: Any) -> Iterat
     `filters`: those of `trajectory_list` (since, until, policy_version, signal, task, source)."""
     if fmt not in export.FORMATS:
         raise BadRequest(f"unknown format {str(fmt)[:40]!r}", f"Use one of: {', '.join(export.FORMATS)}.")
-    queryset = trajectory_list(project, **filters)
+    queryset = trainable(trajectory_list(project, **filters))  # an export is a training set
     if fmt == "preference":
         return export.preference_rows(_groups(queryset))
     rows = export.messages_rows if fmt == "messages" else export.kto_rows

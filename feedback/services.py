@@ -24,8 +24,16 @@ from django.utils import timezone
 
 from core.errors import BadRequest, NotFound
 from core.metrics import ingest_counted
-from feedback.events import EventError, FeedbackRecord, TrajectoryRecord, event_identity, parse_event
-from feedback.models import SERVICE_ACCOUNT_PREFIX, ApiKey, Membership, Project, WebhookSecret
+from feedback.events import (
+    EventError,
+    FeedbackRecord,
+    TrajectoryRecord,
+    event_identity,
+    hash_user,
+    parse_event,
+)
+from feedback.models import SERVICE_ACCOUNT_PREFIX, ApiKey, DataPolicy, Membership, Project, WebhookSecret
+from feedback.userdata import redaction
 
 SECRET_ROTATION_GRACE = timedelta(hours=24)
 
@@ -151,6 +159,16 @@ def user_hash_key(project: Project) -> str:
     return hmac.new(pepper, f"project:{project.pk}".encode(), hashlib.sha256).hexdigest()
 
 
+def data_policy_of(project: Project) -> DataPolicy:
+    """The project's data policy; an unsaved row with the defaults when it has none."""
+    return DataPolicy.objects.filter(project=project).first() or DataPolicy(project=project)
+
+
+def user_hash_of(project: Project, user: str | int) -> str:
+    """The stored form of a user id of `project` (what ingest writes for the same id)."""
+    return hash_user(str(user), user_hash_key(project))
+
+
 @dataclass(slots=True)
 class EventResult:
     index: int
@@ -186,7 +204,7 @@ def feedback_ingest(
 def _ingest(project: Project, raw_events: list[Any], webhook_id: str | None,
             on_commit: Callable[[dict[str, int]], None] | None) -> list[EventResult]:
     now = timezone.now()
-    results, trajectories, feedback = _parse_batch(project, raw_events, now)
+    results, trajectories, feedback, redacted = _parse_batch(project, raw_events, now)
     with transaction.atomic():
         _statement_timeout()
         if webhook_id is not None and not _delivery_record(project, webhook_id, len(raw_events)):
@@ -204,6 +222,8 @@ def _ingest(project: Project, raw_events: list[Any], webhook_id: str | None,
             new_ids, new_feedback = _insert_each(project, list(trajectories.values()), rows, now, refused)
         _link_feedback(project, list(new_ids))
         counts = _settle(results, new_ids, new_feedback, refused)
+        if redacted:
+            transaction.on_commit(lambda: redaction_tally(project, redacted))
         if on_commit is not None:
             transaction.on_commit(lambda: on_commit(counts))
     return results
@@ -213,13 +233,19 @@ def _parse_batch(project: Project, raw_events: list[Any], now: datetime):
     results: list[EventResult] = []
     trajectories: dict[str, TrajectoryRecord] = {}  # external id -> record (first one wins)
     feedback: dict[str, FeedbackRecord] = {}
-    salt = user_hash_key(project)
+    key = user_hash_key(project)
+    policy = data_policy_of(project)
+    # Before anything is parsed, stored or trained on; a policy that does not compile refuses the
+    # batch (nothing is ever stored unredacted).
+    redactor = redaction.redactor_for(policy.redactors, policy.custom_patterns) if (
+        policy.redactors or policy.custom_patterns) else None
+    redacted: dict[str, int] = {}
     for index, raw in enumerate(raw_events):
         kind, ident = event_identity(raw)
         result = EventResult(index=index, id=ident, type=kind, status="rejected")
         results.append(result)
         try:
-            record = parse_event(raw, now, salt)
+            record = parse_event(redaction.redact_event(raw, redactor, redacted) if redactor else raw, now, key)
         except EventError as exc:
             result.reason = str(exc)
             continue
@@ -229,13 +255,26 @@ def _parse_batch(project: Project, raw_events: list[Any], now: datetime):
                              "check it against the ingest contract and send it again")
             continue
         seen = trajectories if isinstance(record, TrajectoryRecord) else feedback
-        key = record.external_id if isinstance(record, TrajectoryRecord) else record.event_id
-        if key in seen:
+        ident_of = record.external_id if isinstance(record, TrajectoryRecord) else record.event_id
+        if ident_of in seen:
             result.status, result.reason = "duplicate", "the same id appears earlier in this batch"
             continue
-        seen[key] = record
+        record.consent = record.consent or policy.consent_default
+        seen[ident_of] = record
         result.status = "pending"
-    return results, trajectories, feedback
+    return results, trajectories, feedback, redacted
+
+
+def redaction_tally(project: Project, counts: dict[str, int]) -> None:
+    """Adds one batch's matches per redactor to the project's tallies (after its commit)."""
+    names = sorted(counts)
+    with connection.cursor() as cur:
+        cur.execute(
+            "INSERT INTO feedback_redactiontally (project_id, redactor, count) "
+            "SELECT %s, r, c FROM unnest(%s::text[], %s::bigint[]) AS t(r, c) "
+            "ON CONFLICT (project_id, redactor) DO UPDATE SET count = feedback_redactiontally.count + EXCLUDED.count",
+            [project.id, names, [counts[n] for n in names]],
+        )
 
 
 def _statement_timeout() -> None:
@@ -313,16 +352,18 @@ def _insert_trajectories(project: Project, trajectories: dict[str, TrajectoryRec
     with connection.cursor() as cur:
         cur.execute(
             "INSERT INTO feedback_trajectory (project_id, external_id, policy_version, source, task, tags, "
-            "prompt, extra, occurred_at, received_at) "
-            "SELECT %s, t.eid, t.pv, t.src, t.task, t.tags::jsonb, t.prompt::jsonb, t.extra::jsonb, t.at, %s "
+            "prompt, extra, occurred_at, received_at, user_hash, no_train) "
+            "SELECT %s, t.eid, t.pv, t.src, t.task, t.tags::jsonb, t.prompt::jsonb, t.extra::jsonb, t.at, %s, "
+            "t.uh, t.nt "
             "FROM unnest(%s::text[], %s::int[], %s::text[], %s::text[], %s::text[], %s::text[], %s::text[], "
-            "%s::timestamptz[]) AS t(eid, pv, src, task, tags, prompt, extra, at) "
+            "%s::timestamptz[], %s::text[], %s::bool[]) AS t(eid, pv, src, task, tags, prompt, extra, at, uh, nt) "
             "ON CONFLICT (project_id, external_id) DO NOTHING RETURNING external_id, id",
             [
                 project.id, now,
                 [r.external_id for r in rows], [r.policy_version for r in rows], [r.source for r in rows],
                 [r.task for r in rows], [r.tags for r in rows], [r.prompt for r in rows],
-                [r.extra for r in rows], [r.occurred_at for r in rows],
+                [r.extra for r in rows], [r.occurred_at for r in rows], [r.user_hash for r in rows],
+                [r.consent == "no_train" for r in rows],
             ],
         )
         return dict(cur.fetchall())
@@ -356,11 +397,11 @@ def _insert_feedback(project: Project, rows: list[FeedbackRecord], now: datetime
     with connection.cursor() as cur:
         cur.execute(
             "INSERT INTO feedback_feedbackevent (project_id, event_id, trajectory_external_id, trajectory_id, "
-            "signal, value, step, user_hash, aspect_labels, extra, occurred_at, received_at) "
+            "signal, value, step, user_hash, aspect_labels, extra, occurred_at, received_at, no_train) "
             "SELECT %s, f.eid, f.tid, t.id, f.signal, f.value, f.step, f.uh, f.labels::jsonb, f.extra::jsonb, "
-            "f.at, %s "
+            "f.at, %s, f.nt "
             "FROM unnest(%s::text[], %s::text[], %s::text[], %s::float8[], %s::int[], %s::text[], %s::text[], "
-            "%s::text[], %s::timestamptz[]) AS f(eid, tid, signal, value, step, uh, labels, extra, at) "
+            "%s::text[], %s::timestamptz[], %s::bool[]) AS f(eid, tid, signal, value, step, uh, labels, extra, at, nt) "
             "LEFT JOIN feedback_trajectory t ON t.project_id = %s AND t.external_id = f.tid "
             "ON CONFLICT (project_id, event_id) DO NOTHING RETURNING event_id",
             [
@@ -368,7 +409,7 @@ def _insert_feedback(project: Project, rows: list[FeedbackRecord], now: datetime
                 [r.event_id for r in rows], [r.trajectory_external_id for r in rows], [r.signal for r in rows],
                 [r.value for r in rows], [r.step for r in rows], [r.user_hash for r in rows],
                 [r.aspect_labels for r in rows], [r.extra for r in rows], [r.occurred_at for r in rows],
-                project.id,
+                [r.consent == "no_train" for r in rows], project.id,
             ],
         )
         return {row[0] for row in cur.fetchall()}

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hmac
 import json
 import math
+import re
 import time
 import uuid
 from typing import Any
@@ -33,6 +34,8 @@ from feedback.models import ApiKey
 from inference import conversations, metrics, serving, tools
 from inference.engines import SamplingParams
 from inference.serving import CompletionRequest, Served, ServingError
+
+_BAD_TEXT = re.compile("[\x00\ud800-\udfff]")  # what ingest refuses in a user id
 
 VERSION_HEADER = "Flywheel-Policy-Version"
 MAX_BODY_BYTES = 1024 * 1024
@@ -208,6 +211,14 @@ def _task(body: dict) -> str:
     return task if isinstance(task, str) and len(task) <= 100 else "chat"
 
 
+def _user(body: dict) -> str | None:
+    user = body.get("user")
+    if user is None or (isinstance(user, str) and 0 < len(user) <= 255 and not _BAD_TEXT.search(user)):
+        return user or None
+    raise ServingError(400, "'user' must be a string of 1 to 255 characters (valid Unicode, no NUL)",
+                       "Send your product's id of the person the completion is for (it is stored hashed), or leave it out.")
+
+
 def _respond(served: Served, payload: dict[str, Any]) -> JsonResponse:
     response = JsonResponse(payload)
     response[VERSION_HEADER] = str(served.version)
@@ -230,7 +241,8 @@ async def _serve(body: dict[str, Any], messages: list[dict[str, Any]], encode, w
     engine = server.pick_engine(model)
     if linked is not None:
         messages = await linked.prepare(server, engine, model, sampling, encode)
-    req = CompletionRequest(model, encode(engine, messages), messages, n, sampling, want_logprobs, task, **hooks)
+    req = CompletionRequest(model, encode(engine, messages), messages, n, sampling, want_logprobs, task,
+                            user=_user(body), **hooks)
     return server, engine, req, await server.acomplete(req, engine)
 
 

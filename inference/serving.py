@@ -62,6 +62,7 @@ class CompletionRequest:
     sampling: SamplingParams
     want_logprobs: bool
     task: str = "chat"
+    user: str | None = None  # the OpenAI request's `user`: whose data the trajectory is (stored hashed)
     # Hooks of the tool-call and conversation modules (inference/tools.py, conversations.py):
     # more fields of a recorded step, and where its trajectory goes instead of the recorder.
     step_fields: Callable[[Completion, str], dict[str, Any]] | None = None
@@ -265,7 +266,7 @@ class PolicyServer:
         return {
             "type": "trajectory", "id": trajectory_id, "policy_version": c.version, "task": request.task,
             "prompt": request.messages, "steps": [self.step_of(request, c, trajectory_id, tokenizer)],
-            "occurred_at": datetime.now(tz=UTC).isoformat(),
+            "occurred_at": datetime.now(tz=UTC).isoformat(), **({"user": request.user} if request.user else {}),
         }
 
     def step_of(self, request: CompletionRequest, c: Completion, trajectory_id: str, tokenizer: Any) -> dict[str, Any]:

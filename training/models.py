@@ -361,3 +361,49 @@ class CorpusFile(models.Model):
     class Meta:
         constraints = [models.UniqueConstraint(fields=["corpus", "path"], name="uniq_corpusfile_path")]
         ordering = ["corpus_id", "path"]
+
+
+# --- users' data: lineage and erasures (training.lineage) -------------------------------------------
+
+
+class IdRanges(models.Field):
+    """A PostgreSQL int8multirange of row ids: a set of ids as its sorted, merged [start, end)
+    ranges. Written and queried in SQL (training.lineage); read back as its text form."""
+
+    description = "sorted id ranges (int8multirange)"
+
+    def db_type(self, connection) -> str:
+        return "int8multirange"
+
+
+class RunLineage(models.Model):
+    """Exactly which trajectories and feedback events a training run trained on (its samples and
+    the reward model's labels), as id ranges: a run over 10,000 consecutive ids is one range."""
+
+    run = models.OneToOneField(TrainingRun, on_delete=models.CASCADE, related_name="lineage")
+    project = models.ForeignKey(Project, on_delete=models.CASCADE, related_name="run_lineages")
+    trajectories = IdRanges()
+    feedback = IdRanges()
+    trajectory_count = models.PositiveIntegerField(default=0)
+    feedback_count = models.PositiveIntegerField(default=0)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        indexes = [models.Index(fields=["project", "run"], name="lineage_project_run")]
+
+
+class Erasure(models.Model):
+    """One user's data erased (training.lineage.services.user_erase). Holds no id nor hash of the
+    user: what was removed (counts), the versions that had learned from it and what the project's
+    policy did about them (keep | flag | retrain). With retrain, the training lineage continues
+    from the newest version that never saw the data (training.runs.selectors.training_head)."""
+
+    project = models.ForeignKey(Project, on_delete=models.CASCADE, related_name="erasures")
+    actor = models.CharField(max_length=150)
+    policy = models.CharField(max_length=16)
+    removed = models.JSONField(default=dict)  # table -> rows removed; files -> paths rewritten
+    versions = models.JSONField(default=list)  # ids of the PolicyVersions that learned from the data
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        indexes = [models.Index(fields=["project", "-created_at"], name="erasure_project_time")]

@@ -77,6 +77,8 @@ def training_schedule_install(
         # The self-healing pipeline: undelivered hand-offs, then stuck work (training/runs/sweep.py).
         ("flywheel outbox", "core.tasks.outbox_deliver", every(outbox_every_s)),
         ("flywheel sweeper", "training.tasks.pipeline_sweep", every(sweep_every_s)),
+        # Raw events past each project's retention (feedback/userdata/services.py retention_sweep).
+        ("flywheel retention", "feedback.tasks.retention_sweep_all", every(3600)),
     ]
     for name, task, interval in shared:
         entry, _ = PeriodicTask.objects.update_or_create(

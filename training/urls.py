@@ -4,6 +4,7 @@ from django.urls import path
 
 from training import apis
 from training.corpora.apis import CorpusApi
+from training.lineage import apis as lineage_apis
 
 urlpatterns = [
     path("versions", apis.VersionListApi.as_view(), name="api-versions"),
@@ -12,4 +13,6 @@ urlpatterns = [
     path("versions/<int:version_id>/reject", apis.VersionRejectApi.as_view(), name="api-version-reject"),
     path("versions/<int:version_id>/rollback", apis.VersionRollbackApi.as_view(), name="api-version-rollback"),
     path("corpora", CorpusApi.as_view(), name="api-corpora"),
+    path("lineage", lineage_apis.LineageApi.as_view(), name="api-lineage"),
+    path("erasures", lineage_apis.ErasureApi.as_view(), name="api-erasures"),
 ]

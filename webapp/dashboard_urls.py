@@ -14,5 +14,6 @@ urlpatterns = [
     path("p/<slug:slug>/rollouts/<int:trajectory_id>/", views.replay, name="replay"),
     path("p/<slug:slug>/registry/", views.registry, name="registry"),
     path("p/<slug:slug>/corpora/", views.corpora, name="corpora"),
+    path("p/<slug:slug>/data/", views.data, name="data"),
     path("p/<slug:slug>/registry/v<int:number>/<str:action>/", views.registry_action, name="registry-action"),
 ]

@@ -16,6 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from core.metrics import metrics_response
+from feedback.models import RedactionTally
 from webapp import selectors
 
 QUEUES = ("celery", "ingest", "rewards", "train", "rollouts", "gate")
@@ -52,6 +53,11 @@ class DatabaseCollector(Collector):
             reward.add_metric([row["trajectory__project__slug"], str(row["trajectory__policy_version"])], row["mean"])
         yield reward
         yield from _training()
+        redactions = CounterMetricFamily("flywheel_redactions", "Matches replaced at ingest, by redactor.",
+                                         labels=["project", "redactor"])
+        for slug, redactor, n in RedactionTally.objects.values_list("project__slug", "redactor", "count"):
+            redactions.add_metric([slug, redactor], n)
+        yield redactions
 
 
 def _queues() -> Iterator:

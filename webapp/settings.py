@@ -307,6 +307,8 @@ SPECTACULAR_SETTINGS = {
 }
 
 FLYWHEEL_CHECKPOINT_DIR = Path(env_str("FLYWHEEL_CHECKPOINT_DIR", str(VAR_DIR / "checkpoints")))
+# Dataset exports (manage.py export_dataset --out under it): an erasure rewrites them without the user's rows.
+FLYWHEEL_EXPORT_DIR = Path(env_str("FLYWHEEL_EXPORT_DIR", str(VAR_DIR / "exports")))
 FLYWHEEL_INFERENCE_URL = env_str("FLYWHEEL_INFERENCE_URL", "")
 # Corpora (training/corpora): blobs by SHA-256 under FLYWHEEL_CORPUS_DIR; bounds of one corpus and
 # of one upload to POST /api/v1/corpora (compressed bytes as sent).

@@ -22,7 +22,7 @@ from training.corpora.selectors import corpus_rows
 from training.replicas.selectors import replica_rows
 from training.rewards import selectors as reward_selectors
 from training.versions.selectors import policy_by_number, production_at
-from webapp import charts, selectors, services
+from webapp import charts, selectors, services, userdata
 
 View = Callable[..., HttpResponse]
 
@@ -132,6 +132,7 @@ def replay(request: HttpRequest, slug: str, trajectory_id: int) -> HttpResponse:
     project = request.project  # type: ignore[attr-defined]
     flt = selectors.RolloutFilter.from_query(request.GET)
     data = selectors.rollout_replay(project, trajectory_id, flt)
+    data["learned_by"] = userdata.replay_lineage(project, data["t"])
     figures = {"timeline": data["timeline"]}
     figures.update({f"routing-{s.step.index}": s.routing for s in data["steps"] if s.routing})
     return render(request, "dashboard/replay.html", _ctx(request, project, "rollouts", flt=flt, figures=figures, **data))
@@ -151,7 +152,14 @@ def registry(request: HttpRequest, slug: str) -> HttpResponse:
     at_raw = request.GET.get("at", "") if at else ""
     return render(request, "dashboard/registry.html", _ctx(
         request, project, "registry", rows=selectors.registry(project), audit=selectors.audit_log(project),
-        replicas=replica_rows(project), at=at_raw, live_at=production_at(project, at) if at else None, now=timezone.now()))
+        replicas=replica_rows(project), at=at_raw, live_at=production_at(project, at) if at else None, now=timezone.now(),
+        lineage=userdata.registry_lineage(project)))
+
+
+@page
+def data(request: HttpRequest, slug: str) -> HttpResponse:
+    project = request.project  # type: ignore[attr-defined]
+    return render(request, "dashboard/data.html", _ctx(request, project, "data", **userdata.data_page(project)))
 
 
 @require_POST

@@ -41,6 +41,7 @@ class Labelled:
     checks: Mapping[str, float] = field(default_factory=dict)
     completion_ids: Sequence[int] = ()
     label: float | None = None
+    source_id: int | None = None  # the trajectory it came from: what the model learned from (lineage)
 
 
 def _bucket(text: str) -> int:

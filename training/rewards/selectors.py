@@ -10,6 +10,7 @@ from django.db.models import DateTimeField, Exists, F, Max, OuterRef, Prefetch, 
 from django.db.models.functions import Coalesce, Greatest
 
 from feedback.models import FeedbackEvent, Project, Quarantine, Step, Trajectory
+from feedback.selectors import trainable
 from training.models import AgentTask, Reward, RewardSpec, RubricScore
 from training.rewards.calibration import Agreement, aspect_agreement
 from training.rewards.reward_model import Labelled
@@ -48,8 +49,10 @@ def trajectories_reward_pending(project: Project, spec: RewardSpec, now: datetim
 def rewarded_trajectories_since(
     project: Project, spec: RewardSpec, since: datetime | None, until: datetime | None = None
 ) -> QuerySet[Reward]:
-    """Rewards under `spec` of trajectories received in (since, until], for training (no eval)."""
-    rewards = Reward.objects.filter(spec=spec, trajectory__project=project).exclude(trajectory__source="eval")
+    """Rewards under `spec` of trajectories received in (since, until], for training (no eval,
+    nothing `feedback.selectors.trainable` leaves out)."""
+    rewards = trainable(Reward.objects.filter(spec=spec, trajectory__project=project), "trajectory").exclude(
+        trajectory__source="eval")
     if since is not None:
         rewards = rewards.filter(trajectory__received_at__gt=since)
     if until is not None:
@@ -107,7 +110,8 @@ def labelled_suggestions(project: Project, spec: RewardSpec, limit: int = 4000) 
     grade = RewardSpecData.from_json(spec.signal_rewards).grades.get("accept")
     clicked = FeedbackEvent.objects.filter(trajectory=OuterRef("trajectory"), signal__in=CLICKS)
     rewards = (
-        Reward.objects.filter(spec=spec, trajectory__project=project, trajectory__source="live")
+        trainable(Reward.objects.filter(spec=spec, trajectory__project=project, trajectory__source="live"),
+                  "trajectory")
         .filter(Exists(clicked))
         .select_related("trajectory")
         .prefetch_related(
@@ -130,6 +134,7 @@ def labelled_suggestions(project: Project, spec: RewardSpec, limit: int = 4000) 
             checks=checks,
             completion_ids=[int(t) for s in steps for t in (s.token_ids or [])],
             label=_label(events[-1], grade),
+            source_id=trajectory.pk,
         ))
     return out
 

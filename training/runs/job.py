@@ -23,6 +23,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from core.errors import Conflict
 from feedback.models import Step, Trajectory
+from feedback.selectors import trainable
 from feedback.services import quarantine_record
 from inference.engines import SamplingParams, make_engine
 from training.gate.config import SuiteSpec
@@ -124,7 +125,9 @@ def run(run: TrainingRun, folder: Path, on_step: StepCallback) -> dict[str, Any]
     return {"baseline": baseline.state_dict(), "samples": len(samples), "dropped_stale": batch.dropped_stale,
             "behaviour_unknown": unknown_mu, "retokenised": sum(s.retokenised for s in samples),
             "trajectories": len({s.episode for s in samples if s.episode}), "steps": done, **region.report(),
-            **(rollouts.report() if rollouts else not_sampled), **agent_report, **fresh}
+            **(rollouts.report() if rollouts else not_sampled), **agent_report, **fresh,
+            # popped by training_run_finish into the run's lineage (training.lineage), not the config
+            "trained_on": sorted({r.trajectory_id for r in rewards} | set(rollouts.learned_from if rollouts else ()))}
 
 
 class TrustRegion:
@@ -223,7 +226,7 @@ def _rewards_of(run: TrainingRun) -> QuerySet[Reward]:
     spec = RewardSpec.objects.get(pk=run.config["spec"])
     ids = run.config.get("trajectory_ids")
     if ids is not None:
-        return Reward.objects.filter(spec=spec, trajectory_id__in=ids).order_by("trajectory_id")
+        return trainable(Reward.objects.filter(spec=spec, trajectory_id__in=ids), "trajectory").order_by("trajectory_id")
     since, until = (_when(run.config.get(k)) for k in ("data_since", "data_until"))
     return rewarded_trajectories_since(run.project, spec, since, until)
 
@@ -351,6 +354,7 @@ class GroupRollouts:
         self.kl_on = "samples"
         self.holds_reference = False
         self.count = 0
+        self.learned_from: list[int] = []  # trajectories the reward model was fitted on
 
     @classmethod
     def setup(cls, run: TrainingRun, base_dir: Path, rewards: Sequence[Reward],
@@ -359,7 +363,8 @@ class GroupRollouts:
         if int(group.get("prompts", 0)) < 1 or int(group.get("G", 0)) < 2:
             return None, {}
         spec = RewardSpec.objects.get(pk=run.config["spec"])
-        model = fit_reward_model(labelled_suggestions(run.project, spec), [c["name"] for c in spec.checks])
+        labelled = labelled_suggestions(run.project, spec)
+        model = fit_reward_model(labelled, [c["name"] for c in spec.checks])
         if model is None:
             return None, {"reward_model": None, "rollouts": 0}
         prompts: dict[tuple[int, ...], str] = {}
@@ -377,7 +382,9 @@ class GroupRollouts:
                 prompts.setdefault(ids, str(messages[-1].get("content", "")))
         if not prompts:
             return None, {"reward_model": model.summary(), "rollouts": 0}
-        return cls(run, spec, model, prompts, base_dir, group), {}
+        rollouts = cls(run, spec, model, prompts, base_dir, group)
+        rollouts.learned_from = [item.source_id for item in labelled if item.source_id is not None]
+        return rollouts, {}
 
     def round(self, r: int, weights: PreTrainedModel | None = None) -> list[Sample]:
         """Round r's G completions per prompt, scored; from `weights` when given (else the base)."""

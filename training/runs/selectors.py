@@ -7,6 +7,7 @@ from datetime import datetime
 from django.db.models import Max, QuerySet
 
 from feedback.models import Project
+from training.lineage.selectors import version_clean_ancestor, versions_erased_from
 from training.models import AuditLog, PolicyVersion, TrainingRun, TrainingStep
 from training.versions.selectors import latest_report, policy_production
 
@@ -49,7 +50,15 @@ def training_head(project: Project, max_ahead: int) -> PolicyVersion | None:
     or a length ratio to production past the stop, so a run built on it starts outside the region
     the gate admits. Measured: a run
     from such a candidate, 2.48 nats from production, moved 1.6 more in its first round and was
-    refused at 4.41 against a budget of 4; the stop is only checked from the second round on)."""
+    refused at 4.41 against a budget of 4; the stop is only checked from the second round on).
+
+    Under the "retrain" erasure policy, the newest version on that one's parent chain that never
+    saw erased data: the lineage learns again from there without it."""
+    head = _head(project, max_ahead)
+    return _never_saw_erased(head) if head is not None else None
+
+
+def _head(project: Project, max_ahead: int) -> PolicyVersion | None:
     production = policy_production(project)
     run = (TrainingRun.objects.filter(project=project, state="succeeded", candidate__isnull=False)
            .select_related("candidate").order_by("-finished_at", "-id").first())
@@ -63,6 +72,11 @@ def training_head(project: Project, max_ahead: int) -> PolicyVersion | None:
     if run.config.get("stopped_after_round") is not None:
         return production
     return head
+
+
+def _never_saw_erased(head: PolicyVersion) -> PolicyVersion | None:
+    tainted = versions_erased_from(head.project, policy="retrain")
+    return version_clean_ancestor(head, tainted) if tainted else head
 
 
 def _only_not_better_yet(version: PolicyVersion) -> bool:

@@ -29,6 +29,7 @@ from core.workers import WorkerRef
 from feedback.models import Project
 from feedback.services import service_account_get
 from training.gate.tasks import gate_run_enqueue
+from training.lineage.services import lineage_record
 from training.models import AgentTask, PolicyVersion, TrainingRun, TrainingStep
 from training.rewards.selectors import rewarded_trajectories_since
 from training.rewards.services import reward_spec_current
@@ -249,7 +250,9 @@ def region_flag(extra: dict[str, Any]) -> str:
 
 
 def training_run_finish(run: TrainingRun, folder: Path, extra_config: dict[str, Any]) -> PolicyVersion:
-    """Registers the candidate and marks the run succeeded, together or not at all."""
+    """Registers the candidate and marks the run succeeded, together or not at all (with the
+    lineage of the data it trained on: `trained_on`, popped from `extra_config`)."""
+    trained_on = extra_config.pop("trained_on", [])
     with transaction.atomic():
         owned = TrainingRun.objects.filter(pk=run.pk, state="running").select_for_update().first()
         if owned is None:
@@ -262,6 +265,7 @@ def training_run_finish(run: TrainingRun, folder: Path, extra_config: dict[str, 
             state="succeeded", candidate=candidate, progress=1.0, finished_at=timezone.now(),
             config={**owned.config, **extra_config},
         )
+        lineage_record(run, trained_on)
         flag = mismatch_flag(extra_config) or region_flag(extra_config)
         if flag:
             TrainingRun.objects.filter(pk=run.pk).update(error=flag)

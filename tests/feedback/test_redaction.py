@@ -1,0 +1,107 @@
+"""Redaction at ingest: the built-in redactors, a project's own patterns (validated, bounded),
+overlapping matches, and work that stays linear on hostile inputs (counted, not timed).
+
+    .venv/bin/python -m pytest tests/feedback/test_redaction.py -q
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from core.errors import BadRequest
+from feedback.models import RedactionTally, Step, Trajectory
+from feedback.services import feedback_ingest
+from feedback.userdata.redaction import BUILTIN, atoms_of, redactor_for, reference_scan
+from feedback.userdata.services import data_policy_set
+from tests.factories import trajectory
+
+EVERY = ["email", "api_key", "ipv4", "ipv6"]
+KEY = "sk-" + "A1b2C3d4E5f6G7h8J9k0L1m2"
+JWT = "eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiIxMjM0NTY3ODkwIn0.c2lnbmF0dXJlLXBhcnQ"
+
+
+def redact(text: str, names=EVERY, custom=()) -> tuple[str, dict[str, int]]:
+    counts: dict[str, int] = {}
+    return redactor_for(names, custom).redact(text, counts), counts
+
+
+def test_emails_keys_tokens_and_ip_addresses_are_replaced_and_counted_per_redactor():
+    text = (f"mail ann.lee+x@mail.example.org, key {KEY}, aws AKIAIOSFODNN7EXAMPLE, jwt {JWT}, "
+            "from 192.168.10.7 and 2001:db8::8a2e:370:7334; version 1.2.3 and 10.0.0.999 stay")
+    out, counts = redact(text)
+    assert out == ("mail [redacted:email], key [redacted:api_key], aws [redacted:api_key], jwt [redacted:api_key], "
+                   "from [redacted:ipv4] and [redacted:ipv6]; version 1.2.3 and 10.0.0.999 stay")
+    assert counts == {"email": 1, "api_key": 3, "ipv4": 1, "ipv6": 1}
+
+
+def test_overlapping_matches_become_one_replacement_counted_for_each_redactor():
+    out, counts = redact(f"x {KEY}@corp.example.com y")  # a key that is also an address's local part
+    assert out == "x [redacted:api_key+email] y" and counts == {"api_key": 1, "email": 1}
+    out, counts = redact("a@b.example.com@c.example.com", ["email"])  # chained addresses
+    assert "@" not in out.replace("[redacted:email]", "") and counts["email"] >= 1
+
+
+def test_a_custom_pattern_is_a_bounded_sequence_or_refused_with_the_fix():
+    out, counts = redact("ticket ACME-00012345 closed", [], [{"name": "ticket", "pattern": "ACME-[0-9]{6,10}"}])
+    assert out == "ticket [redacted:ticket] closed" and counts == {"ticket": 1}
+    for bad in ["(a+)+b", "a|b", "[a-z]+x", "(ab){2}", r"(a)\1", "(?=a)b", "^abc", "a{0,5000}", "", "x" * 201, "(",
+                "a{0,3}b"]:
+        with pytest.raises(BadRequest) as refused:
+            atoms_of(bad)
+        assert refused.value.fix, bad
+    with pytest.raises(BadRequest, match="not valid"):
+        redactor_for([], [{"name": "Email!", "pattern": "x"}])
+    with pytest.raises(BadRequest, match="unknown redactors"):
+        redactor_for(["phone"])
+
+
+HOSTILE = ["a", "a@", "@a.", "a.", "eyJ", "eyJaaaaaaaaa.", "1.", "1.1", ":", "f:", "sk-", "sk-aaaaaaaaaaaaaaaaa@",
+           "AKIA", "ACME-1", "A"]
+
+
+@pytest.mark.parametrize("name", [*BUILTIN, "custom"])
+def test_the_work_on_hostile_inputs_grows_linearly_and_matches_the_compiled_pattern(name):
+    patterns = BUILTIN[name] if name != "custom" else redactor_for([], [{"name": "c", "pattern": "ACME-[0-9]{6,10}"}]).patterns
+    for pattern in patterns:
+        for unit in HOSTILE:
+            small, large = unit * 2000, unit * 4000
+            spans, work = reference_scan(pattern.atoms, small, pattern.boundary)
+            _, work_2x = reference_scan(pattern.atoms, large, pattern.boundary)
+            assert work_2x <= 2 * work + 64, (name, unit, work, work_2x)  # linear: twice the input, twice the work
+            assert work <= 4 * len(small) * len(pattern.atoms), (name, unit, work)
+            assert spans == [m.span() for m in pattern.compiled.finditer(small)], (name, unit)
+
+
+def test_a_megabyte_of_hostile_text_is_redacted_in_one_pass():
+    text = ("a@" * 100_000) + ("1." * 100_000) + ("eyJ" * 100_000) + (KEY + " ") * 5_000  # ~1.1 MB
+    out, counts = redact(text)
+    assert counts["api_key"] == 5_000 and KEY not in out
+
+
+def test_ingest_stores_redacted_text_without_the_token_ids_that_encode_it_and_tallies(
+        creds, client, settings, django_capture_on_commit_callbacks):
+    data_policy_set(creds.project, redactors=["email", "api_key"])
+    event = trajectory("t-1", prompt=[{"role": "user", "content": "reply to bob@example.com"}],
+                       prompt_token_ids=[1, 2, 3],
+                       steps=[{"role": "assistant", "content": f"use {KEY}", "token_ids": [5, 6],
+                               "logprobs": [-0.1, -0.2]},
+                              {"role": "assistant", "content": "fine", "token_ids": [7], "logprobs": [-0.3]}],
+                       note="cc alice@example.com")
+    with django_capture_on_commit_callbacks(execute=True):  # the tally is written after the commit
+        assert [r.status for r in feedback_ingest(creds.project, [event])] == ["accepted"]
+    stored = Trajectory.objects.get(external_id="t-1")
+    assert stored.prompt == [{"role": "user", "content": "reply to [redacted:email]"}]
+    assert stored.extra["note"] == "cc [redacted:email]" and "prompt_token_ids" not in str(stored.extra)
+    first, second = Step.objects.filter(trajectory=stored).order_by("index")
+    assert (first.content, first.token_ids, first.logprobs) == ("use [redacted:api_key]", None, None)
+    assert (second.content, second.token_ids) == ("fine", [7])  # untouched text keeps its sample
+    assert dict(RedactionTally.objects.values_list("redactor", "count")) == {"email": 2, "api_key": 1}
+    settings.FLYWHEEL_METRICS_TOKEN = "scrape-me"
+    text = client.get("/metrics", HTTP_AUTHORIZATION="Bearer scrape-me").content.decode()
+    assert f'flywheel_redactions_total{{project="{creds.project.slug}",redactor="email"}} 2.0' in text
+
+
+def test_a_project_without_redactors_stores_text_as_sent(creds):
+    feedback_ingest(creds.project, [trajectory("t-1", prompt="mail bob@example.com")])
+    assert Trajectory.objects.get().prompt[0]["content"] == "mail bob@example.com"
+    assert not RedactionTally.objects.exists()

@@ -1,0 +1,1 @@
+"""Users' data in training: which runs and versions learned from which rows; erasure."""
