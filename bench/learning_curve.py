@@ -273,7 +273,7 @@ def _loop_record() -> dict:
 
     runs = []
     for run in TrainingRun.objects.filter(project__slug="demo").order_by("pk"):
-        c, model = run.config, run.config.get("reward_model") or {}
+        c, model = run.result, run.result.get("reward_model") or {}
         runs.append({"run": run.pk, "state": run.state, "base": run.base_version.number,
                      "candidate": run.candidate.number if run.candidate_id else None, "samples": c.get("samples"),
                      "rollouts": c.get("rollouts"), "reward_model_auc": model.get("heldout_auc"),

@@ -79,7 +79,7 @@ def seed(events: int, users: int, runs: int) -> tuple[object, float]:
     for k in range(runs):
         version = PolicyVersion.objects.create(project=project, number=k + 2, parent=parent, state="candidate")
         run_ids.append(TrainingRun.objects.create(project=project, base_version=parent, candidate=version,
-                                                  state="succeeded", config={}).pk)
+                                                  state="succeeded").pk)
         parent = version
     with connection.cursor() as cur:
         cur.execute(_LINEAGE, {"p": project.pk, "t0": t0, "per": max(1, n // runs), "runs": run_ids})

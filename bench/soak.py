@@ -343,13 +343,14 @@ def create_project() -> dict[str, str]:
     from django.core.management import call_command
 
     from feedback.services import api_key_create, project_create
+    from training.runs.settings import Schedule
     from training.schedule import training_schedule_install
 
     creds = project_create("Soak", f"soak-{uuid.uuid4().hex[:8]}")
     key = api_key_create(creds.project, ["serve"], "soak-completer")
     call_command("bootstrap_policy", "--project", creds.project.slug, "--steps", "1", verbosity=0)
     # Beat gives the worker real work (rewards, the outbox, the sweeper); training never starts.
-    training_schedule_install([creds.project], rewards_every_s=5, min_new=10**9, every_minutes=10**6,
+    training_schedule_install([creds.project], Schedule(min_new=10**9, every_minutes=10**6), rewards_every_s=5,
                               outbox_every_s=5, sweep_every_s=30)
     return {"slug": creds.project.slug, "secret": creds.webhook_secret, "serve_key": key}
 

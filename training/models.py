@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from django.conf import settings
+from django.conf import settings as django_settings
 from django.db import models
 
 from feedback.models import Project, Trajectory
@@ -98,8 +98,17 @@ class TrainingRun(models.Model):
         PolicyVersion, on_delete=models.SET_NULL, null=True, blank=True, related_name="runs_to"
     )
     state = models.CharField(max_length=16, choices=STATES, default="queued")
-    config = models.JSONField(default=dict)
-    started_by = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.SET_NULL, null=True, blank=True)
+    # What the run was asked to do (training.runs.settings.RunSettings.to_dict()), written once
+    # when it is created; what it produced (the job's report, a flag that kept its candidate from
+    # the gate) goes to `result` when it succeeds.
+    settings = models.JSONField(default=dict)
+    result = models.JSONField(default=dict, blank=True)
+    # Its data window: the rewards of `spec` on trajectories that arrived in (data_since, data_until]
+    # (unless the settings pin trajectory ids). The next run's window starts at this one's end.
+    spec = models.ForeignKey("RewardSpec", on_delete=models.SET_NULL, null=True, blank=True, related_name="runs")
+    data_since = models.DateTimeField(null=True, blank=True)
+    data_until = models.DateTimeField(null=True, blank=True)
+    started_by = models.ForeignKey(django_settings.AUTH_USER_MODEL, on_delete=models.SET_NULL, null=True, blank=True)
     worker = models.CharField(max_length=200, blank=True, default="")
     error = models.TextField(blank=True, default="")
     progress = models.FloatField(default=0.0)
@@ -189,7 +198,7 @@ class GatePolicy(models.Model):
     canary_max_events = models.PositiveIntegerField(default=20_000)
     canary_confidence = models.FloatField(default=0.95)
     note = models.TextField(blank=True, default="")
-    created_by = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.SET_NULL, null=True, blank=True)
+    created_by = models.ForeignKey(django_settings.AUTH_USER_MODEL, on_delete=models.SET_NULL, null=True, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:
@@ -339,7 +348,7 @@ class Corpus(models.Model):
     heldout_tokens = models.BigIntegerField(null=True, blank=True)
     tokenizer_version = models.PositiveIntegerField(null=True, blank=True)
     skipped = models.JSONField(default=list, blank=True)  # [[path, why]] (the first 200)
-    created_by = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.SET_NULL, null=True, blank=True)
+    created_by = models.ForeignKey(django_settings.AUTH_USER_MODEL, on_delete=models.SET_NULL, null=True, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:

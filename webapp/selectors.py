@@ -286,13 +286,13 @@ def rubric_view(project: Project, task: str, tag: str) -> dict[str, Any]:
 def reward_model_history(project: Project, limit: int = 20) -> list[dict[str, Any]]:
     """The users' reward model as each recent run fitted it (newest first): clicks it was fitted on
     and its calibration on the newest clicks it never saw (training.rewards.reward_model)."""
-    runs = (TrainingRun.objects.filter(project=project, state="succeeded", config__has_key="reward_model")
+    runs = (TrainingRun.objects.filter(project=project, state="succeeded", result__has_key="reward_model")
             .order_by("-finished_at")[:limit])
     out = []
     for run in runs:
-        model = run.config.get("reward_model")
+        model = run.result.get("reward_model")
         if model:
-            out.append({"run": run.pk, "finished_at": run.finished_at, "rollouts": run.config.get("rollouts"), **model})
+            out.append({"run": run.pk, "finished_at": run.finished_at, "rollouts": run.result.get("rollouts"), **model})
     return out
 
 

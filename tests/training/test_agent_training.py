@@ -21,6 +21,7 @@ from training.rewards.agents import SAMPLE_TASKS
 from training.rewards.selectors import agent_tasks
 from training.rewards.services import agent_task_add, reward_spec_update
 from training.runs.services import train_policy, training_run_start
+from training.runs.settings import RunSettings
 
 
 def _folder(root, name, files):
@@ -53,7 +54,7 @@ def test_the_command_registers_task_folders_and_refuses_one_without_asserts(cred
 
 def test_a_runs_agent_config_is_checked_with_errors_that_say_how_to_fix_it(creds, production):
     with pytest.raises(BadRequest, match="has no agent tasks to roll out") as exc:
-        training_run_start(creds.project, enqueue=False, agent={"tasks": 2})
+        training_run_start(creds.project, RunSettings(agent={"tasks": 2}), enqueue=False)
     assert "manage.py agent_tasks" in exc.value.fix
     agent_task_add(creds.project, "add", dict(SAMPLE_TASKS[0].files), instruction=SAMPLE_TASKS[0].instruction)
     for agent, message in [({"G": 4}, "agent must be an object with `tasks`"),
@@ -61,12 +62,12 @@ def test_a_runs_agent_config_is_checked_with_errors_that_say_how_to_fix_it(creds
                            ({"tasks": 2, "G": 1}, r"agent.G must be an integer in \[2, 64\], got 1"),
                            ({"tasks": 2, "tests_weight": "1"}, r"agent.tests_weight must be a number in \[0, 100\]")]:
         with pytest.raises(BadRequest, match=message):
-            training_run_start(creds.project, enqueue=False, agent=agent)
+            training_run_start(creds.project, RunSettings(agent=agent), enqueue=False)
     # the command says the same, as a one-line error with the fix (no traceback)
     with pytest.raises(CommandError, match=r"agent.G must be an integer in \[2, 64\], got 1\. "):
         call_command("train_now", "--project", creds.project.slug, "--agent", '{"tasks": 2, "G": 1}')
-    run, _ = training_run_start(creds.project, enqueue=False, agent={"tasks": 2, "tests_weight": 2})
-    assert run.config["agent"] == {"tasks": 2, "G": 4, "max_turns": 6, "max_tokens": 96, "summary_budget": 1024,
+    run, _ = training_run_start(creds.project, RunSettings(agent={"tasks": 2, "tests_weight": 2}), enqueue=False)
+    assert run.settings["agent"] == {"tasks": 2, "G": 4, "max_turns": 6, "max_tokens": 96, "summary_budget": 1024,
                                    "tests_weight": 2.0}
 
 
@@ -84,11 +85,11 @@ def test_a_run_with_agent_tasks_plays_g_rollouts_per_task_with_its_weights_and_t
     reward_spec_update(creds.project, judge={}, aspects=[])  # the tests alone: rewards in [0, 1]
     for task in SAMPLE_TASKS:
         agent_task_add(creds.project, task.name, dict(task.files), instruction=task.instruction)
-    run, _ = training_run_start(creds.project, steps=1, batch_size=8, enqueue=False,
-                                agent={"tasks": 2, "G": 2, "max_turns": 2, "max_tokens": 16})
+    agent = {"tasks": 2, "G": 2, "max_turns": 2, "max_tokens": 16}
+    run, _ = training_run_start(creds.project, RunSettings(steps=1, batch_size=8, agent=agent), enqueue=False)
     run = train_policy(run.pk)  # no live trajectory at all: the agent rollouts are the run's data
     assert run.state == "succeeded", run.error
-    c = run.config
+    c = run.result
     assert c["agent_rollouts"] == 4 and sorted(c["agent_tasks"]) == ["add", "double"]
     assert c["agent_turns"] >= 4 and c["agent_samples"] == c["agent_turns"] == c["samples"]
     assert c["trajectories"] == 4 and c["agent_dropped"] == 0

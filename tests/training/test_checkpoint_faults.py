@@ -22,6 +22,7 @@ from kernels.delta import CheckpointCorrupt
 from training.checkpoints.store import CheckpointMissing
 from training.models import AuditLog, EvalSuite, PolicyVersion, TrainingRun
 from training.promotion.services import candidate_promote
+from training.runs.settings import RunSettings
 from training.versions.selectors import policy_production
 from training.versions.services import checkpoint_store, policy_folder, policy_register
 
@@ -154,7 +155,7 @@ def test_a_full_disk_while_writing_the_candidate_fails_the_run_and_keeps_nothing
     plain_spec(creds.project, settle_seconds=0)
     ingest_live(creds.project, tokenizer, 4)
     rewards_compute_pending(creds.project, now=later(1))
-    run, _ = training_run_start(creds.project, steps=1, batch_size=2, enqueue=False)
+    run, _ = training_run_start(creds.project, RunSettings(steps=1, batch_size=2), enqueue=False)
 
     run = train_policy(run.pk)
     assert run.state == "failed" and run.candidate is None

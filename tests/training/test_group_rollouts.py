@@ -21,7 +21,9 @@ from training.models import EvalSuite, TrainingStep
 from training.rewards.reward_model import MIN_LABELS, Labelled, fit_reward_model
 from training.rewards.selectors import labelled_suggestions
 from training.rewards.services import reward_spec_update, rewards_compute_pending, suggestions_reward
+from training.rl.config import RLConfig
 from training.runs.services import train_policy, training_run_start
+from training.runs.settings import RunSettings
 
 CHECKS = [{"name": "python_compiles", "weight": 0.25, "prompt_is_prefix": True}]
 PROMPTS = ["total = (a", "name = str(x", "value = [1, 2", "if ok", "items = {}", "x = y +"]
@@ -73,11 +75,12 @@ def test_a_run_with_group_rollouts_trains_on_them_with_the_live_samples(creds, p
     _spec(creds.project)
     _ingest_clicks(creds.project, tokenizer, 2 * MIN_LABELS)
     rewards_compute_pending(creds.project, now=timezone.now() + timedelta(seconds=1))
-    run, _ = training_run_start(creds.project, steps=1, batch_size=64, rl={"lr": 1e-3}, enqueue=False,
-                                group={"prompts": 4, "G": 4, "max_tokens": 6}, epochs=1)
+    settings = RunSettings(steps=1, batch_size=64, rl=RLConfig(lr=1e-3), group={"prompts": 4, "G": 4, "max_tokens": 6},
+                           epochs=1)
+    run, _ = training_run_start(creds.project, settings, enqueue=False)
     run = train_policy(run.pk)
     assert run.state == "succeeded", run.error
-    config = run.config
+    config = run.result
     assert config["rollout_prompts"] == 4  # the four newest distinct prompts the users sent
     assert 0 < config["rollouts"] <= 16
     assert config["samples"] == 2 * MIN_LABELS + config["rollouts"]
@@ -95,12 +98,13 @@ def test_rounds_sample_score_and_update_again_from_the_weights_the_run_reached(c
     rewards_compute_pending(creds.project, now=timezone.now() + timedelta(seconds=1))
     EvalSuite.objects.create(project=creds.project, version=1, max_tokens=8, n_samples=2,
                              prompts=[{"id": f"p{i}", "prompt": p} for i, p in enumerate(["import os", "x = [", "def f("])])
-    run, _ = training_run_start(creds.project, steps=1, batch_size=16, enqueue=False, epochs=1,
-                                rl={"lr": 1e-3, "kl_to": "production", "kl_stop": 1e6, "length_stop": 100.0},
-                                group={"prompts": 4, "G": 4, "max_tokens": 6, "rounds": 3})
+    settings = RunSettings(steps=1, batch_size=16, epochs=1,
+                           rl=RLConfig(lr=1e-3, kl_to="production", kl_stop=1e6, length_stop=100.0),
+                           group={"prompts": 4, "G": 4, "max_tokens": 6, "rounds": 3})
+    run, _ = training_run_start(creds.project, settings, enqueue=False)
     run = train_policy(run.pk)
     assert run.state == "succeeded", run.error
-    config = run.config
+    config = run.result
     assert config["rollout_rounds"] == 3 and len(config["rollout_reward_by_round"]) == 3
     # the region was measured before rounds 1 and 2 trained (wide bounds: no stop)
     assert config["stopped_after_round"] is None and set(config["length_ratio_by_round"]) == {"1", "2"}
@@ -120,11 +124,11 @@ def test_without_enough_clicks_there_is_no_reward_model_and_no_rollouts(creds, p
     _spec(creds.project)
     _ingest_clicks(creds.project, tokenizer, MIN_LABELS // 2)
     rewards_compute_pending(creds.project, now=timezone.now() + timedelta(seconds=1))
-    run, _ = training_run_start(creds.project, steps=1, batch_size=8, enqueue=False,
-                                group={"prompts": 4, "G": 4, "max_tokens": 6})
+    settings = RunSettings(steps=1, batch_size=8, group={"prompts": 4, "G": 4, "max_tokens": 6})
+    run, _ = training_run_start(creds.project, settings, enqueue=False)
     run = train_policy(run.pk)
     assert run.state == "succeeded", run.error
-    assert run.config["reward_model"] is None and run.config["rollouts"] == 0
+    assert run.result["reward_model"] is None and run.result["rollouts"] == 0
 
 
 @pytest.mark.parametrize("group", [{"prompts": 0, "G": 4}, {"G": 1}, {"prompts": 4, "G": 4, "size": 3},
@@ -132,7 +136,7 @@ def test_without_enough_clicks_there_is_no_reward_model_and_no_rollouts(creds, p
                                    {"prompts": "4"}, [4, 4]])
 def test_a_bad_group_config_is_refused_with_the_reason(creds, production, group):
     with pytest.raises(BadRequest, match="group"):
-        training_run_start(creds.project, enqueue=False, group=group)
+        training_run_start(creds.project, RunSettings(group=group), enqueue=False)
 
 
 def test_a_run_leaving_its_kl_region_to_production_takes_no_further_round(
@@ -141,13 +145,13 @@ def test_a_run_leaving_its_kl_region_to_production_takes_no_further_round(
     _spec(creds.project)
     _ingest_clicks(creds.project, tokenizer, MIN_LABELS)
     rewards_compute_pending(creds.project, now=timezone.now() + timedelta(seconds=1))
-    run, _ = training_run_start(creds.project, steps=1, batch_size=16, enqueue=False, epochs=1,
-                                rl={"lr": 1e-3, "kl_to": "production", "kl_stop": 1e-9},
-                                group={"prompts": 4, "G": 4, "max_tokens": 6, "rounds": 3})
+    settings = RunSettings(steps=1, batch_size=16, epochs=1, rl=RLConfig(lr=1e-3, kl_to="production", kl_stop=1e-9),
+                           group={"prompts": 4, "G": 4, "max_tokens": 6, "rounds": 3})
+    run, _ = training_run_start(creds.project, settings, enqueue=False)
     with django_capture_on_commit_callbacks() as callbacks:
         run = train_policy(run.pk)
     assert run.state == "succeeded", run.error
-    config = run.config
+    config = run.result
     # round 0 moved the weights off production, so round 1 measured KL > 1e-9 before it trained:
     # round 1 was sampled and not trained on, round 2 never ran
     assert config["rollout_rounds"] == 2 and config["stopped_after_round"] == 1 and config["stopped_by"] == "kl"
@@ -160,8 +164,9 @@ def test_a_run_leaving_its_kl_region_to_production_takes_no_further_round(
 
     ours, base = read_state_dict(policy_folder(run.candidate)), read_state_dict(policy_folder(production))
     assert ours.keys() == base.keys() and all(torch.equal(ours[k], base[k]) for k in base)
-    # nothing new to show the gate: flagged on the runs page, not gated
-    assert run.error.startswith("flagged: left its trust region to production at round 1 (KL ")
+    # nothing new to show the gate: flagged on the runs page, not gated; a success, not an error
+    assert run.result["flag"].startswith("flagged: left its trust region to production at round 1 (KL ")
+    assert run.error == ""
     assert callbacks == []  # the gate was not enqueued
     # the KL is only measured (beta 0): every step still reports it
     kls = [s.kl_ref for s in TrainingStep.objects.filter(run=run).order_by("step")]

@@ -21,6 +21,7 @@ from training.rewards.services import reward_spec_update, rewards_compute_pendin
 from training.rl.config import RLConfig
 from training.runs.job import kl_reference
 from training.runs.services import train_policy, training_run_start
+from training.runs.settings import RunSettings
 from training.versions.services import policy_folder
 
 
@@ -48,8 +49,8 @@ def test_a_run_with_a_kl_term_to_production_trains_and_reports_the_kl(creds, pro
         events.append(feedback(f"fb-{i}", f"t-{i}", signal="accept" if i % 2 else "reject"))
     feedback_ingest(creds.project, events)
     rewards_compute_pending(creds.project, now=timezone.now() + timedelta(seconds=1))
-    run, _ = training_run_start(creds.project, steps=2, batch_size=4, enqueue=False,
-                                rl={"lr": 1e-3, "beta": 0.05, "kl_to": "production", "micro_batch_size": 4})
+    rl = RLConfig(lr=1e-3, beta=0.05, kl_to="production", micro_batch_size=4)
+    run, _ = training_run_start(creds.project, RunSettings(steps=2, batch_size=4, rl=rl), enqueue=False)
     run = train_policy(run.pk)
     assert run.state == "succeeded", run.error
     kls = [s.kl_ref for s in TrainingStep.objects.filter(run=run).order_by("step")]
@@ -64,7 +65,7 @@ def test_kl_stop_is_positive_or_off():
 
 
 def test_the_trust_region_stops_after_the_first_round_measured_past_it():
-    from training.runs.job import TrustRegion
+    from training.runs.trust_region import TrustRegion
 
     region = TrustRegion(2.0)
     region.measure(1, 1.5)
@@ -86,7 +87,7 @@ def test_length_stop_is_above_one_or_off():
 
 
 def test_the_trust_region_stops_on_length_both_ways_and_says_which_bound():
-    from training.runs.job import TrustRegion
+    from training.runs.trust_region import TrustRegion
 
     region = TrustRegion(None, 1.6)
     region.measure(1, kl=9.0, length_ratio=1.59)  # no KL stop: only the length bound counts

@@ -20,6 +20,7 @@ from training.lineage.selectors import lineage_of, run_lineage_summary
 from training.models import RunLineage
 from training.rewards.services import rewards_compute_pending
 from training.runs.services import train_policy, training_run_start
+from training.runs.settings import RunSettings
 
 
 def ingest_users(project, tokenizer, users: dict[str, int], start: int = 0, **fields) -> None:
@@ -38,7 +39,7 @@ def ingest_users(project, tokenizer, users: dict[str, int], start: int = 0, **fi
 
 def run_once(project, **kw):
     rewards_compute_pending(project, now=later(1))
-    run, created = training_run_start(project, steps=1, batch_size=4, enqueue=False, **kw)
+    run, created = training_run_start(project, RunSettings(steps=1, batch_size=4, **kw), enqueue=False)
     assert created
     run = train_policy(run.pk)
     assert run.state == "succeeded", run.error
@@ -81,7 +82,7 @@ def test_a_run_records_exactly_the_trajectories_and_feedback_it_trained_on(creds
     summary = run_lineage_summary(run.pk)
     assert summary["trajectories"] == 8 and summary["feedback"] == 8
     assert summary["trajectory_ranges"].count("[") == 1  # consecutive ids: one range, not a row each
-    assert "trained_on" not in run.config
+    assert "trained_on" not in run.result and "trained_on" not in run.settings
 
 
 def test_which_versions_learned_from_a_user_a_trajectory_or_a_window_is_one_query(
@@ -110,7 +111,7 @@ def test_no_run_that_starts_after_an_opt_out_trains_on_that_users_data(creds, pr
     assert ids_of(creds.project, "u-a") <= trained_trajectories(before)
     consent_opt_out_set(creds.project, "u-a", True)
     assert ConsentOptOut.objects.get().user_hash == user_hash_of(creds.project, "u-a")
-    after = run_once(creds.project, trajectory_ids=list(Trajectory.objects.values_list("pk", flat=True)))
+    after = run_once(creds.project, trajectory_ids=tuple(Trajectory.objects.values_list("pk", flat=True)))
     assert trained_trajectories(after) == ids_of(creds.project, "u-b")
     assert [v.number for v in lineage_of(creds.project, user="u-a")] == [2, 3]  # v3 only through v2's weights
     assert [v.direct for v in lineage_of(creds.project, user="u-a")] == [True, False]

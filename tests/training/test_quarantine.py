@@ -20,6 +20,7 @@ from training.management.commands.serve_policy import recorder_for
 from training.models import Reward
 from training.rewards.services import rewards_compute_pending
 from training.runs.services import train_policy, training_run_start
+from training.runs.settings import RunSettings
 
 
 def _quarantined(kind: str) -> dict[str, str]:
@@ -67,10 +68,10 @@ def test_trajectories_the_policy_cannot_take_are_quarantined_and_the_run_trains_
     Step.objects.filter(pk=steps["t-4"].pk).update(routing=[[[0]]] * 40)  # the policy is dense
     rewards_compute_pending(creds.project, now=later(1))
 
-    run, _ = training_run_start(creds.project, steps=2, batch_size=4, enqueue=False)
+    run, _ = training_run_start(creds.project, RunSettings(steps=2, batch_size=4), enqueue=False)
     run = train_policy(run.pk)
     assert run.state == "succeeded", run.error
-    assert run.config["samples"] == 7 and run.candidate is not None
+    assert run.result["samples"] == 7 and run.candidate is not None
     errors = _quarantined("training")
     assert sorted(errors) == [f"trajectory t-{i}" for i in range(5)]
     assert "token id 500 is outside the policy's vocabulary of 384" in errors["trajectory t-0"]

@@ -30,6 +30,7 @@ from training.gate.tasks import GATE_RUN
 from training.models import AuditLog, EvalSuite, GateReport, PolicyVersion, TrainingRun, TrainingStep
 from training.rewards.services import rewards_compute_pending
 from training.runs.services import training_run_start
+from training.runs.settings import RunSettings
 from training.runs.sweep import TRAIN_POLICY, pipeline_sweep
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -77,7 +78,7 @@ def test_a_run_beats_while_it_trains_and_the_sweeper_fails_it_once_its_worker_is
     plain_spec(creds.project, settle_seconds=0)
     ingest_live(creds.project, tokenizer, 8)
     rewards_compute_pending(creds.project, now=later(1))
-    run, _ = training_run_start(creds.project, steps=100_000, batch_size=2, enqueue=False)
+    run, _ = training_run_start(creds.project, RunSettings(steps=100_000, batch_size=2), enqueue=False)
     train_policy_task.apply_async(args=[run.pk], queue=queue)
     wait_for(lambda: TrainingStep.objects.filter(run=run).exists(), what="the first optimiser step")
     first = TrainingRun.objects.get(pk=run.pk).heartbeat_at
@@ -133,8 +134,7 @@ def _run_with_candidate(creds, tiny_policy_dir) -> PolicyVersion:
                                         checkpoint_path=str(tiny_policy_dir))
     candidate = PolicyVersion.objects.create(project=creds.project, number=2, parent=base, state="candidate",
                                              checkpoint_path=str(tiny_policy_dir))
-    TrainingRun.objects.create(project=creds.project, base_version=base, candidate=candidate, state="succeeded",
-                               config={})
+    TrainingRun.objects.create(project=creds.project, base_version=base, candidate=candidate, state="succeeded")
     return candidate
 
 
@@ -147,6 +147,13 @@ def test_a_candidate_whose_gate_message_was_lost_is_gated_again(creds, tiny_poli
     assert audit_actions(f"policy_version:{candidate.pk}") == ["gate_requeue"]
     wait_for(lambda: PolicyVersion.objects.get(pk=candidate.pk).state == "awaiting_approval", timeout=120,
              what="the requeued gate")
+
+
+def test_the_sweeper_leaves_a_flagged_runs_candidate_ungated(creds, tiny_policy_dir):
+    candidate = _run_with_candidate(creds, tiny_policy_dir)
+    TrainingRun.objects.filter(candidate=candidate).update(result={"flag": "flagged: train/inference mismatch KL"})
+    assert pipeline_sweep(now=timezone.now() + timedelta(seconds=301)).candidates_requeued == []
+    assert audit_actions(f"policy_version:{candidate.pk}") == []
 
 
 def test_a_hand_off_made_while_the_broker_is_down_waits_in_the_outbox_and_is_delivered_later(

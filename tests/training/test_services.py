@@ -27,8 +27,10 @@ from training.rewards.services import (
     reward_spec_update,
     rewards_compute_pending,
 )
+from training.rl.config import RLConfig
 from training.runs.rollouts import rollout_and_train
 from training.runs.services import WorkerRef, train_maybe, train_policy, training_run_start
+from training.runs.settings import RunSettings, Schedule
 from training.schedule import training_schedule_install
 from training.versions.services import policy_folder
 
@@ -181,7 +183,7 @@ def test_a_run_recomputes_missing_behaviour_logprobs_records_steps_and_registers
     plain_spec(creds.project, settle_seconds=0)
     ingest_live(creds.project, tokenizer, 8)
     rewards_compute_pending(creds.project, now=later(1))
-    run, created = training_run_start(creds.project, steps=3, batch_size=4, rl={"lr": 1e-3}, enqueue=False)
+    run, created = training_run_start(creds.project, RunSettings(steps=3, batch_size=4, rl=RLConfig(lr=1e-3)), enqueue=False)
     assert created and run.state == "queued"
     run = train_policy(run.pk)
     assert run.state == "succeeded", run.error
@@ -189,7 +191,7 @@ def test_a_run_recomputes_missing_behaviour_logprobs_records_steps_and_registers
     assert [s.step for s in steps] == [0, 1, 2]
     # mu was recomputed from v1, the policy being trained, so at step 0 it equals pi_old.
     assert steps[0].mismatch_kl == pytest.approx(0.0, abs=1e-6) and steps[0].staleness_kl is None  # all served by v1
-    assert run.config["behaviour_unknown"] == 0 and run.config["samples"] == 8
+    assert run.result["behaviour_unknown"] == 0 and run.result["samples"] == 8
     candidate = run.candidate
     assert (candidate.state, candidate.parent, candidate.number) == ("candidate", production, 2)
     assert candidate.manifest_hash and candidate.delta_bytes > 0
@@ -205,12 +207,12 @@ def test_a_run_whose_data_disagrees_with_the_weights_that_served_it_is_flagged_a
     plain_spec(creds.project, settle_seconds=0)
     ingest_live(creds.project, tokenizer, 8, with_logprobs=True)  # log mu = -1.0: not what v1 gives
     rewards_compute_pending(creds.project, now=later(1))
-    run, _ = training_run_start(creds.project, steps=1, batch_size=4, enqueue=False)
+    run, _ = training_run_start(creds.project, RunSettings(steps=1, batch_size=4), enqueue=False)
     with django_capture_on_commit_callbacks() as callbacks:
         run = train_policy(run.pk)
-    assert run.state == "succeeded" and run.config["fresh_samples"] == 8
-    assert run.config["fresh_mismatch_kl"] > 0.01
-    assert run.error.startswith("flagged: train/inference mismatch KL")
+    assert run.state == "succeeded" and run.result["fresh_samples"] == 8
+    assert run.result["fresh_mismatch_kl"] > 0.01
+    assert run.result["flag"].startswith("flagged: train/inference mismatch KL") and run.error == ""
     assert run.candidate.state == "candidate" and callbacks == []  # the gate was not enqueued
 
 
@@ -218,9 +220,9 @@ def test_the_next_run_continues_from_the_training_lineage_not_from_production(cr
     plain_spec(creds.project, settle_seconds=0)
     ingest_live(creds.project, tokenizer, 8)
     rewards_compute_pending(creds.project, now=later(1))
-    first = train_policy(training_run_start(creds.project, steps=1, batch_size=4, enqueue=False)[0].pk)
+    first = train_policy(training_run_start(creds.project, RunSettings(steps=1, batch_size=4), enqueue=False)[0].pk)
     assert first.candidate.parent == production
-    second, created = training_run_start(creds.project, steps=1, batch_size=4, enqueue=False)
+    second, created = training_run_start(creds.project, RunSettings(steps=1, batch_size=4), enqueue=False)
     assert created and second.base_version == first.candidate  # learning accumulates across runs
 
 
@@ -228,9 +230,9 @@ def test_the_lineage_restarts_from_production_after_a_run_that_left_its_trust_re
     plain_spec(creds.project, settle_seconds=0)
     ingest_live(creds.project, tokenizer, 8)
     rewards_compute_pending(creds.project, now=later(1))
-    first = train_policy(training_run_start(creds.project, steps=1, batch_size=4, enqueue=False)[0].pk)
-    TrainingRun.objects.filter(pk=first.pk).update(config={**first.config, "stopped_after_round": 3})
-    second, created = training_run_start(creds.project, steps=1, batch_size=4, enqueue=False)
+    first = train_policy(training_run_start(creds.project, RunSettings(steps=1, batch_size=4), enqueue=False)[0].pk)
+    TrainingRun.objects.filter(pk=first.pk).update(result={**first.result, "stopped_after_round": 3})
+    second, created = training_run_start(creds.project, RunSettings(steps=1, batch_size=4), enqueue=False)
     assert created and second.base_version == production  # not first.candidate, outside the region
 
 
@@ -258,7 +260,7 @@ def test_a_run_whose_worker_process_is_gone_is_failed_by_the_next_start(creds, p
     proc.wait()
     dead = WorkerRef("celery", "celery@gone", WorkerRef.here().host, proc.pid, "task-1")
     stuck = TrainingRun.objects.create(project=creds.project, base_version=production, state="running",
-                                       worker=str(dead), started_at=timezone.now(), config={})
+                                       worker=str(dead), started_at=timezone.now())
     run, created = training_run_start(creds.project, enqueue=False)
     stuck.refresh_from_db()
     assert created and run != stuck
@@ -269,7 +271,7 @@ def test_a_silent_run_on_another_host_is_failed_after_the_heartbeat_timeout(cred
     settings.FLYWHEEL_TRAIN_HEARTBEAT_TIMEOUT_S = 60
     remote = WorkerRef("celery", "celery@far", "another-host", 1, "task-1")
     stuck = TrainingRun.objects.create(project=creds.project, base_version=production, state="running",
-                                       worker=str(remote), started_at=timezone.now(), config={})
+                                       worker=str(remote), started_at=timezone.now())
     assert training_run_start(creds.project, enqueue=False)[1] is False
     TrainingRun.objects.filter(pk=stuck.pk).update(started_at=timezone.now() - timedelta(seconds=120))
     assert training_run_start(creds.project, enqueue=False)[1] is True
@@ -302,26 +304,26 @@ def test_two_concurrent_starts_claim_the_lineage_once(creds, production):
 def test_train_maybe_starts_a_run_only_with_enough_new_rewarded_trajectories(creds, production, tokenizer,
                                                                               django_capture_on_commit_callbacks):
     plain_spec(creds.project, settle_seconds=0)
-    assert train_maybe(creds.project, min_new=4, every_minutes=60) is None  # nothing new, first run
+    assert train_maybe(creds.project, Schedule(min_new=4, every_minutes=60)) is None  # nothing new, first run
     ingest_live(creds.project, tokenizer, 3)
     rewards_compute_pending(creds.project, now=later(1))
     # a first run waits for min_new, however long it has been
-    assert train_maybe(creds.project, min_new=4, every_minutes=0) is None
+    assert train_maybe(creds.project, Schedule(min_new=4, every_minutes=0)) is None
     ingest_live(creds.project, tokenizer, 4)
     rewards_compute_pending(creds.project, now=later(1))
     with django_capture_on_commit_callbacks(execute=False) as callbacks:
-        run = train_maybe(creds.project, min_new=4, every_minutes=60)
+        run = train_maybe(creds.project, Schedule(min_new=4, every_minutes=60))
     assert run is not None and run.state == "queued" and len(callbacks) == 1
     assert run.started_by.username == "service:scheduler"  # the beat's runs are the scheduler's (two-person rule)
     TrainingRun.objects.filter(pk=run.pk).update(state="succeeded")
-    assert train_maybe(creds.project, min_new=4, every_minutes=0) is None  # no new data since
+    assert train_maybe(creds.project, Schedule(min_new=4, every_minutes=0)) is None  # no new data since
 
 
 def test_the_schedule_install_is_idempotent(creds):
     from django_celery_beat.models import PeriodicTask
 
     training_schedule_install()
-    training_schedule_install(min_new=8)
+    training_schedule_install(schedule=Schedule(min_new=8))
     tasks = {t.task: t for t in PeriodicTask.objects.filter(name__endswith=creds.project.slug)}
     assert set(tasks) == {"training.tasks.rewards_compute_pending", "training.tasks.train_maybe"}
     assert '"min_new": 8' in tasks["training.tasks.train_maybe"].kwargs
@@ -330,7 +332,7 @@ def test_the_schedule_install_is_idempotent(creds):
 def test_rollout_and_train_samples_groups_scores_and_trains_on_group_advantages(creds, production):
     reward_spec_update(creds.project, settle_seconds=0)  # rule-judged style + concision
     prompts = ["def add(a, b):", {"prompt": "import os", "task": "imports"}]
-    run, created = rollout_and_train(creds.project, prompts, G=4, steps=2, max_tokens=8)
+    run, created = rollout_and_train(creds.project, prompts, G=4, settings=RunSettings(steps=2), max_tokens=8)
     assert created and run.state == "succeeded", run.error
     sims = Trajectory.objects.filter(project=creds.project, source="simulated")
     assert sims.count() == 8

@@ -20,6 +20,7 @@ from tests.training.test_services import ingest_live, later, plain_spec
 from training.models import PolicyVersion, TrainingRun, TrainingStep
 from training.rewards.services import rewards_compute_pending
 from training.runs.services import WorkerRef, train_policy, training_run_start
+from training.runs.settings import RunSettings
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -69,7 +70,7 @@ def test_a_worker_killed_mid_run_fails_the_run_registers_nothing_and_the_next_ru
     plain_spec(creds.project, settle_seconds=0)
     ingest_live(creds.project, tokenizer, 8)
     rewards_compute_pending(creds.project, now=later(1))
-    doomed, _ = training_run_start(creds.project, steps=100_000, batch_size=2, enqueue=False)
+    doomed, _ = training_run_start(creds.project, RunSettings(steps=100_000, batch_size=2), enqueue=False)
     train_policy_task.apply_async(args=[doomed.pk], queue=queue)
 
     wait_for(lambda: TrainingStep.objects.filter(run=doomed).exists(), what="the first optimiser step")
@@ -79,7 +80,7 @@ def test_a_worker_killed_mid_run_fails_the_run_registers_nothing_and_the_next_ru
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
 
-    nxt, created = training_run_start(creds.project, steps=2, batch_size=4, enqueue=False)
+    nxt, created = training_run_start(creds.project, RunSettings(steps=2, batch_size=4), enqueue=False)
     doomed.refresh_from_db()
     assert created
     assert doomed.state == "failed" and "worker lost" in doomed.error and doomed.candidate is None

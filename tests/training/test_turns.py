@@ -13,6 +13,7 @@ from tests.factories import feedback, trajectory
 from tests.training.test_services import later, plain_spec
 from training.rewards.services import rewards_compute_pending
 from training.runs.services import train_policy, training_run_start
+from training.runs.settings import RunSettings
 from training.runs.turns import samples_from
 
 CALL = [{"id": "call_1", "type": "function", "function": {"name": "read_file", "arguments": '{"p": 1}'}}]
@@ -61,12 +62,12 @@ def test_a_multi_turn_run_trains_every_turn_and_quarantines_a_trajectory_with_on
     feedback_ingest(creds.project, events)
     rewards_compute_pending(creds.project, now=later(1))
 
-    run, _ = training_run_start(creds.project, steps=2, batch_size=4, enqueue=False)
+    run, _ = training_run_start(creds.project, RunSettings(steps=2, batch_size=4), enqueue=False)
     run = train_policy(run.pk)
     assert run.state == "succeeded", (run.error, list(Quarantine.objects.values_list("error", flat=True)))
-    assert run.config["trajectories"] == 3 and run.config["samples"] == 9  # three turns each
-    assert run.config["retokenised"] == 3  # the text-only turn of each: trained with mu = pi_old
-    assert run.config["behaviour_unknown"] == 0
+    assert run.result["trajectories"] == 3 and run.result["samples"] == 9  # three turns each
+    assert run.result["retokenised"] == 3  # the text-only turn of each: trained with mu = pi_old
+    assert run.result["behaviour_unknown"] == 0
     errors = dict(Quarantine.objects.filter(kind="training").values_list("item", "error"))
     assert list(errors) == ["trajectory a-0"], errors
     item, error = next(iter(errors.items()))

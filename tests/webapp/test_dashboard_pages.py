@@ -192,8 +192,8 @@ def test_the_rubric_page_shows_the_users_reward_model_per_run(creds, bob):
              "heldout_auc": 0.971, "heldout_log_loss": 0.142, "base_rate_log_loss": 0.566,
              "heldout_mean_predicted": 0.27, "heldout_mean_observed": 0.26}
     run = TrainingRun.objects.create(project=creds.project, base_version=v1, state="succeeded",
-                                     config={"reward_model": model, "rollouts": 512})
-    TrainingRun.objects.create(project=creds.project, base_version=v1, state="succeeded", config={})
+                                     result={"reward_model": model, "rollouts": 512})
+    TrainingRun.objects.create(project=creds.project, base_version=v1, state="succeeded")
     body = _client(bob).get(f"/p/{creds.project.slug}/rubrics/").content.decode()
     table = body[body.index('id="reward-model"'):]
     assert f"?run={run.id}" in table and "812" in table and "0.971" in table and "0.142 (0.566)" in table

@@ -80,9 +80,9 @@ def test_the_overview_query_count_does_not_grow_with_the_suggestions(served, bob
 def test_run_settings_render_as_readable_json(creds, bob):
     v1 = PolicyVersion.objects.create(project=creds.project, number=1, state="production")
     run = TrainingRun.objects.create(project=creds.project, base_version=v1, state="succeeded",
-                                     config={"rl": {"lr": 0.002, "kl_to": "production"}, "group": {"G": 8}})
+                                     settings={"rl": {"lr": 0.002, "kl_to": "production"}, "group": {"G": 8}})
     body = _client(bob).get(f"/p/{creds.project.slug}/runs/?run={run.id}").content.decode()
-    config = body[body.index("<pre data-run-config>"):]
+    config = body[body.index("<pre data-run-settings>"):]
     assert '"group": {\n    "G": 8\n  },\n  "rl": {\n    "kl_to": &quot;production&quot;' not in config  # escaped once only
     assert '"group": {\n    &quot;G&quot;' not in config
     assert "&quot;lr&quot;: 0.002" in config and "\n    &quot;kl_to&quot;: &quot;production&quot;" in config

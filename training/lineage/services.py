@@ -41,7 +41,7 @@ def lineage_record(run: TrainingRun, trajectory_ids: Sequence[int]) -> None:
     succeeded: a candidate never exists without its lineage."""
     ids = sorted({int(i) for i in trajectory_ids})
     with connection.cursor() as cur:
-        cur.execute(_RECORD_SQL, {"run": run.pk, "project": run.project_id, "ids": ids, "spec": run.config["spec"]})
+        cur.execute(_RECORD_SQL, {"run": run.pk, "project": run.project_id, "ids": ids, "spec": run.spec_id})
 
 
 @dataclass

@@ -13,7 +13,7 @@ import math
 import shutil
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
-from datetime import datetime
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,156 +39,150 @@ from training.rl.config import RLConfig
 from training.rl.loss import k3
 from training.rl.trainer import Batch, Sample, chunked_logprobs, filter_stale, pi_old, prepare_batch, rl_step
 from training.runs.selectors import training_run_last
+from training.runs.settings import RunSettings
+from training.runs.trust_region import TrustRegion
 from training.runs.turns import BadSample, ModelLimits, prompt_token_ids, samples_from
 from training.versions.selectors import policy_get, policy_production
 from training.versions.services import policy_folder
 
-DEFAULT_MAX_SAMPLES = 4096
 SUITE_PROMPTS = 64  # eval-suite prompts (x2 samples) per round for the trust region's KL, as the gate measures it
 REFERENCE_N = 2  # completions per prompt from the trust region's reference, for its length
-StepCallback = Callable[[int, dict[str, Any]], None]
+# (step, the steps the run plans, that step's metrics); the plan is known once the data is
+StepCallback = Callable[[int, int, dict[str, Any]], None]
 
 
-def steps_of(run: TrainingRun) -> int:
-    return int(run.config["steps"])
+@dataclass
+class RunData:
+    """A run's training data before its group rollouts: the rewarded trajectories' turns and the
+    agent rollouts' turns, with what is known of their behaviour log-probs."""
+
+    base_dir: Path  # the base version's folder
+    pad_id: int
+    samples: list[Sample]
+    rewards: list[Reward]  # the Reward rows the trajectories' samples came from
+    recorded: list[Sample]  # the samples whose mu came as served (not recomputed)
+    unknown_mu: int  # samples whose mu is taken as pi_old (their version has no checkpoint)
+    agent_report: dict[str, Any]
 
 
 def run(run: TrainingRun, folder: Path, on_step: StepCallback) -> dict[str, Any]:
-    """Trains and saves the candidate into `folder`; returns what the run's config should add."""
-    cfg = RLConfig.from_dict(run.config["rl"])
-    torch.manual_seed(int(run.config.get("seed", 0)))
+    """Trains and saves the candidate into `folder`; returns the run's result."""
+    settings = RunSettings.from_dict(run.settings)
+    torch.manual_seed(settings.seed)
     base_dir = policy_folder(run.base_version)
     tokenizer = AutoTokenizer.from_pretrained(str(base_dir))
-    pad_id = _pad_id(tokenizer)
     model = setup_model(base_dir)
-    limits = ModelLimits.of(model)
-    samples, rewards = setup_samples(run, tokenizer, limits, allow_empty=bool(run.config.get("agent")))
-    agent, agent_report = agent_samples(run, base_dir, tokenizer, limits)
-    samples += agent
-    if not samples:
-        raise ValueError("nothing to train on: no rewarded trajectory and no agent rollout with an assistant turn")
-    recorded = [s for s in samples if s.behaviour_logprobs is not None]  # mu as served, not recomputed
-    unknown_mu = fill_behaviour_logprobs(run, samples, model, cfg, pad_id)
-    rollouts, not_sampled = GroupRollouts.setup(run, base_dir, rewards, tokenizer)
+    data = setup_data(run, settings, model, base_dir, tokenizer)
+    rollouts, not_sampled = GroupRollouts.setup(run, settings, base_dir, data.rewards, tokenizer)
     try:
-        first = rollouts.round(0) if rollouts else []
-        samples += first
-        baseline = setup_baseline(run, cfg)
-        batch = prepare_batch(samples, run.base_version.number, cfg, pad_id, baseline)
-        kept, _ = filter_stale(samples, run.base_version.number, cfg.max_staleness)  # the batch's rows, in order
-        # pi_old is the pre-update policy for every step of the round (PPO's clip is against it).
-        here = {id(s) for s in first}  # sampled by this run's engine from the weights it starts from
-        batch.old_logprobs = pi_old(model, batch, [id(s) in here for s in kept], cfg)
-        fresh = fresh_mismatch_kl(batch, kept, recorded, run.base_version.number)
-        measure_kl = cfg.beta > 0 or cfg.kl_stop is not None or cfg.length_stop is not None
-        ref_model = setup_model(kl_reference(run, cfg, base_dir)).eval() if measure_kl else None
-        # fused: one kernel over all the parameters (5x faster a step on CPU than the per-tensor loop)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True)
-        size = int(run.config["batch_size"])
-        epochs = run.config.get("epochs")
-        if epochs:  # passes over the data instead of a step count: the data of a run varies
-            run.config["steps"] = max(1, math.ceil(float(epochs) * batch.size / size))
-        steps = steps_of(run)
-        if rollouts and rollouts.rounds > 1:  # what the later rounds will add (progress on the runs page)
-            run.config["steps"] = steps + (rollouts.rounds - 1) * max(1, math.ceil(len(first) / size))
-        done, region = 0, TrustRegion(cfg.kl_stop, cfg.length_stop)
-        suite = rollouts.use_suite() if rollouts and cfg.kl_stop is not None and cfg.kl_to == "production" else None
-        # the last weights measured inside (the base's to begin); only later rounds are measured
-        inside = _snapshot(model) if region.on and rollouts and rollouts.rounds > 1 else None
-        for mb in _take(_shuffled(batch, size, int(run.config.get("seed", 0))), steps):
-            on_step(done, rl_step(model, ref_model, mb, optimizer, cfg).to_dict())
-            done += 1
-        for r in range(1, rollouts.rounds if rollouts else 1):
-            more = rollouts.round(r, model)
-            if not more:
-                break
-            round_batch = prepare_batch(more, run.base_version.number, cfg, pad_id, None)
-            round_batch.old_logprobs = pi_old(model, round_batch, [True] * round_batch.size, cfg)
-            if ref_model is not None:  # where the weights that sampled round r are, before it trains
-                on_suite = rollouts.suite_kl(r, ref_model) if suite is not None else None
-                region.measure(r, kl=on_suite if on_suite is not None else _kl_to(ref_model, round_batch, cfg),
-                               length_ratio=rollouts.length_ratio(r, ref_model) if cfg.length_stop else None)
-            if region.left(r):  # back to the last weights measured inside: the candidate
-                assert inside is not None
-                model.load_state_dict(inside)
-                break
-            if region.on:
-                inside = _snapshot(model)
-            for mb in _take(_shuffled(round_batch, size, int(run.config.get("seed", 0)) + r),
-                            max(1, math.ceil(round_batch.size / size))):
-                on_step(done, rl_step(model, ref_model, mb, optimizer, cfg).to_dict())
-                done += 1
+        report = train(run, settings, model, data, rollouts, on_step)
     finally:
         if rollouts:
             rollouts.close()
     save_candidate(model, base_dir, folder)
+    return {**report, **(rollouts.report() if rollouts else not_sampled), **data.agent_report,
+            # popped by training_run_finish into the run's lineage (training.lineage), not the result
+            "trained_on": sorted({r.trajectory_id for r in data.rewards} | set(rollouts.learned_from if rollouts else ()))}
+
+
+def setup_data(run: TrainingRun, settings: RunSettings, model: PreTrainedModel, base_dir: Path, tokenizer: Any
+               ) -> RunData:
+    pad_id = _pad_id(tokenizer)
+    limits = ModelLimits.of(model)
+    samples, rewards = setup_samples(run, settings, tokenizer, limits)
+    agent, agent_report = agent_samples(run, settings, base_dir, tokenizer, limits)
+    samples += agent
+    if not samples:
+        raise ValueError("nothing to train on: no rewarded trajectory and no agent rollout with an assistant turn")
+    recorded = [s for s in samples if s.behaviour_logprobs is not None]  # mu as served, not recomputed
+    unknown_mu = fill_behaviour_logprobs(run, samples, model, settings.rl, pad_id)
+    return RunData(base_dir, pad_id, samples, rewards, recorded, unknown_mu, agent_report)
+
+
+def train(run: TrainingRun, settings: RunSettings, model: PreTrainedModel, data: RunData,
+          rollouts: GroupRollouts | None, on_step: StepCallback) -> dict[str, Any]:
+    """Round 0 (the data and the first group rollouts), then the later rounds inside the trust
+    region; `model` ends at the candidate's weights. Returns what the run reports of it."""
+    cfg, base, pad_id = settings.rl, run.base_version.number, data.pad_id
+    first = rollouts.round(0) if rollouts else []
+    samples = data.samples + first
+    baseline = setup_baseline(run, cfg)
+    batch = prepare_batch(samples, base, cfg, pad_id, baseline)
+    kept, _ = filter_stale(samples, base, cfg.max_staleness)  # the batch's rows, in order
+    # pi_old is the pre-update policy for every step of the round (PPO's clip is against it).
+    here = {id(s) for s in first}  # sampled by this run's engine from the weights it starts from
+    batch.old_logprobs = pi_old(model, batch, [id(s) in here for s in kept], cfg)
+    fresh = fresh_mismatch_kl(batch, kept, data.recorded, base)
+    measure_kl = cfg.beta > 0 or cfg.kl_stop is not None or cfg.length_stop is not None
+    ref_model = setup_model(kl_reference(run, cfg, data.base_dir)).eval() if measure_kl else None
+    updates = Updates(model, ref_model, settings, planned_steps(settings, batch.size, len(first), rollouts), on_step)
+    region = TrustRegion(cfg.kl_stop, cfg.length_stop)
+    if rollouts and cfg.kl_stop is not None and cfg.kl_to == "production":
+        rollouts.use_suite()
+    # the last weights measured inside (the base's to begin); only later rounds are measured
+    inside = _snapshot(model) if region.on and rollouts and rollouts.rounds > 1 else None
+    updates.take(batch, updates.first_steps, settings.seed)
+    if rollouts:
+        later_rounds(rollouts, model, ref_model, region, inside, updates, pad_id)
     return {"baseline": baseline.state_dict(), "samples": len(samples), "dropped_stale": batch.dropped_stale,
-            "behaviour_unknown": unknown_mu, "retokenised": sum(s.retokenised for s in samples),
-            "trajectories": len({s.episode for s in samples if s.episode}), "steps": done, **region.report(),
-            **(rollouts.report() if rollouts else not_sampled), **agent_report, **fresh,
-            # popped by training_run_finish into the run's lineage (training.lineage), not the config
-            "trained_on": sorted({r.trajectory_id for r in rewards} | set(rollouts.learned_from if rollouts else ()))}
+            "behaviour_unknown": data.unknown_mu, "retokenised": sum(s.retokenised for s in samples),
+            "trajectories": len({s.episode for s in samples if s.episode}), "steps": updates.done,
+            **region.report(), **fresh}
 
 
-class TrustRegion:
-    """Stops a run's group rounds once the policy has left a region around the KL term's reference
-    (`rl.kl_to`; with "production", the region the gate admits): KL past `kl_stop` (the gate's
-    `kl_budget`) or mean length outside [1/length_stop, length_stop] times the reference's (the
-    gate's `length_drift` bound).
+def later_rounds(rollouts: GroupRollouts, model: PreTrainedModel, ref_model: PreTrainedModel | None,
+                 region: TrustRegion, inside: dict[str, torch.Tensor] | None, updates: Updates, pad_id: int) -> None:
+    """Rounds 1.. of group rollouts, each sampled from the weights the rounds before reached and
+    measured against the trust region before it trains; a round measured outside ends the run at
+    the last weights measured inside."""
+    cfg, base = updates.cfg, rollouts.run.base_version.number
+    for r in range(1, rollouts.rounds):
+        more = rollouts.round(r, model)
+        if not more:
+            break
+        round_batch = prepare_batch(more, base, cfg, pad_id, None)
+        round_batch.old_logprobs = pi_old(model, round_batch, [True] * round_batch.size, cfg)
+        if ref_model is not None:  # where the weights that sampled round r are, before it trains
+            on_suite = rollouts.suite_kl(r, ref_model)
+            region.measure(r, kl=on_suite if on_suite is not None else _kl_to(ref_model, round_batch, cfg),
+                           length_ratio=rollouts.length_ratio(r, ref_model) if cfg.length_stop else None)
+        if region.left(r):  # back to the last weights measured inside: the candidate
+            assert inside is not None
+            model.load_state_dict(inside)
+            return
+        if region.on:
+            inside = _snapshot(model)
+        updates.take(round_batch, max(1, math.ceil(round_batch.size / updates.size)), updates.seed + r)
 
-    Round r's samples come from the weights the rounds before it reached. Before round r trains,
-    the run measures those weights with the gate's estimators: token-mean k3 KL(pi_theta || pi_ref)
-    on a slice of the gate's own suite when the project has one and the reference is production
-    (else on the round's samples), and the round's mean completion tokens (empties included)
-    against the reference's completions on the same prompts and seeds. A round measured outside is not
-    trained on, the run ends there and its weights go back to the last ones measured inside (the
-    run's base when round 1 is already outside): that is the candidate. Measured on the demo:
-    one round can jump (length ratio 0.67 -> 0.51) and a candidate kept at the measured weights
-    was refused for concision and silence. Without the KL stop
-    a lineage several runs ahead of production reached 4.0, 6.0 and 7.1 nats against a budget of
-    4; without the length stop candidates padded to 3x production's length after their statement
-    and were refused for length_drift, run after run, with better held-out accept rates."""
 
-    def __init__(self, kl_stop: float | None, length_stop: float | None = None) -> None:
-        self.kl_stop, self.length_stop = kl_stop, length_stop
-        self.kl_by_round: dict[int, float] = {}
-        self.length_by_round: dict[int, float] = {}
-        self.stopped_after: int | None = None
-        self.stopped_by: str | None = None
+def planned_steps(settings: RunSettings, rows: int, first_round: int, rollouts: GroupRollouts | None
+                  ) -> tuple[int, int]:
+    """(round 0's steps, all the run's steps): `epochs` passes over round 0's rows instead of
+    `steps` when set (a run's data varies), and a pass per later round (progress on the runs page)."""
+    steps = max(1, math.ceil(settings.epochs * rows / settings.batch_size)) if settings.epochs else settings.steps
+    later = (rollouts.rounds - 1) * max(1, math.ceil(first_round / settings.batch_size)) if rollouts else 0
+    return steps, steps + later
 
-    @property
-    def on(self) -> bool:
-        return self.kl_stop is not None or self.length_stop is not None
 
-    def measure(self, r: int, kl: float | None = None, length_ratio: float | None = None) -> None:
-        if kl is not None:
-            self.kl_by_round[r] = kl
-        if length_ratio is not None:
-            self.length_by_round[r] = length_ratio
+class Updates:
+    """The run's optimiser steps: seeded shuffled mini-batches of `batch_size` rows, one
+    `rl_step` each, every step's metrics handed to `on_step` with the planned total."""
 
-    def left(self, r: int) -> bool:
-        """True when round r was measured outside the region (the run trains it no more)."""
-        kl, ratio = self.kl_by_round.get(r), self.length_by_round.get(r)
-        if self.kl_stop is not None and kl is not None and kl > self.kl_stop:
-            self.stopped_by = "kl"
-        elif self.length_stop is not None and ratio is not None and not (
-                1 / self.length_stop <= ratio <= self.length_stop):
-            self.stopped_by = "length"
-        else:
-            return False
-        self.stopped_after = r
-        return True
+    def __init__(self, model: PreTrainedModel, ref_model: PreTrainedModel | None, settings: RunSettings,
+                 plan: tuple[int, int], on_step: StepCallback) -> None:
+        self.model, self.ref_model, self.cfg, self.on_step = model, ref_model, settings.rl, on_step
+        self.size, self.seed = settings.batch_size, settings.seed
+        self.first_steps, self.planned = plan
+        # fused: one kernel over all the parameters (5x faster a step on CPU than the per-tensor loop)
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=self.cfg.lr, weight_decay=self.cfg.weight_decay,
+                                           fused=True)
+        self.done = 0
 
-    def report(self) -> dict[str, Any]:
-        if self.kl_stop is None and self.length_stop is None:
-            return {}
-        out: dict[str, Any] = {"kl_stop": self.kl_stop,
-                               "kl_by_round": {str(r): round(k, 4) for r, k in self.kl_by_round.items()},
-                               "stopped_after_round": self.stopped_after, "stopped_by": self.stopped_by}
-        if self.length_stop is not None:
-            out.update(length_stop=self.length_stop,
-                       length_ratio_by_round={str(r): round(x, 4) for r, x in self.length_by_round.items()})
-        return out
+    def take(self, batch: Batch, steps: int, seed: int) -> None:
+        for mb in _take(_shuffled(batch, self.size, seed), steps):
+            self.on_step(self.done, self.planned, rl_step(self.model, self.ref_model, mb, self.optimizer,
+                                                          self.cfg).to_dict())
+            self.done += 1
 
 
 def _take(batches: Iterator[Batch], n: int) -> Iterator[Batch]:
@@ -218,26 +212,31 @@ def setup_model(folder: Path) -> PreTrainedModel:
 def setup_baseline(run: TrainingRun, cfg: RLConfig) -> RunningBaseline:
     """The running baseline per task bucket carries over from the project's last successful run."""
     previous = training_run_last(run.project)
-    state = previous.config.get("baseline") if previous is not None else None
+    state = previous.result.get("baseline") if previous is not None else None
     return RunningBaseline.from_state_dict(state) if state else RunningBaseline(cfg.baseline_decay)
 
 
-def _rewards_of(run: TrainingRun) -> QuerySet[Reward]:
-    spec = RewardSpec.objects.get(pk=run.config["spec"])
-    ids = run.config.get("trajectory_ids")
-    if ids is not None:
-        return trainable(Reward.objects.filter(spec=spec, trajectory_id__in=ids), "trajectory").order_by("trajectory_id")
-    since, until = (_when(run.config.get(k)) for k in ("data_since", "data_until"))
-    return rewarded_trajectories_since(run.project, spec, since, until)
+def _rewards_of(run: TrainingRun, settings: RunSettings) -> QuerySet[Reward]:
+    spec = _spec(run)
+    if settings.trajectory_ids is not None:
+        rewards = Reward.objects.filter(spec=spec, trajectory_id__in=settings.trajectory_ids)
+        return trainable(rewards, "trajectory").order_by("trajectory_id")
+    return rewarded_trajectories_since(run.project, spec, run.data_since, run.data_until)
 
 
-def setup_samples(run: TrainingRun, tokenizer: Any, limits: ModelLimits | None = None, allow_empty: bool = False
+def _spec(run: TrainingRun) -> RewardSpec:
+    if run.spec_id is None:
+        raise ValueError(f"run {run.pk} has no reward spec (it was deleted); start a new run")
+    return RewardSpec.objects.get(pk=run.spec_id)
+
+
+def setup_samples(run: TrainingRun, settings: RunSettings, tokenizer: Any, limits: ModelLimits | None = None
                   ) -> tuple[list[Sample], list[Reward]]:
     """The run's rewarded trajectories as Samples (and the Reward rows they came from); one the
     model cannot take is quarantined (kind "training") instead of failing the run. None is an
-    error unless `allow_empty` (a run with agent rollouts has its own data)."""
-    limit = int(run.config.get("max_samples", DEFAULT_MAX_SAMPLES))
-    rewards = _rewards_of(run).select_related("trajectory").prefetch_related(
+    error unless the run has agent rollouts (their own data)."""
+    limit = settings.max_samples
+    rewards = _rewards_of(run, settings).select_related("trajectory").prefetch_related(
         Prefetch("trajectory__steps", queryset=Step.objects.order_by("index"))
     )
     rewards = list(rewards)[-limit:]  # the newest `limit`
@@ -251,7 +250,7 @@ def setup_samples(run: TrainingRun, tokenizer: Any, limits: ModelLimits | None =
             continue
         samples += turns
         kept.append(r)
-    if not samples and not allow_empty:
+    if not samples and not settings.agent:
         raise ValueError(f"no rewarded trajectories with an assistant turn to train on ({len(rewards)} rewarded)")
     return samples, kept
 
@@ -259,15 +258,15 @@ def setup_samples(run: TrainingRun, tokenizer: Any, limits: ModelLimits | None =
 # --------------------------------------------------------------------------------- agent rollouts
 
 
-def agent_samples(run: TrainingRun, base_dir: Path, tokenizer: Any, limits: ModelLimits
+def agent_samples(run: TrainingRun, settings: RunSettings, base_dir: Path, tokenizer: Any, limits: ModelLimits
                   ) -> tuple[list[Sample], dict[str, Any]]:
-    """With `agent` in the run config: G rollouts of `agent.tasks` of the project's agent tasks (a
+    """With `agent` in the run settings: G rollouts of `agent.tasks` of the project's agent tasks (a
     slice that moves with the run id) played with the run's base weights through the torch engine
     (training.rewards.agents), rewarded by the tests and the spec's judge (`agent_reward_of`).
     Every assistant turn is a Sample (turns.samples_from, in the context it was sampled in) with
     its reward-to-go; the G rollouts of a task share a group (group-relative advantages). Nothing
     is stored: the rollouts are this run's data, not trajectories for later runs."""
-    agent = run.config.get("agent")
+    agent = settings.agent
     if not agent:
         return [], {}
     tasks = agent_tasks(run.project)
@@ -277,9 +276,9 @@ def agent_samples(run: TrainingRun, base_dir: Path, tokenizer: Any, limits: Mode
     n = min(int(agent["tasks"]), len(tasks))
     start = (run.pk * n) % len(tasks)
     chosen = [tasks[(start + i) % len(tasks)] for i in range(n)]
-    seed = int(run.config.get("seed", 0)) * 1_000_003 + run.pk
+    seed = settings.seed * 1_000_003 + run.pk
     positions = limits.max_positions or 4096
-    reward = agent_reward_of(RewardSpec.objects.get(pk=run.config["spec"]), agent.get("tests_weight", 1.0))
+    reward = agent_reward_of(_spec(run), agent.get("tests_weight", 1.0))
     engine = make_engine("torch", base_dir, version=run.base_version.number, seed=seed, max_model_len=positions)
     try:
         events = run_agent_rollouts(engine, chosen, int(agent["G"]), max_turns=int(agent["max_turns"]),
@@ -336,16 +335,17 @@ class GroupRollouts:
     Round 0 samples the base weights; round r > 0 samples the weights the run has reached (the
     engine is handed the model's state dict), so every round is on-policy.
 
-    `setup` returns None (and a report saying why) when off (`group` unset in the run config) or
+    `setup` returns None (and a report saying why) when off (`group` unset in the run settings) or
     without a model yet (too few clicks)."""
 
     def __init__(self, run: TrainingRun, spec: RewardSpec, model: RewardModel, prompts: dict[tuple[int, ...], str],
-                 base_dir: Path, group: dict[str, Any]) -> None:
+                 base_dir: Path, settings: RunSettings) -> None:
         self.run, self.spec, self.reward_model, self.prompts = run, spec, model, prompts
         self.keys = list(prompts)
-        self.G, self.rounds, self.per_round = int(group["G"]), int(group.get("rounds", 1)), int(group["prompts"])
+        group = settings.group or {}
+        self.G, self.rounds, self.per_round = int(group["G"]), settings.rounds, int(group["prompts"])
         self.max_tokens = int(group.get("max_tokens", 16))
-        self.seed = int(run.config.get("seed", 0)) * 1_000_003 + run.pk
+        self.seed = settings.seed * 1_000_003 + run.pk
         # The sampler's own log-probs (no scoring forward): they are this round's pi_old and mu.
         self.engine = make_engine("torch", base_dir, version=run.base_version.number, seed=self.seed, exact=False)
         self.rewards_per_round: list[float] = []
@@ -357,12 +357,12 @@ class GroupRollouts:
         self.learned_from: list[int] = []  # trajectories the reward model was fitted on
 
     @classmethod
-    def setup(cls, run: TrainingRun, base_dir: Path, rewards: Sequence[Reward],
+    def setup(cls, run: TrainingRun, settings: RunSettings, base_dir: Path, rewards: Sequence[Reward],
               tokenizer: Any) -> tuple[GroupRollouts | None, dict[str, Any]]:
-        group = run.config.get("group") or {}
+        group = settings.group or {}
         if int(group.get("prompts", 0)) < 1 or int(group.get("G", 0)) < 2:
             return None, {}
-        spec = RewardSpec.objects.get(pk=run.config["spec"])
+        spec = _spec(run)
         labelled = labelled_suggestions(run.project, spec)
         model = fit_reward_model(labelled, [c["name"] for c in spec.checks])
         if model is None:
@@ -382,7 +382,7 @@ class GroupRollouts:
                 prompts.setdefault(ids, str(messages[-1].get("content", "")))
         if not prompts:
             return None, {"reward_model": model.summary(), "rollouts": 0}
-        rollouts = cls(run, spec, model, prompts, base_dir, group)
+        rollouts = cls(run, spec, model, prompts, base_dir, settings)
         rollouts.learned_from = [item.source_id for item in labelled if item.source_id is not None]
         return rollouts, {}
 
@@ -530,10 +530,10 @@ def fresh_mismatch_kl(batch: Batch, rows: Sequence[Sample], recorded: Sequence[S
         return {"fresh_mismatch_kl": None, "fresh_samples": 0}
     mask = batch.behaviour_mask & batch.completion_mask & fresh[:, None]  # (B, T)
     log_ratio = torch.where(mask, batch.behaviour_logprobs - batch.old_logprobs, 0.0)  # log mu - log pi
-    k3 = torch.exp(-log_ratio) - 1 + log_ratio  # (B, T)  KL(mu || pi) estimator under mu
+    kl = k3(-log_ratio)  # (B, T)  KL(mu || pi) estimator under mu: log(pi / mu) at samples of mu
     turns = torch.tensor([s.turn for s in rows])[:, None].expand_as(mask)  # (B, T)
-    by_turn = {str(t): float(k3[mask & (turns == t)].mean()) for t in sorted(set(turns[mask].tolist()))}
-    return {"fresh_mismatch_kl": float(k3[mask].mean()), "fresh_samples": int(fresh.sum()),
+    by_turn = {str(t): float(kl[mask & (turns == t)].mean()) for t in sorted(set(turns[mask].tolist()))}
+    return {"fresh_mismatch_kl": float(kl[mask].mean()), "fresh_samples": int(fresh.sum()),
             "fresh_mismatch_kl_by_turn": by_turn}
 
 
@@ -576,6 +576,3 @@ def _pad_id(tokenizer: Any) -> int:
             return int(candidate)
     return 0
 
-
-def _when(text: str | None) -> datetime | None:
-    return datetime.fromisoformat(text) if text else None

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from core.errors import Conflict
@@ -15,6 +15,7 @@ from inference.engines import SamplingParams, make_engine
 from training.models import TrainingRun
 from training.rewards.services import reward_spec_current, rewards_compute
 from training.runs.services import train_policy, training_run_start
+from training.runs.settings import RunSettings
 from training.versions.selectors import policy_production
 from training.versions.services import policy_folder
 
@@ -53,12 +54,13 @@ def _rollout_events(prompts: list[RolloutPrompt], completions: list[Any], G: int
 
 def rollout_and_train(
     project: Project, prompts: Sequence[str | dict[str, Any] | RolloutPrompt], G: int = 16, *,
-    steps: int = 1, max_tokens: int = 24, seed: int = 0, rl: dict[str, Any] | None = None,
-    engine: Any = None, inline: bool = True,
+    settings: RunSettings | None = None, max_tokens: int = 24, seed: int = 0, engine: Any = None, inline: bool = True,
 ) -> tuple[TrainingRun, bool]:
     """Samples G completions per prompt from the production policy, records them as simulated
     trajectories (through feedback_ingest), scores them with the current spec's checks and judge,
-    and trains on group-relative advantages (inline, or queued for the train workers)."""
+    and trains on group-relative advantages (inline, or queued for the train workers): a run with
+    `settings` (default one step) on exactly those trajectories, all in one batch."""
+    settings = settings or RunSettings(steps=1)
     base = policy_production(project)
     if base is None:
         raise Conflict(f"project {project.slug!r} has no production policy", "Run bootstrap_policy first.")
@@ -76,7 +78,7 @@ def rollout_and_train(
     ids = list(Trajectory.objects.filter(project=project, external_id__in=[e["id"] for e in events]).values_list(
         "pk", flat=True))
     rewards_compute(ids, reward_spec_current(project))
-    run, created = training_run_start(project, steps=steps, rl=rl, batch_size=len(ids), trajectory_ids=ids,
+    run, created = training_run_start(project, replace(settings, batch_size=len(ids), trajectory_ids=tuple(ids)),
                                       enqueue=not inline)
     if created and inline:
         run = train_policy(run.pk)

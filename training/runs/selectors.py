@@ -69,7 +69,7 @@ def _head(project: Project, max_ahead: int) -> PolicyVersion | None:
         return production
     if head.state in ("rejected", "retired") and not _only_not_better_yet(head):
         return production
-    if run.config.get("stopped_after_round") is not None:
+    if run.result.get("stopped_after_round") is not None:
         return production
     return head
 

@@ -13,7 +13,6 @@ import logging
 import shutil
 import tempfile
 import threading
-from collections.abc import Sequence
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -33,15 +32,13 @@ from training.lineage.services import lineage_record
 from training.models import AgentTask, PolicyVersion, TrainingRun, TrainingStep
 from training.rewards.selectors import rewarded_trajectories_since
 from training.rewards.services import reward_spec_current
-from training.rl.config import RLConfig, agent_config, group_config
 from training.runs import job, selectors
+from training.runs.settings import RunSettings, Schedule
 from training.versions.selectors import policy_production
 from training.versions.services import policy_register
 
 log = logging.getLogger(__name__)
 
-DEFAULT_TRAIN_STEPS = 4
-DEFAULT_BATCH_SIZE = 32
 # The service account that starts the runs nobody else starts (the beat's train_maybe, the
 # rollout task): the two-person rule counts it as the starter, so it can never approve them.
 SCHEDULER_ACCOUNT = "scheduler"
@@ -79,22 +76,19 @@ def training_run_fail(run_id: int, error: str) -> bool:
 
 
 def training_run_start(
-    project: Project, *, steps: int = DEFAULT_TRAIN_STEPS, rl: dict[str, Any] | None = None,
-    batch_size: int = DEFAULT_BATCH_SIZE, trajectory_ids: Sequence[int] | None = None,
-    started_by: Any = None, enqueue: bool = True, group: dict[str, Any] | None = None, epochs: float | None = None,
-    agent: dict[str, Any] | None = None,
+    project: Project, settings: RunSettings | None = None, *, started_by: Any = None, enqueue: bool = True,
 ) -> tuple[TrainingRun, bool]:
     """Claims the project's lineage: returns (new run, True), or (the active run, False) when one
     is alive. An active run whose worker died is marked failed first, then the new run starts.
+    The run is asked to do `settings` (the defaults when None), over the rewarded trajectories
+    that arrived since the project's last run.
 
     `started_by`: the person or service account starting it (recorded for the two-person rule);
     None means the scheduler's service account (`service:scheduler`).
 
-    `agent` ({"tasks": N, "G": 4, ...}, training.rl.config.agent_config): the run also plays G
-    rollouts of N of the project's agent tasks with its own weights and trains on every turn.
-
     The project row lock serialises concurrent starts: the second sees the first's run and leaves."""
-    cfg = RLConfig.from_dict(rl or {})
+    settings = settings or RunSettings()
+    run_settings_check(project, settings)
     if started_by is None:
         started_by = service_account_get(SCHEDULER_ACCOUNT)
     with transaction.atomic():
@@ -105,13 +99,15 @@ def training_run_start(
             if reason is None:
                 return active, False
             training_run_fail(active.pk, f"worker lost: {reason}")
-        base = selectors.training_head(project, cfg.max_staleness)
+        base = selectors.training_head(project, settings.rl.max_staleness)
         if base is None:
             raise Conflict(f"project {project.slug!r} has no production policy to train from",
                            "Run `manage.py bootstrap_policy --project SLUG` first.")
+        previous = selectors.training_run_last(project)
         run = TrainingRun.objects.create(
-            project=project, base_version=base, state="queued", started_by=started_by,
-            config=_run_config(project, cfg, steps, batch_size, trajectory_ids, group, epochs, agent),
+            project=project, base_version=base, state="queued", started_by=started_by, settings=settings.to_dict(),
+            spec=reward_spec_current(project), data_since=previous.data_until if previous else None,
+            data_until=timezone.now(),
         )
         if enqueue:
             enqueue_after_commit("training.tasks.train_policy", run.pk)
@@ -119,43 +115,11 @@ def training_run_start(
     return run, True
 
 
-def _run_config(
-    project: Project, cfg: RLConfig, steps: int, batch_size: int, trajectory_ids: Sequence[int] | None,
-    group: dict[str, Any] | None = None, epochs: float | None = None, agent: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    if steps < 1 or batch_size < 1:
-        raise BadRequest("steps and batch_size must be >= 1", "Give positive numbers.")
-    group = run_group_validate(group)
-    agent = run_agent_validate(project, agent)
-    if epochs is not None and not 0 < float(epochs) <= 16:
-        raise BadRequest(f"epochs must be in (0, 16], got {epochs!r}", "Give the passes over a run's data, e.g. 2.")
-    previous = selectors.training_run_last(project)
-    return {
-        "rl": cfg.to_dict(), "steps": steps, "batch_size": batch_size, "seed": 0,
-        "spec": reward_spec_current(project).pk,
-        "data_since": previous.config.get("data_until") if previous else None,
-        "data_until": timezone.now().isoformat(),
-        "trajectory_ids": list(trajectory_ids) if trajectory_ids is not None else None,
-        **({"group": group} if group else {}), **({"agent": agent} if agent else {}), **({"epochs": float(epochs)} if epochs is not None else {}),
-    }
-
-
-def run_group_validate(group: dict[str, Any] | None) -> dict[str, int] | None:
-    try:
-        return group_config(group)
-    except ValueError as exc:
-        raise BadRequest(str(exc), 'E.g. {"prompts": 64, "G": 8, "max_tokens": 16}.') from exc
-
-
-def run_agent_validate(project: Project, agent: dict[str, Any] | None) -> dict[str, Any] | None:
-    try:
-        out = agent_config(agent)
-    except ValueError as exc:
-        raise BadRequest(str(exc), 'E.g. {"tasks": 8, "G": 4, "max_turns": 6}.') from exc
-    if out and not AgentTask.objects.filter(project=project).exists():
+def run_settings_check(project: Project, settings: RunSettings) -> None:
+    """What the settings alone cannot know: agent rollouts need the project's agent tasks."""
+    if settings.agent and not AgentTask.objects.filter(project=project).exists():
         raise BadRequest(f"project {project.slug!r} has no agent tasks to roll out",
                          "Register some: manage.py agent_tasks --project SLUG --add DIR (docs/agents.md).")
-    return out
 
 
 def _run_claim(run_id: int, worker: WorkerRef) -> TrainingRun | None:
@@ -178,8 +142,9 @@ def train_policy(run_id: int, worker: WorkerRef | None = None) -> TrainingRun:
     folder = staging_dir(run)
     beating = training_run_heartbeat_start(run.pk)
     try:
-        extra = job.run(run, folder, on_step=lambda step, metrics: training_step_record(run, step, metrics, job.steps_of(run)))
-        training_run_finish(run, folder, extra)
+        result = job.run(run, folder, on_step=lambda step, planned, metrics: training_step_record(
+            run, step, metrics, planned))
+        training_run_finish(run, folder, result)
     except Exception as exc:  # noqa: BLE001 - every failure must end the run, with its reason
         log.exception("training run %s failed", run_id)
         training_run_fail(run.pk, f"{type(exc).__name__}: {exc}")
@@ -228,75 +193,66 @@ class RunLost(RuntimeError):
     """The run was marked failed (presumed dead) while this worker still ran it."""
 
 
-def mismatch_flag(extra: dict[str, Any]) -> str:
+def mismatch_flag(result: dict[str, Any]) -> str:
     """Why a run's candidate must not be gated: its data disagreed with the weights that served it."""
-    kl, limit = extra.get("fresh_mismatch_kl"), float(settings.FLYWHEEL_MISMATCH_KL_MAX)
+    kl, limit = result.get("fresh_mismatch_kl"), float(settings.FLYWHEEL_MISMATCH_KL_MAX)
     if kl is None or kl <= limit:
         return ""
-    return (f"flagged: train/inference mismatch KL {kl:.4f} nats on {extra.get('fresh_samples')} samples served by "
+    return (f"flagged: train/inference mismatch KL {kl:.4f} nats on {result.get('fresh_samples')} samples served by "
             f"the base weights (limit {limit:g}); the candidate was not gated")
 
 
-def region_flag(extra: dict[str, Any]) -> str:
+def region_flag(result: dict[str, Any]) -> str:
     """Why a run's candidate must not be gated: the run left its trust region in its first measured
     round, so it went back to its base's weights and has nothing new to show the gate."""
-    if extra.get("stopped_after_round") != 1:
+    if result.get("stopped_after_round") != 1:
         return ""
-    why = (f"KL {extra['kl_by_round']['1']:.2f} > {extra['kl_stop']:g}" if extra.get("stopped_by") == "kl" else
-           f"length ratio {extra['length_ratio_by_round']['1']:.2f} outside 1/{extra['length_stop']:g}"
-           f"-{extra['length_stop']:g}")
+    why = (f"KL {result['kl_by_round']['1']:.2f} > {result['kl_stop']:g}" if result.get("stopped_by") == "kl" else
+           f"length ratio {result['length_ratio_by_round']['1']:.2f} outside 1/{result['length_stop']:g}"
+           f"-{result['length_stop']:g}")
     return (f"flagged: left its trust region to production at round 1 ({why}), before any round measured inside;"
             " the candidate is its base's weights and was not gated")
 
 
-def training_run_finish(run: TrainingRun, folder: Path, extra_config: dict[str, Any]) -> PolicyVersion:
-    """Registers the candidate and marks the run succeeded, together or not at all (with the
-    lineage of the data it trained on: `trained_on`, popped from `extra_config`)."""
-    trained_on = extra_config.pop("trained_on", [])
+def training_run_finish(run: TrainingRun, folder: Path, result: dict[str, Any]) -> PolicyVersion:
+    """Registers the candidate and marks the run succeeded, together or not at all, with the
+    lineage of the data it trained on (`trained_on`, popped from `result`). A candidate that must
+    not be gated keeps the reason in result["flag"]; every other one is gated."""
+    trained_on = result.pop("trained_on", [])
     with transaction.atomic():
         owned = TrainingRun.objects.filter(pk=run.pk, state="running").select_for_update().first()
         if owned is None:
             raise RunLost(f"run {run.pk} is no longer running here; its candidate is discarded")
         candidate = policy_register(
             run.project, folder, parent=run.base_version, state="candidate",
-            config={"run": run.pk, "rl": run.config["rl"], "base": run.base_version.number},
+            config={"run": run.pk, "rl": run.settings["rl"], "base": run.base_version.number},
         )
+        flag = mismatch_flag(result) or region_flag(result)
         TrainingRun.objects.filter(pk=run.pk).update(
             state="succeeded", candidate=candidate, progress=1.0, finished_at=timezone.now(),
-            config={**owned.config, **extra_config},
+            result={**result, **({"flag": flag} if flag else {})},
         )
         lineage_record(run, trained_on)
-        flag = mismatch_flag(extra_config) or region_flag(extra_config)
-        if flag:
-            TrainingRun.objects.filter(pk=run.pk).update(error=flag)
-        else:  # every other candidate goes to the evaluation gate (queue `gate`) once this commits
+        if not flag:  # the candidate goes to the evaluation gate (queue `gate`) once this commits
             gate_run_enqueue(candidate.pk)
     project_event(run.project_id, {"type": "training_succeeded", "run": run.pk, "candidate": candidate.number})
     return candidate
 
 
-def train_maybe(
-    project: Project, min_new: int = 64, every_minutes: float = 60.0, *, steps: int = DEFAULT_TRAIN_STEPS,
-    batch_size: int = DEFAULT_BATCH_SIZE, rl: dict[str, Any] | None = None,
-    group: dict[str, Any] | None = None, epochs: float | None = None, agent: dict[str, Any] | None = None,
-) -> TrainingRun | None:
-    """Starts a run when >= min_new rewarded trajectories arrived since the last run, or when
-    every_minutes passed since it and at least one did (the first run always waits for min_new).
-    Returns the new run or None.
-
-    `steps`, `batch_size`, `rl` (RLConfig overrides, e.g. {"lr": 1e-3}), `group` and `agent` go
-    to the run."""
+def train_maybe(project: Project, schedule: Schedule | None = None) -> TrainingRun | None:
+    """Starts a run (with `schedule.run`) when >= `schedule.min_new` rewarded trajectories arrived
+    since the last run, or when `schedule.every_minutes` passed since it and at least one did (the
+    first run always waits for min_new). Returns the new run or None."""
+    schedule = schedule or Schedule()
     if policy_production(project) is None:
         return None
     last = selectors.training_run_last(project, ("succeeded", "failed", "queued", "running"))
-    since = datetime.fromisoformat(last.config["data_until"]) if last and last.config.get("data_until") else None
-    new = rewarded_trajectories_since(project, reward_spec_current(project), since).count()
+    new = rewarded_trajectories_since(project, reward_spec_current(project), last.data_until if last else None).count()
     # The clock runs from the last run: a project's first run waits for min_new (a first run on a
     # handful of clicks would only occupy the gate).
-    due = last is not None and timezone.now() - last.created_at >= timedelta(minutes=every_minutes)
-    if new >= min_new or (due and new > 0):
-        run, created = training_run_start(project, steps=steps, batch_size=batch_size, rl=rl, group=group,
-                                          epochs=epochs, agent=agent, started_by=service_account_get(SCHEDULER_ACCOUNT))
+    due = last is not None and timezone.now() - last.created_at >= timedelta(minutes=schedule.every_minutes)
+    if new >= schedule.min_new or (due and new > 0):
+        run, created = training_run_start(project, schedule.run, started_by=service_account_get(SCHEDULER_ACCOUNT))
         return run if created else None
     return None
 

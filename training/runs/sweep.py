@@ -121,8 +121,9 @@ def _sweep_gate(version: PolicyVersion, now: datetime, report: SweepReport) -> N
 
 
 def _candidates_waiting_for_gate():
-    # A run's candidate is handed to the gate unless its run was flagged (run.error says why).
-    return PolicyVersion.objects.filter(state="candidate", runs_to__state="succeeded", runs_to__error="").distinct()
+    # A run's candidate is handed to the gate unless its run was flagged (result["flag"] says why).
+    return (PolicyVersion.objects.filter(state="candidate", runs_to__state="succeeded")
+            .exclude(runs_to__result__has_key="flag").distinct())
 
 
 def _sweep_candidate(version: PolicyVersion, now: datetime, report: SweepReport) -> None:

@@ -11,6 +11,7 @@ from django.conf import settings
 from core.workers import WorkerRef
 from feedback.models import Project
 from training.runs import rollouts, services, sweep
+from training.runs.settings import RunSettings, Schedule
 
 
 @shared_task(name="training.tasks.train_policy", bind=True, time_limit=settings.FLYWHEEL_TRAIN_TIME_LIMIT_S,
@@ -21,12 +22,10 @@ def train_policy_task(self: Any, run_id: int) -> str:
 
 
 @shared_task(name="training.tasks.train_maybe")
-def train_maybe(project_id: int, min_new: int = 64, every_minutes: float = 60.0,
-                steps: int = services.DEFAULT_TRAIN_STEPS, batch_size: int = services.DEFAULT_BATCH_SIZE,
-                rl: dict[str, Any] | None = None, group: dict[str, Any] | None = None,
-                epochs: float | None = None, agent: dict[str, Any] | None = None) -> int | None:
-    run = services.train_maybe(Project.objects.get(pk=project_id), min_new, every_minutes, steps=steps,
-                               batch_size=batch_size, rl=rl, group=group, epochs=epochs, agent=agent)
+def train_maybe(project_id: int, **schedule: Any) -> int | None:
+    """Beat: `schedule` is the train entry's kwargs, `Schedule.to_dict()` (flat: min_new,
+    every_minutes and the run settings; training/schedule.py writes them)."""
+    run = services.train_maybe(Project.objects.get(pk=project_id), Schedule.from_dict(schedule))
     return run.pk if run is not None else None
 
 
@@ -35,7 +34,7 @@ def train_maybe(project_id: int, min_new: int = 64, every_minutes: float = 60.0,
 def rollout_and_train_task(project_id: int, prompts: list[Any], G: int = 16, steps: int = 1,
                            max_tokens: int = 24, seed: int = 0) -> int:
     """Rollouts here (queue rollouts); the training itself is queued for the train workers."""
-    run, _ = rollouts.rollout_and_train(Project.objects.get(pk=project_id), prompts, G, steps=steps,
+    run, _ = rollouts.rollout_and_train(Project.objects.get(pk=project_id), prompts, G, settings=RunSettings(steps=steps),
                                         max_tokens=max_tokens, seed=seed, inline=False)
     return run.pk
 

@@ -158,32 +158,10 @@ def _demo_state() -> dict:
     return state
 
 
-# The demo's learning settings (measured with bench/learning_curve.py; docs/learning.md).
-# - Group rollouts: each run samples G=8 completions for 64 prompts the users sent, scored by a
-#   reward model fitted to the users' accept/reject (plus the spec's checks and judge): 8x the
-#   signal of live clicks alone, on-policy, with group-relative advantages.
-# - A tiny policy needs a far larger step than the library default (lr 1e-5): lr 2e-3, one pass
-#   over each run's data (a second pass was mostly clipped: clip fraction 0.6), whole mini-batches
-#   per forward; PPO's clip against the pre-update policy bounds each run's move.
-# - The train check runs every 20 s, so a run starts as soon as the last one ended and data came.
-# - Runs continue the training lineage (a candidate the gate found "not better yet" is built on,
-#   not thrown away), so they are short and frequent: every ~200 new rewarded trajectories or
-#   every minute. Data served by production while the lineage is ahead is off-policy and
-#   corrected by truncated IS; up to 8 versions ahead it is used (max_staleness).
-# - The lineage stays inside the gate's KL budget to production: a run stops its rounds once its
-#   measured KL to production passes 2.5 nats/token (kl_stop, the budget 4.0 less a margin for
-#   the round that crosses it and for the suite's prompts). Measured without it: a lineage 2-4
-#   runs ahead of production reached 4.0, 6.0, 7.1 and every such candidate was refused. The KL is
-#   only measured (beta 0): a KL penalty of 0.05 halved each candidate's move and its gain.
-# - The same region for length (length_stop 1.6 within the gate's length_ratio_max 2.0): a round
-#   whose samples are 1.6x longer (or shorter) than production's on the same prompts is not
-#   trained on, the run ends and its candidate is the last weights measured inside. Measured without it: after production learned to end statements
-#   early, later candidates padded to 3x its length (a trailing comment compiles) and were refused
-#   for length_drift run after run; a 10-minute demo ended at its first promotion.
-DEMO_TRAINING = {"min_new": 100, "every_minutes": 1, "train_check_every_s": 20, "steps": 8, "batch_size": 64,
-                 "epochs": 1, "group": {"prompts": 64, "G": 8, "max_tokens": 16, "rounds": 8},
-                 "rl": {"lr": 2e-3, "max_staleness": 8, "micro_batch_size": 64, "kl_to": "production", "kl_stop": 2.5,
-                        "length_stop": 1.6}}
+# The demo's learning settings: the "demo" preset of training/runs/settings.py (PRESETS), measured
+# with bench/learning_curve.py (docs/learning.md, "The demo's recipe"). The train check runs
+# every 20 s, so a run starts as soon as the last one ended and data came.
+DEMO_TRAIN_CHECK_EVERY_S = 20
 # The gate's drift bounds for the demo. KL: a run of 8 rounds moves the tiny policy 1.2-2.0
 # nats/token from its base (measured), and production lags the lineage by up to a run, so the
 # library default (0.5) would refuse every real improvement; 4.0 admits two runs' move. Length:
@@ -227,6 +205,7 @@ def _demo_loop_config(project) -> None:
     from training.promotion.selectors import gate_policy_active
     from training.promotion.services import gate_policy_update
     from training.rewards.services import reward_spec_current, reward_spec_update
+    from training.runs.settings import PRESETS
     from training.schedule import training_schedule_install
 
     prompts = _demo_suite_prompts()
@@ -241,7 +220,7 @@ def _demo_loop_config(project) -> None:
     signals = {**spec.signal_rewards, **DEMO_SIGNAL_REWARDS}
     if spec.settle_seconds != 10 or spec.checks != DEMO_CHECKS or spec.signal_rewards != signals:
         reward_spec_update(project, settle_seconds=10, checks=DEMO_CHECKS, signal_rewards=signals)
-    training_schedule_install([project], **DEMO_TRAINING)
+    training_schedule_install([project], PRESETS["demo"], train_check_every_s=DEMO_TRAIN_CHECK_EVERY_S)
     gate = gate_policy_active(project)
     if any(gate.thresholds.get(k) != v for k, v in DEMO_GATE_THRESHOLDS.items()) or not gate.two_person_rule:
         # Two people: the scheduler's service account starts the runs, a person (or the

@@ -27,7 +27,7 @@ import uuid
 import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -273,6 +273,38 @@ def population_metrics(taste: str, requests: Sequence[UserPrompt], suggestions: 
     }
 
 
+@dataclass
+class Budget:
+    """The completions the users may still ask for (None: no limit), shared by their threads."""
+
+    limit: int | None
+    served: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def claim(self) -> bool:
+        with self.lock:
+            if self.limit is not None and self.served >= self.limit:
+                return False
+            self.served += 1
+            return True
+
+    def unclaim(self) -> None:
+        with self.lock:
+            self.served -= 1
+
+
+@dataclass(frozen=True)
+class UserSettings:
+    """What every simulated user does: the model it asks, how long it pauses, its taste."""
+
+    model: str
+    serve_key: str
+    pause_s: float = 0.5
+    max_tokens: int = 16
+    taste: str = INTENT
+    noise: float = 0.05
+
+
 def run_users(
     serving_url: str,
     sender: FlywheelClient,
@@ -293,45 +325,39 @@ def run_users(
     `source`: the code base the users write in (or, for a line taste, plain lines).
     `users` simulated users work concurrently (the server batches their requests); they ask with
     `serve_key`, an API key of scope `serve`."""
-    served = [0]
-    lock = threading.Lock()
-
-    def claim() -> bool:
-        with lock:
-            if requests is not None and served[0] >= requests:
-                return False
-            served[0] += 1
-            return True
-
-    def unclaim() -> None:
-        with lock:
-            served[0] -= 1
-
-    def user(index: int) -> None:
-        rng = random.Random(seed + 1000 * index)
-        with httpx.Client(base_url=serving_url, timeout=120, headers={"Authorization": f"Bearer {serve_key}"}) as http:
-            for request in user_prompts(source, taste, rng):
-                if not claim():
-                    break
-                choice = _complete(http, model, request.prompt, max_tokens)
-                if choice is None:
-                    unclaim()
-                    time.sleep(2)
-                    continue
-                events = _feedback_events(choice, request, rng, taste, noise)
-                if events:
-                    sender.send(events)
-                time.sleep(pause_s)
-
+    budget = Budget(requests)
+    settings = UserSettings(model, serve_key, pause_s, max_tokens, taste, noise)
     if users <= 1:
-        user(0)
-        return served[0]
-    threads = [threading.Thread(target=user, args=(i,), daemon=True) for i in range(users)]
+        user_run(serving_url, sender, source, settings, budget, random.Random(seed))
+        return budget.served
+    threads = [threading.Thread(target=user_run, args=(serving_url, sender, source, settings, budget,
+                                                       random.Random(seed + 1000 * i)), daemon=True)
+               for i in range(users)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    return served[0]
+    return budget.served
+
+
+def user_run(serving_url: str, sender: FlywheelClient, source: CodeBase | Sequence[str], settings: UserSettings,
+             budget: Budget, rng: random.Random) -> None:
+    """One simulated user: a request, its completion, the user's reactions, a pause; until the
+    budget is spent. A completion that failed is given back to the budget and asked again later."""
+    headers = {"Authorization": f"Bearer {settings.serve_key}"}
+    with httpx.Client(base_url=serving_url, timeout=120, headers=headers) as http:
+        for request in user_prompts(source, settings.taste, rng):
+            if not budget.claim():
+                break
+            choice = _complete(http, settings.model, request.prompt, settings.max_tokens)
+            if choice is None:
+                budget.unclaim()
+                time.sleep(2)
+                continue
+            events = _feedback_events(choice, request, rng, settings.taste, settings.noise)
+            if events:
+                sender.send(events)
+            time.sleep(settings.pause_s)
 
 
 def _complete(http: httpx.Client, model: str, prompt: str, max_tokens: int) -> dict[str, Any] | None:

@@ -18,6 +18,7 @@ from feedback.models import Project
 from training.models import TrainingRun
 from training.runs.selectors import training_step_list
 from training.runs.services import train_policy, training_run_start
+from training.runs.settings import RunSettings
 
 
 class Command(BaseCommand):
@@ -25,8 +26,8 @@ class Command(BaseCommand):
 
     def add_arguments(self, parser):
         parser.add_argument("--project", required=True)
-        parser.add_argument("--steps", type=int, default=4)
-        parser.add_argument("--batch-size", type=int, default=32)
+        parser.add_argument("--steps", type=int, default=None, help=f"default {RunSettings.steps}")
+        parser.add_argument("--batch-size", type=int, default=None, help=f"default {RunSettings.batch_size}")
         parser.add_argument("--lr", type=float, default=None)
         parser.add_argument("--queue", action="store_true", help="run on a Celery train worker, wait here")
         parser.add_argument("--timeout", type=float, default=3600.0)
@@ -41,7 +42,6 @@ class Command(BaseCommand):
         project = Project.objects.filter(slug=opts["project"]).first()
         if project is None:
             raise CommandError(f"no project {opts['project']!r}")
-        rl = {"lr": opts["lr"]} if opts["lr"] is not None else None
         starter = None
         if opts["as_user"]:
             starter = get_user_model().objects.filter(username=opts["as_user"], is_active=True).first()
@@ -51,9 +51,11 @@ class Command(BaseCommand):
             agent = json.loads(opts["agent"]) if opts["agent"] else None
         except ValueError as exc:
             raise CommandError(f"--agent is not JSON: {exc}") from exc
+        given = {"steps": opts["steps"], "batch_size": opts["batch_size"], "agent": agent,
+                 "rl": {"lr": opts["lr"]} if opts["lr"] is not None else None}
         try:
-            run, created = training_run_start(project, steps=opts["steps"], rl=rl, batch_size=opts["batch_size"],
-                                              enqueue=opts["queue"], started_by=starter, agent=agent)
+            settings = RunSettings.from_dict({k: v for k, v in given.items() if v is not None})
+            run, created = training_run_start(project, settings, enqueue=opts["queue"], started_by=starter)
         except ApplicationError as exc:  # a refused setting: say what and how to fix it, no traceback
             raise CommandError(f"{exc.message}. {exc.fix}".strip()) from exc
         if not created:
@@ -65,7 +67,7 @@ class Command(BaseCommand):
         if run.state != "succeeded":
             raise CommandError(f"run {run.pk} {run.state}: {run.error}")
         self.stdout.write(self.style.SUCCESS(f"run {run.pk} succeeded: candidate v{run.candidate.number}"))
-        c = run.config
+        c = run.result
         if c.get("agent_rollouts") is not None:
             self.stdout.write(f"  agent: {c['agent_rollouts']} rollouts of {', '.join(c.get('agent_tasks') or [])}, "
                               f"{c.get('agent_turns')} turns, {c.get('agent_tool_calls')} tool calls, "

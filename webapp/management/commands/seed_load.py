@@ -21,6 +21,8 @@ from django.db import connection, transaction
 from feedback.models import Project
 from feedback.services import project_create
 from training.models import AuditLog, GateReport, PolicyVersion, RewardSpec, TrainingRun
+from training.rl.config import RLConfig
+from training.runs.settings import RunSettings
 from webapp.rollups import rollups_rebuild
 
 VERSIONS = 8
@@ -180,7 +182,7 @@ def _runs(project: Project, versions: dict[int, PolicyVersion], steps: int) -> N
             run = TrainingRun.objects.create(
                 project=project, base_version=versions[min(number - 1, 6)], candidate=versions.get(number) if done else None,
                 state="succeeded" if done else "running", progress=1.0 if done else 0.4,
-                config={"lr": 1e-6 * number, "kl_beta": 0.02, "clip": [0.2, 0.28], "batch": 64, "steps": steps},
+                settings=RunSettings(steps=steps, batch_size=64, rl=RLConfig(lr=1e-6 * number, beta=0.02)).to_dict(),
                 worker="seed@localhost")
             cur.execute(_STEPS_OF_RUN, {"run": run.id, "steps": steps if done else int(steps * 0.4)})
             if done:
