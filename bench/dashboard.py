@@ -1,11 +1,13 @@
 """Dashboard render time per page at the seed_load volume.
 
     .venv/bin/python bench/dashboard.py [--events 1000000] [--trajectories 100000] [--repeat 20] [--json]
+    .venv/bin/python bench/dashboard.py --quick --json    # seconds: a tiny load, 2 requests per page
 
 Runs on a bench database of the embedded PostgreSQL (or DATABASE_URL's server), seeded once by
 `manage.py seed_load` (kept between runs; a smaller load than asked is topped up). Each page is
-rendered in-process through the full Django stack (middleware, session, templates) as a staff user:
-one warm-up request, then --repeat timed requests; p50/p95 per page in milliseconds.
+rendered in-process through the full Django stack (middleware, session, templates) as a staff user
+who is a viewer of the project: one warm-up request, then --repeat timed requests; p50/p95 per page
+in milliseconds. `--quick` (its own database) checks that every page still renders, nothing more.
 """
 
 from __future__ import annotations
@@ -69,7 +71,12 @@ def _time_pages(repeat: int) -> dict[str, tuple[float, float]]:
     from django.contrib.auth.models import User
     from django.test import Client
 
+    from feedback.models import Project
+    from training.promotion.services import membership_grant
+
     user, _ = User.objects.get_or_create(username="bench-viewer", defaults={"is_staff": True})
+    # Pages are shown to the project's members only (a staff flag alone sees nothing).
+    membership_grant(Project.objects.get(slug=SLUG), user, "viewer", "system:bench", "bench/dashboard.py viewer")
     client = Client()
     client.force_login(user)
     out = {}
@@ -92,9 +99,12 @@ def main() -> None:
     parser.add_argument("--trajectories", type=int, default=100_000)
     parser.add_argument("--repeat", type=int, default=20)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--quick", action="store_true", help="a tiny load and 2 requests per page (CI)")
     args = parser.parse_args()
+    if args.quick:
+        args.events, args.trajectories, args.repeat = 2_000, 200, 2
 
-    setup_django(BENCH_DB)
+    setup_django(BENCH_DB + ("_quick" if args.quick else ""))
     events, trajectories = _seed(args.events, args.trajectories)
     times = _time_pages(args.repeat)
     print(f"volume: {events} feedback events, {trajectories} trajectories; {os.cpu_count()} cores; "
