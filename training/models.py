@@ -55,22 +55,54 @@ class RubricScore(models.Model):
         ]
 
 
+class VersionState(models.TextChoices):
+    """A policy version's life: trained (or bootstrapped) as a candidate, gated, approved (through a
+    canary or straight), served, retired when replaced; rejected anywhere before it serves.
+    `PolicyVersion.TRANSITIONS` says which moves exist."""
+
+    TRAINING = "training", "training"
+    CANDIDATE = "candidate", "candidate"
+    GATED = "gated", "gated"
+    AWAITING_APPROVAL = "awaiting_approval", "awaiting approval"
+    CANARY = "canary", "canary"
+    PRODUCTION = "production", "production"
+    REJECTED = "rejected", "rejected"
+    RETIRED = "retired", "retired"
+
+
+class RunState(models.TextChoices):
+    QUEUED = "queued", "queued"
+    RUNNING = "running", "running"
+    SUCCEEDED = "succeeded", "succeeded"
+    FAILED = "failed", "failed"
+
+
+class ReplicaState(models.TextChoices):
+    SERVING = "serving", "serving"
+    STOPPED = "stopped", "stopped"
+
+
 class PolicyVersion(models.Model):
-    STATES = [
-        ("training", "training"),
-        ("candidate", "candidate"),
-        ("gated", "gated"),
-        ("awaiting_approval", "awaiting approval"),
-        ("canary", "canary"),
-        ("production", "production"),
-        ("rejected", "rejected"),
-        ("retired", "retired"),
-    ]
+    STATES = VersionState.choices
+    # The moves `version_transition` makes (training/versions/services.py refuses any other):
+    # a candidate is gated (or installed as a base policy), a gate ends awaiting approval or
+    # rejected (or lost: a candidate again), an approval starts a canary or serves, a served version
+    # retires when replaced and serves again on a rollback to it.
+    TRANSITIONS: dict[str, frozenset[str]] = {
+        VersionState.TRAINING: frozenset({VersionState.CANDIDATE}),
+        VersionState.CANDIDATE: frozenset({VersionState.GATED, VersionState.PRODUCTION, VersionState.REJECTED}),
+        VersionState.GATED: frozenset({VersionState.CANDIDATE, VersionState.AWAITING_APPROVAL, VersionState.REJECTED}),
+        VersionState.AWAITING_APPROVAL: frozenset({VersionState.CANARY, VersionState.PRODUCTION, VersionState.REJECTED}),
+        VersionState.CANARY: frozenset({VersionState.PRODUCTION, VersionState.REJECTED}),
+        VersionState.PRODUCTION: frozenset({VersionState.RETIRED}),
+        VersionState.RETIRED: frozenset({VersionState.PRODUCTION}),
+        VersionState.REJECTED: frozenset(),
+    }
 
     project = models.ForeignKey(Project, on_delete=models.CASCADE, related_name="policy_versions")
     number = models.PositiveIntegerField()
     parent = models.ForeignKey("self", on_delete=models.PROTECT, null=True, blank=True, related_name="children")
-    state = models.CharField(max_length=32, choices=STATES, default="training")
+    state = models.CharField(max_length=32, choices=STATES, default=VersionState.TRAINING)
     manifest_hash = models.CharField(max_length=64, blank=True, default="")
     checkpoint_path = models.CharField(max_length=500, blank=True, default="")
     delta_bytes = models.BigIntegerField(null=True, blank=True)
@@ -86,9 +118,12 @@ class PolicyVersion(models.Model):
     def __str__(self) -> str:
         return f"{self.project.slug} v{self.number} ({self.state})"
 
+    def can_become(self, state: str) -> bool:
+        return state in self.TRANSITIONS.get(self.state, frozenset())
+
 
 class TrainingRun(models.Model):
-    STATES = [("queued", "queued"), ("running", "running"), ("succeeded", "succeeded"), ("failed", "failed")]
+    STATES = RunState.choices
     KINDS = [("rl", "rl"), ("midtrain", "midtrain")]  # midtrain: next-token training on a corpus
 
     kind = models.CharField(max_length=16, choices=KINDS, default="rl")
@@ -97,7 +132,7 @@ class TrainingRun(models.Model):
     candidate = models.ForeignKey(
         PolicyVersion, on_delete=models.SET_NULL, null=True, blank=True, related_name="runs_to"
     )
-    state = models.CharField(max_length=16, choices=STATES, default="queued")
+    state = models.CharField(max_length=16, choices=STATES, default=RunState.QUEUED)
     # What the run was asked to do (training.runs.settings.RunSettings.to_dict()), written once
     # when it is created; what it produced (the job's report, a flag that kept its candidate from
     # the gate) goes to `result` when it succeeds.
@@ -286,14 +321,14 @@ class ServingReplica(models.Model):
     internal listener, what it serves, when it last beat. Live while its heartbeat is fresher than
     FLYWHEEL_REPLICA_STALE_S and it has not said it stopped; a promotion pushes to live ones only."""
 
-    STATES = [("serving", "serving"), ("stopped", "stopped")]
+    STATES = ReplicaState.choices
 
     project = models.ForeignKey(Project, on_delete=models.CASCADE, related_name="replicas")
     address = models.CharField(max_length=300)  # base URL of its internal listener (/internal/push)
     hostname = models.CharField(max_length=255, blank=True, default="")
     pid = models.PositiveIntegerField(null=True, blank=True)
     engine = models.CharField(max_length=32, blank=True, default="")
-    state = models.CharField(max_length=16, choices=STATES, default="serving")
+    state = models.CharField(max_length=16, choices=STATES, default=ReplicaState.SERVING)
     version = models.PositiveIntegerField(null=True, blank=True)  # the production version it serves
     canary = models.PositiveIntegerField(null=True, blank=True)
     canary_share = models.FloatField(default=0.0)

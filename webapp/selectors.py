@@ -28,8 +28,10 @@ from training.models import (
     Reward,
     RewardSpec,
     RubricScore,
+    RunState,
     TrainingRun,
     TrainingStep,
+    VersionState,
 )
 from training.rl.advantages import turn_returns
 from webapp import charts, usefulness
@@ -135,7 +137,7 @@ def reward_series(project: Project, since: datetime, cut: datetime) -> dict[int 
 def promotion_marks(project: Project, since: datetime) -> list[tuple[str, str]]:
     """(time, version name) of every promotion to production in the range, at the moment it
     happened (the audit log), not at the version's first data."""
-    rows = (AuditLog.objects.filter(project=project, at__gte=since, after__state="production")
+    rows = (AuditLog.objects.filter(project=project, at__gte=since, after__state=VersionState.PRODUCTION)
             .order_by("at").values_list("at", "after"))
     return [(at.isoformat(), charts.version_name(after.get("number"))) for at, after in rows]
 
@@ -216,7 +218,7 @@ def queue_depths() -> dict[str, int | None]:
 
 
 def errors_recent(project: Project) -> dict[str, Any]:
-    failed = list(TrainingRun.objects.filter(project=project, state="failed").order_by("-created_at")
+    failed = list(TrainingRun.objects.filter(project=project, state=RunState.FAILED).order_by("-created_at")
                   .values("id", "error", "finished_at", "created_at")[:5])
     judge = RubricRollup.objects.filter(project=project, tag="", bin=-1).aggregate(n=Sum("n"))["n"] or 0
     return {"runs": failed, "judge_failures": judge, "quarantined": quarantine_recent(project)}
@@ -232,7 +234,7 @@ def run_list(project: Project) -> list[TrainingRun]:
 
 def run_get(project: Project, run_id: int | None, runs: list[TrainingRun]) -> TrainingRun | None:
     if run_id is None:
-        return next((r for r in runs if r.state == "running"), runs[0] if runs else None)
+        return next((r for r in runs if r.state == RunState.RUNNING), runs[0] if runs else None)
     run = next((r for r in runs if r.id == run_id), None)
     run = run or TrainingRun.objects.filter(project=project, id=run_id).select_related("base_version", "candidate").first()
     if run is None:
@@ -286,7 +288,7 @@ def rubric_view(project: Project, task: str, tag: str) -> dict[str, Any]:
 def reward_model_history(project: Project, limit: int = 20) -> list[dict[str, Any]]:
     """The users' reward model as each recent run fitted it (newest first): clicks it was fitted on
     and its calibration on the newest clicks it never saw (training.rewards.reward_model)."""
-    runs = (TrainingRun.objects.filter(project=project, state="succeeded", result__has_key="reward_model")
+    runs = (TrainingRun.objects.filter(project=project, state=RunState.SUCCEEDED, result__has_key="reward_model")
             .order_by("-finished_at")[:limit])
     out = []
     for run in runs:

@@ -74,6 +74,8 @@ def _promote(version: PolicyVersion) -> None:
 def _start_canary(version: PolicyVersion, share: float) -> None:
     baseline = PolicyVersion.objects.get(project=version.project, state="production")
     CanaryRun.objects.create(version=version, baseline=baseline, share=share)
+    for state in ("gated", "awaiting_approval"):  # a canary starts from an approval
+        version_transition(version, state, "test", "gate")
     version_transition(version, "canary", "test", "canary_start", "test")
 
 
@@ -308,6 +310,7 @@ def test_an_approval_hot_swaps_the_running_server(creds, dense_dir, tmp_path, al
     from training.promotion.services import candidate_promote
 
     _, v2 = _versions(creds.project, dense_dir, tmp_path)
+    version_transition(v2, "gated", "test", "gate_start")
     version_transition(v2, "awaiting_approval", "test", "gate")
     proc, url, internal = _serve(creds.project.slug, "torch")
     settings.FLYWHEEL_INFERENCE_URL, settings.FLYWHEEL_INTERNAL_TOKEN = url, TOKEN

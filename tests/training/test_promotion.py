@@ -45,6 +45,23 @@ def test_the_owner_approves_and_the_version_serves(alice, v1, v2):
     assert audit_for_version(v1).last().action == "retire"
 
 
+def test_a_version_moves_only_along_its_transitions_and_a_refused_move_records_nothing(creds, v1):
+    from training.versions.services import version_transition
+
+    v3 = PolicyVersion.objects.create(project=creds.project, number=3, parent=v1, state="candidate")
+    with pytest.raises(Conflict, match="policy v3 is candidate; it cannot become canary") as exc:
+        version_transition(v3, "canary", "test", "canary_start")  # a canary comes from an approval
+    assert exc.value.fix == "From candidate it can become: gated, production, rejected."
+    assert state(v3) == "candidate" and not audit_for_version(v3).exists()
+    with pytest.raises(Conflict, match="policy v4 is rejected; it cannot become production") as exc:
+        version_transition(PolicyVersion.objects.create(project=creds.project, number=4, state="rejected"),
+                           "production", "test", "rollback")
+    assert exc.value.fix == "From rejected it can become: nothing."
+    for step in ("gated", "awaiting_approval", "canary", "production"):
+        version_transition(v3, step, "test", step)
+    assert [r.after["state"] for r in audit_for_version(v3)] == ["gated", "awaiting_approval", "canary", "production"]
+
+
 def test_a_viewer_is_refused_and_the_refusal_is_recorded(bob, v2):
     with pytest.raises(Forbidden, match="may not approve"):
         candidate_promote(v2, bob, "approve", "looks fine to me")

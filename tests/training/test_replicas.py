@@ -158,7 +158,8 @@ def test_a_canary_is_pushed_with_its_share_to_every_replica_and_its_promotion_se
     rows = [ServingReplica.objects.create(project=creds.project, address=f"http://10.0.0.{i}:8002", version=1,
                                           registered_at=now, heartbeat_at=now) for i in range(3)]
     CanaryRun.objects.create(version=v2, baseline=production, share=0.25)
-    version_transition(v2, "canary", "test", "canary_start", "test")
+    for state in ("gated", "awaiting_approval", "canary"):  # a canary starts from an approval
+        version_transition(v2, state, "test", "test")
     target = serving_target(creds.project.id)
     planner = PushPlanner(target, rows)
     plans = [planner.bodies(r) for r in rows]

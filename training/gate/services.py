@@ -31,7 +31,7 @@ from training.gate.runner import (
     suite_sample,
 )
 from training.gate.selectors import gate_base_measured, gate_known_names, gate_reference
-from training.models import AuditLog, EvalSuite, GatePolicy, GateReport, PolicyVersion
+from training.models import AuditLog, EvalSuite, GatePolicy, GateReport, PolicyVersion, VersionState
 from training.promotion.selectors import gate_policy_active, gate_policy_json
 from training.rewards.selectors import agent_tasks
 from training.rewards.services import accept_predicted
@@ -90,13 +90,13 @@ def gate_run(version_id: int, *, actor: Actor = "system:gate", suite: str = "def
 def _gate_claim(version_id: int, actor: Actor, worker: WorkerRef) -> tuple[PolicyVersion, PolicyVersion | None]:
     with transaction.atomic():
         version = version_locked(version_id)
-        lost = gate_lost_reason(version) if version.state == "gated" else None
+        lost = gate_lost_reason(version) if version.state == VersionState.GATED else None
         if lost:  # a redelivered task whose first worker died under it
-            version_transition(version, "candidate", actor, "gate_lost", lost)
-        if version.state != "candidate":
+            version_transition(version, VersionState.CANDIDATE, actor, "gate_lost", lost)
+        if version.state != VersionState.CANDIDATE:
             raise Conflict(f"policy v{version.number} is {version.state}, not a candidate",
                            "Only a candidate is gated; a rejected version needs a new training run.")
-        version_transition(version, "gated", actor, "gate_start", worker=str(worker))
+        version_transition(version, VersionState.GATED, actor, "gate_start", worker=str(worker))
         baseline = policy_production(version.project_id)
     return version, baseline
 
@@ -188,8 +188,8 @@ def _gate_abort(version_id: int, actor: Actor, exc: Exception) -> None:
         return
     with transaction.atomic():
         version = version_locked(version_id)
-        if version.state == "gated":
-            version_transition(version, "candidate", actor, "gate_error", f"{type(exc).__name__}: {exc}"[:2000])
+        if version.state == VersionState.GATED:
+            version_transition(version, VersionState.CANDIDATE, actor, "gate_error", f"{type(exc).__name__}: {exc}"[:2000])
 
 
 def _gate_finish(version_id: int, baseline: PolicyVersion | None, policy: GatePolicy, rows: list[CheckRow],
@@ -202,6 +202,6 @@ def _gate_finish(version_id: int, baseline: PolicyVersion | None, policy: GatePo
                                            policy={**gate_policy_json(policy), "suite": suite_info, **(extra or {})})
         failed = [r.name for r in rows if not r.passed]
         reason = "all checks passed" if passed else f"failed: {', '.join(failed)}"
-        version_transition(version, "awaiting_approval" if passed else "rejected", actor,
+        version_transition(version, VersionState.AWAITING_APPROVAL if passed else VersionState.REJECTED, actor,
                     "gate_pass" if passed else "gate_fail", reason, gate_report=report.id)
     return report

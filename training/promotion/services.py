@@ -26,7 +26,7 @@ from feedback.models import Project
 from feedback.selectors import member_role, principal_role, principal_user, role_at_least
 from feedback.services import membership_set
 from training.gate.config import GateThresholds
-from training.models import AuditLog, CanaryRun, GatePolicy, PolicyVersion, TrainingRun
+from training.models import AuditLog, CanaryRun, GatePolicy, PolicyVersion, TrainingRun, VersionState
 from training.promotion import sequential
 from training.promotion.deploy import deploy_hook
 from training.promotion.selectors import POLICY_FIELDS, canary_counts, gate_policy_active, gate_policy_json
@@ -55,8 +55,8 @@ def base_policy_install(version: PolicyVersion, actor: Actor, reason: str) -> Po
         version = version_locked(version.id)
         current = policy_production(version.project_id, lock=True)
         if current is not None and current.id != version.id:
-            version_transition(current, "retired", actor, "retire", reason)
-        version_transition(version, "production", actor, "install_base", reason)
+            version_transition(current, VersionState.RETIRED, actor, "retire", reason)
+        version_transition(version, VersionState.PRODUCTION, actor, "install_base", reason)
         _deploy_after_commit(version)
     return version
 
@@ -239,7 +239,7 @@ def membership_grant(project: Project, user: AbstractBaseUser, role: str | None,
 
 
 def _approve(version: PolicyVersion, actor: Actor, reason: str) -> None:
-    if version.state != "awaiting_approval":
+    if version.state != VersionState.AWAITING_APPROVAL:
         raise Conflict(f"policy v{version.number} is {version.state}, not awaiting approval",
                        "Only a version that passed the gate can be approved.")
     policy = gate_policy_active(version.project)
@@ -253,35 +253,35 @@ def _approve(version: PolicyVersion, actor: Actor, reason: str) -> None:
 def _make_production(version: PolicyVersion, previous: PolicyVersion | None, actor: Actor, action: str,
                      reason: str) -> None:
     if previous is not None and previous.id != version.id:
-        version_transition(previous, "retired", actor, "retire", reason, replaced_by=version.number)
-    version_transition(version, "production", actor, action, reason)
+        version_transition(previous, VersionState.RETIRED, actor, "retire", reason, replaced_by=version.number)
+    version_transition(version, VersionState.PRODUCTION, actor, action, reason)
     _deploy_after_commit(version)
 
 
 def _reject(version: PolicyVersion, actor: Actor, reason: str) -> None:
-    if version.state == "canary":
+    if version.state == VersionState.CANARY:
         _canary_close(version, "rollback", None)
-    elif version.state != "awaiting_approval":
+    elif version.state != VersionState.AWAITING_APPROVAL:
         raise Conflict(f"policy v{version.number} is {version.state}; only a version awaiting approval or in "
                        "canary can be rejected", "To take a production version out, roll back to an earlier one.")
-    version_transition(version, "rejected", actor, "reject", reason)
+    version_transition(version, VersionState.REJECTED, actor, "reject", reason)
     _deploy_after_commit(version)
 
 
 def _rollback(version: PolicyVersion, actor: Actor, reason: str) -> None:
     """On a canary: end it. On production: go back to the previous production version. On a
     retired version that was in production: make it production again."""
-    if version.state == "canary":
+    if version.state == VersionState.CANARY:
         _canary_close(version, "rollback", None)
-        version_transition(version, "rejected", actor, "rollback", reason)
+        version_transition(version, VersionState.REJECTED, actor, "rollback", reason)
         _deploy_after_commit(version)
         return
     current = policy_production(version.project_id, lock=True)
-    if version.state == "production":
+    if version.state == VersionState.PRODUCTION:
         target = _previous_production(version)
         if target is None:
             raise Conflict(f"policy v{version.number} is the first production version", "There is nothing to roll back to.")
-    elif version.state == "retired" and _was_production(version):
+    elif version.state == VersionState.RETIRED and _was_production(version):
         target = version
     else:
         raise Conflict(f"policy v{version.number} ({version.state}) was never in production",
@@ -290,7 +290,7 @@ def _rollback(version: PolicyVersion, actor: Actor, reason: str) -> None:
     _make_production(target, current, actor, "rollback", reason)
 
 
-_SERVED = Q(after__state="production") | Q(before__state="production")
+_SERVED = Q(after__state=VersionState.PRODUCTION) | Q(before__state=VersionState.PRODUCTION)
 
 
 def _was_production(version: PolicyVersion) -> bool:
@@ -301,7 +301,7 @@ def _previous_production(version: PolicyVersion) -> PolicyVersion | None:
     rows = (AuditLog.objects.filter(_SERVED, project_id=version.project_id)
             .exclude(target=f"policy_version:{version.id}").order_by("-at", "-id").values_list("after", flat=True))
     for after in rows:
-        candidate = PolicyVersion.objects.filter(id=after["version_id"], state="retired").first()
+        candidate = PolicyVersion.objects.filter(id=after["version_id"], state=VersionState.RETIRED).first()
         if candidate is not None:
             return candidate
     return None
@@ -318,7 +318,7 @@ def _canary_start(version: PolicyVersion, production: PolicyVersion, policy: Gat
                       max_events=policy.canary_max_events)
     run = CanaryRun.objects.create(version=version, baseline=production, share=policy.canary_share,
                                    rule=asdict(rule))
-    version_transition(version, "canary", actor, "canary_start", reason, canary_share=run.share, baseline=production.number)
+    version_transition(version, VersionState.CANARY, actor, "canary_start", reason, canary_share=run.share, baseline=production.number)
     _deploy_after_commit(version)
 
 
@@ -333,7 +333,7 @@ def canary_decide(version_id: int, actor: Actor = "system:canary") -> CanaryVerd
         version = version_locked(version_id)
         run = (CanaryRun.objects.select_for_update().select_related("version", "baseline")
                .filter(version=version, decided_at__isnull=True).first())
-        if version.state != "canary" or run is None:
+        if version.state != VersionState.CANARY or run is None:
             raise Conflict(f"policy v{version.number} is {version.state}, not in canary", "Nothing to decide.")
         verdict = sequential.canary_decide(*canary_counts(run), CanaryRule(**run.rule))
         if verdict.decision == "promote":
@@ -341,7 +341,7 @@ def canary_decide(version_id: int, actor: Actor = "system:canary") -> CanaryVerd
             _make_production(version, policy_production(version.project_id, lock=True), actor, "canary_promote", verdict.reason)
         elif verdict.decision == "rollback":
             _canary_close(version, "rollback", verdict)
-            version_transition(version, "rejected", actor, "canary_rollback", verdict.reason)
+            version_transition(version, VersionState.REJECTED, actor, "canary_rollback", verdict.reason)
             _deploy_after_commit(version)
     return verdict
 

@@ -14,7 +14,7 @@ from django.db.models import QuerySet
 from django.utils import timezone
 
 from feedback.models import Project
-from training.models import ServingReplica
+from training.models import ReplicaState, ServingReplica
 
 
 def replica_stale_before(now: datetime | None = None) -> datetime:
@@ -24,7 +24,7 @@ def replica_stale_before(now: datetime | None = None) -> datetime:
 def replicas_live(project_id: int) -> QuerySet[ServingReplica]:
     """Replicas a push goes to: not stopped, heartbeat fresher than FLYWHEEL_REPLICA_STALE_S."""
     return (ServingReplica.objects.filter(project_id=project_id, heartbeat_at__gte=replica_stale_before())
-            .exclude(state="stopped").order_by("address"))
+            .exclude(state=ReplicaState.STOPPED).order_by("address"))
 
 
 def replicas_registered(project_id: int) -> bool:
@@ -37,7 +37,7 @@ def replica_rows(project: Project) -> list[dict[str, Any]]:
     now, cutoff = timezone.now(), replica_stale_before()
     rows = []
     for r in ServingReplica.objects.filter(project=project).order_by("-heartbeat_at")[:200]:
-        live = r.state != "stopped" and r.heartbeat_at >= cutoff
-        rows.append({"r": r, "live": live, "status": "live" if live else ("stopped" if r.state == "stopped" else "down"),
+        live = r.state != ReplicaState.STOPPED and r.heartbeat_at >= cutoff
+        rows.append({"r": r, "live": live, "status": "live" if live else ("stopped" if r.state == ReplicaState.STOPPED else "down"),
                      "age_s": max((now - r.heartbeat_at).total_seconds(), 0.0)})
     return sorted(rows, key=lambda row: not row["live"])

@@ -20,7 +20,7 @@ import httpx
 from django.utils import timezone
 
 from feedback.models import Project
-from training.models import PolicyVersion, ServingReplica
+from training.models import PolicyVersion, ReplicaState, ServingReplica
 from training.replicas.selectors import replicas_live
 from training.versions.selectors import DeployTarget
 from training.versions.services import checkpoint_store
@@ -47,13 +47,13 @@ def replica_register(project: Project, address: str, *, version: int | None, can
 def replica_heartbeat(replica_id: int, *, version: int | None, canary: int | None, canary_share: float) -> bool:
     """The replica is alive and serves these versions; False if its row is gone (re-register)."""
     return ServingReplica.objects.filter(id=replica_id).update(
-        heartbeat_at=timezone.now(), state="serving", version=version, canary=canary,
+        heartbeat_at=timezone.now(), state=ReplicaState.SERVING, version=version, canary=canary,
         canary_share=canary_share) == 1
 
 
 def replica_stop(replica_id: int) -> None:
     """A clean shutdown: the replica counts as down at once (no wait for its heartbeat to age)."""
-    ServingReplica.objects.filter(id=replica_id).update(state="stopped")
+    ServingReplica.objects.filter(id=replica_id).update(state=ReplicaState.STOPPED)
 
 
 @dataclass

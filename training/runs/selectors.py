@@ -8,10 +8,10 @@ from django.db.models import Max, QuerySet
 
 from feedback.models import Project
 from training.lineage.selectors import version_clean_ancestor, versions_erased_from
-from training.models import AuditLog, PolicyVersion, TrainingRun, TrainingStep
+from training.models import AuditLog, PolicyVersion, RunState, TrainingRun, TrainingStep, VersionState
 from training.versions.selectors import latest_report, policy_production
 
-ACTIVE_RUN_STATES = ("queued", "running")
+ACTIVE_RUN_STATES = (RunState.QUEUED, RunState.RUNNING)
 
 
 def training_run_list(project: Project) -> QuerySet[TrainingRun]:
@@ -24,7 +24,7 @@ def training_run_active(project: Project) -> TrainingRun | None:
     return TrainingRun.objects.filter(project=project, state__in=ACTIVE_RUN_STATES).order_by("created_at").first()
 
 
-def training_run_last(project: Project, states: tuple[str, ...] = ("succeeded",)) -> TrainingRun | None:
+def training_run_last(project: Project, states: tuple[str, ...] = (RunState.SUCCEEDED,)) -> TrainingRun | None:
     return TrainingRun.objects.filter(project=project, state__in=states).order_by("-created_at").first()
 
 
@@ -60,14 +60,14 @@ def training_head(project: Project, max_ahead: int) -> PolicyVersion | None:
 
 def _head(project: Project, max_ahead: int) -> PolicyVersion | None:
     production = policy_production(project)
-    run = (TrainingRun.objects.filter(project=project, state="succeeded", candidate__isnull=False)
+    run = (TrainingRun.objects.filter(project=project, state=RunState.SUCCEEDED, candidate__isnull=False)
            .select_related("candidate").order_by("-finished_at", "-id").first())
     if run is None or production is None:
         return production
     head = run.candidate
     if head.number <= production.number or head.number - production.number > max_ahead:
         return production
-    if head.state in ("rejected", "retired") and not _only_not_better_yet(head):
+    if head.state in (VersionState.REJECTED, VersionState.RETIRED) and not _only_not_better_yet(head):
         return production
     if run.result.get("stopped_after_round") is not None:
         return production

@@ -29,7 +29,7 @@ from feedback.models import Project
 from feedback.services import service_account_get
 from training.gate.tasks import gate_run_enqueue
 from training.lineage.services import lineage_record
-from training.models import AgentTask, PolicyVersion, TrainingRun, TrainingStep
+from training.models import AgentTask, PolicyVersion, RunState, TrainingRun, TrainingStep, VersionState
 from training.rewards.selectors import rewarded_trajectories_since
 from training.rewards.services import reward_spec_current
 from training.runs import job, selectors
@@ -51,7 +51,7 @@ def _setting(name: str) -> float:
 def training_run_lost_reason(run: TrainingRun, now: datetime | None = None) -> str | None:
     """Why an active run is presumed dead (its worker process is gone, or it stopped beating)."""
     now = now or timezone.now()
-    if run.state == "queued":
+    if run.state == RunState.QUEUED:
         waited = (now - run.created_at).total_seconds()
         limit = _setting("FLYWHEEL_TRAIN_QUEUE_TIMEOUT_S")
         return f"no worker picked the run up within {limit:g} s" if waited > limit else None
@@ -67,7 +67,7 @@ def training_run_lost_reason(run: TrainingRun, now: datetime | None = None) -> s
 def training_run_fail(run_id: int, error: str) -> bool:
     """Active -> failed (a conditional UPDATE: a finished run is never overwritten)."""
     updated = TrainingRun.objects.filter(pk=run_id, state__in=selectors.ACTIVE_RUN_STATES).update(
-        state="failed", error=error[:10_000], finished_at=timezone.now()
+        state=RunState.FAILED, error=error[:10_000], finished_at=timezone.now()
     )
     if updated:
         run = TrainingRun.objects.get(pk=run_id)
@@ -105,7 +105,7 @@ def training_run_start(
                            "Run `manage.py bootstrap_policy --project SLUG` first.")
         previous = selectors.training_run_last(project)
         run = TrainingRun.objects.create(
-            project=project, base_version=base, state="queued", started_by=started_by, settings=settings.to_dict(),
+            project=project, base_version=base, state=RunState.QUEUED, started_by=started_by, settings=settings.to_dict(),
             spec=reward_spec_current(project), data_since=previous.data_until if previous else None,
             data_until=timezone.now(),
         )
@@ -125,8 +125,8 @@ def run_settings_check(project: Project, settings: RunSettings) -> None:
 def _run_claim(run_id: int, worker: WorkerRef) -> TrainingRun | None:
     """queued -> running for exactly one worker; a redelivered or duplicate task gets None."""
     now = timezone.now()
-    claimed = TrainingRun.objects.filter(pk=run_id, state="queued").update(
-        state="running", worker=str(worker), started_at=now, heartbeat_at=now
+    claimed = TrainingRun.objects.filter(pk=run_id, state=RunState.QUEUED).update(
+        state=RunState.RUNNING, worker=str(worker), started_at=now, heartbeat_at=now
     )
     return TrainingRun.objects.select_related("project", "base_version").get(pk=run_id) if claimed else None
 
@@ -163,7 +163,7 @@ def training_run_heartbeat_start(run_id: int) -> threading.Event:
     def beat() -> None:
         try:
             while not stop.wait(every):
-                TrainingRun.objects.filter(pk=run_id, state="running").update(heartbeat_at=timezone.now())
+                TrainingRun.objects.filter(pk=run_id, state=RunState.RUNNING).update(heartbeat_at=timezone.now())
         except Exception:  # noqa: BLE001 - a missed beat is the sweeper's signal, not a crash
             log.warning("training run %s: heartbeat failed", run_id, exc_info=True)
         finally:
@@ -220,16 +220,16 @@ def training_run_finish(run: TrainingRun, folder: Path, result: dict[str, Any]) 
     not be gated keeps the reason in result["flag"]; every other one is gated."""
     trained_on = result.pop("trained_on", [])
     with transaction.atomic():
-        owned = TrainingRun.objects.filter(pk=run.pk, state="running").select_for_update().first()
+        owned = TrainingRun.objects.filter(pk=run.pk, state=RunState.RUNNING).select_for_update().first()
         if owned is None:
             raise RunLost(f"run {run.pk} is no longer running here; its candidate is discarded")
         candidate = policy_register(
-            run.project, folder, parent=run.base_version, state="candidate",
+            run.project, folder, parent=run.base_version, state=VersionState.CANDIDATE,
             config={"run": run.pk, "rl": run.settings["rl"], "base": run.base_version.number},
         )
         flag = mismatch_flag(result) or region_flag(result)
         TrainingRun.objects.filter(pk=run.pk).update(
-            state="succeeded", candidate=candidate, progress=1.0, finished_at=timezone.now(),
+            state=RunState.SUCCEEDED, candidate=candidate, progress=1.0, finished_at=timezone.now(),
             result={**result, **({"flag": flag} if flag else {})},
         )
         lineage_record(run, trained_on)
@@ -246,7 +246,7 @@ def train_maybe(project: Project, schedule: Schedule | None = None) -> TrainingR
     schedule = schedule or Schedule()
     if policy_production(project) is None:
         return None
-    last = selectors.training_run_last(project, ("succeeded", "failed", "queued", "running"))
+    last = selectors.training_run_last(project, tuple(RunState))
     new = rewarded_trajectories_since(project, reward_spec_current(project), last.data_until if last else None).count()
     # The clock runs from the last run: a project's first run waits for min_new (a first run on a
     # handful of clicks would only occupy the gate).

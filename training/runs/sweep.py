@@ -28,7 +28,7 @@ from core.models import OutboxMessage
 from core.tasks import enqueue_after_commit
 from training.gate.services import gate_lost_reason
 from training.gate.tasks import GATE_RUN, gate_run_enqueue
-from training.models import AuditLog, PolicyVersion, TrainingRun
+from training.models import AuditLog, PolicyVersion, RunState, TrainingRun, VersionState
 from training.runs import selectors
 from training.runs.services import training_run_fail, training_run_lost_reason
 from training.versions.services import version_audit, version_locked, version_transition
@@ -55,7 +55,7 @@ def pipeline_sweep(now: datetime | None = None) -> SweepReport:
     report = SweepReport()
     for run in TrainingRun.objects.filter(state__in=selectors.ACTIVE_RUN_STATES).select_related("project"):
         _sweep_run(run, now, report)
-    for version in PolicyVersion.objects.filter(state="gated"):
+    for version in PolicyVersion.objects.filter(state=VersionState.GATED):
         _sweep_gate(version, now, report)
     for version in _candidates_waiting_for_gate():
         _sweep_candidate(version, now, report)
@@ -91,10 +91,10 @@ def _sweep_run(run: TrainingRun, now: datetime, report: SweepReport) -> None:
     target = f"training_run:{run.pk}"
     last = _audits(target, "run_requeue").first()
     since = last.at if last is not None else run.created_at
-    if run.state != "queued" or now - since < _requeue_after() or _pending(TRAIN_POLICY, run.pk):
+    if run.state != RunState.QUEUED or now - since < _requeue_after() or _pending(TRAIN_POLICY, run.pk):
         return
     with transaction.atomic():
-        if TrainingRun.objects.filter(pk=run.pk, state="queued").select_for_update().exists():
+        if TrainingRun.objects.filter(pk=run.pk, state=RunState.QUEUED).select_for_update().exists():
             enqueue_after_commit(TRAIN_POLICY, run.pk)
             _run_audit(run, "run_requeue", "queued", "queued",
                        f"no worker claimed it for {(now - since).total_seconds():.0f} s; queued again")
@@ -106,13 +106,13 @@ def _sweep_gate(version: PolicyVersion, now: datetime, report: SweepReport) -> N
         return
     with transaction.atomic():
         version = version_locked(version.pk)
-        reason = gate_lost_reason(version, now) if version.state == "gated" else None
+        reason = gate_lost_reason(version, now) if version.state == VersionState.GATED else None
         if reason is None:
             return
-        version_transition(version, "candidate", SWEEPER, "gate_lost", reason)
+        version_transition(version, VersionState.CANDIDATE, SWEEPER, "gate_lost", reason)
         lost = _audits(f"policy_version:{version.pk}", "gate_lost").count()
         if lost >= int(settings.FLYWHEEL_SWEEP_MAX_ATTEMPTS):
-            version_transition(version, "rejected", SWEEPER, "gate_abandoned",
+            version_transition(version, VersionState.REJECTED, SWEEPER, "gate_abandoned",
                                f"its gate was lost {lost} times (last: {reason}); train a new candidate")
             report.gates_failed.append(version.pk)
         else:
@@ -122,7 +122,7 @@ def _sweep_gate(version: PolicyVersion, now: datetime, report: SweepReport) -> N
 
 def _candidates_waiting_for_gate():
     # A run's candidate is handed to the gate unless its run was flagged (result["flag"] says why).
-    return (PolicyVersion.objects.filter(state="candidate", runs_to__state="succeeded")
+    return (PolicyVersion.objects.filter(state=VersionState.CANDIDATE, runs_to__state=RunState.SUCCEEDED)
             .exclude(runs_to__result__has_key="flag").distinct())
 
 
@@ -136,7 +136,7 @@ def _sweep_candidate(version: PolicyVersion, now: datetime, report: SweepReport)
         return
     with transaction.atomic():
         version = version_locked(version.pk)
-        if version.state != "candidate":
+        if version.state != VersionState.CANDIDATE:
             return
         version_audit(version, SWEEPER, "gate_requeue", {"state": "candidate"},
                       f"no gate started for {(now - since).total_seconds():.0f} s; gated again")

@@ -14,13 +14,13 @@ from django.db.models import Prefetch, QuerySet
 
 from core.errors import NotFound
 from feedback.models import Project
-from training.models import AuditLog, CanaryRun, GateReport, PolicyVersion
+from training.models import AuditLog, CanaryRun, GateReport, PolicyVersion, VersionState
 
 
 def policy_production(project: Project | int, *, lock: bool = False) -> PolicyVersion | None:
     """The version in production (the one most recently made so, should two rows ever say it)."""
     project_id = project if isinstance(project, int) else project.pk
-    qs = PolicyVersion.objects.filter(project_id=project_id, state="production")
+    qs = PolicyVersion.objects.filter(project_id=project_id, state=VersionState.PRODUCTION)
     return (qs.select_for_update() if lock else qs).order_by("-updated_at", "-number").first()
 
 
@@ -89,7 +89,7 @@ def latest_report(version: PolicyVersion) -> GateReport | None:
 def version_lineage(project: Project) -> list[dict[str, Any]]:
     """Every version, oldest first, with its parent and whether and when it served."""
     served: dict[int, list[str]] = {}
-    for target, at in AuditLog.objects.filter(project=project, after__state="production").values_list("target", "at"):
+    for target, at in AuditLog.objects.filter(project=project, after__state=VersionState.PRODUCTION).values_list("target", "at"):
         served.setdefault(int(target.split(":")[1]), []).append(at.isoformat())
     return [
         {"id": v.id, "number": v.number, "parent": v.parent.number if v.parent else None, "state": v.state,
@@ -100,7 +100,7 @@ def version_lineage(project: Project) -> list[dict[str, Any]]:
 
 def production_at(project: Project, when: datetime) -> PolicyVersion | None:
     """What was in production at `when`, from the append-only audit log."""
-    row = (AuditLog.objects.filter(project=project, at__lte=when, after__state="production")
+    row = (AuditLog.objects.filter(project=project, at__lte=when, after__state=VersionState.PRODUCTION)
            .order_by("-at", "-id").values_list("after", flat=True).first())
     return PolicyVersion.objects.filter(id=row["version_id"]).first() if row else None
 

@@ -13,11 +13,11 @@ from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser, AnonymousUser
 from django.db import transaction
 
-from core.errors import BadRequest, NotFound
+from core.errors import BadRequest, Conflict, NotFound
 from core.notify import project_event
 from feedback.auth import Principal
 from feedback.models import Project
-from training.models import AuditLog, PolicyVersion
+from training.models import AuditLog, PolicyVersion, VersionState
 
 Actor = AbstractBaseUser | AnonymousUser | Principal | str  # str: a system actor, e.g. "system:canary"
 
@@ -47,6 +47,11 @@ def version_audit(version: PolicyVersion, actor: Actor, action: str, before: dic
 
 
 def version_transition(version: PolicyVersion, state: str, actor: Actor, action: str, reason: str = "", **extra: Any) -> None:
+    """Moves the version to `state` (one of `PolicyVersion.TRANSITIONS`), audited and announced."""
+    if not version.can_become(state):
+        raise Conflict(f"policy v{version.number} is {version.state}; it cannot become {state}",
+                       f"From {version.state} it can become: "
+                       f"{', '.join(sorted(map(str, version.TRANSITIONS.get(version.state, ())))) or 'nothing'}.")
     before = version_snapshot(version)
     version.state = state
     version.save(update_fields=["state", "updated_at"])
@@ -81,8 +86,8 @@ def version_checkpoint_refuse(version_id: int, actor: Actor, problem: str) -> No
     served does not change under a person's feet); the serving process refuses to load it anyway."""
     with transaction.atomic():
         version = version_locked(version_id)
-        if version.state in ("candidate", "gated", "awaiting_approval", "canary"):
-            version_transition(version, "rejected", actor, CHECKPOINT_REFUSED, problem[:2000])
+        if version.state in (VersionState.CANDIDATE, VersionState.GATED, VersionState.AWAITING_APPROVAL, VersionState.CANARY):
+            version_transition(version, VersionState.REJECTED, actor, CHECKPOINT_REFUSED, problem[:2000])
 
 
 def version_checkpoint_verify(version: PolicyVersion) -> str | None:
@@ -120,7 +125,7 @@ def policy_folder(version: PolicyVersion) -> Path:
 
 
 def policy_register(
-    project: Project, folder: str | Path, parent: PolicyVersion | None = None, state: str = "candidate",
+    project: Project, folder: str | Path, parent: PolicyVersion | None = None, state: str = VersionState.CANDIDATE,
     config: dict[str, Any] | None = None,
 ) -> PolicyVersion:
     """Stores the HF folder in the checkpoint store (a delta against `parent` where it has one)

@@ -22,7 +22,7 @@ from django.core.management.base import BaseCommand, CommandError
 
 from feedback.models import Project
 from training.checkpoints.hf_folder import FolderRefused, hf_folder_check
-from training.models import PolicyVersion
+from training.models import PolicyVersion, VersionState
 from training.pretrain import PolicyConfig, build_policy, pretrain, stdlib_corpus
 from training.promotion.services import base_policy_install
 from training.versions.services import policy_register
@@ -87,7 +87,7 @@ class Command(BaseCommand):
         except FolderRefused as exc:
             raise CommandError(f"{exc.message}. {exc.fix}") from None
         kind = "moe" if config["model_type"] == "qwen3_moe" else "dense"
-        version = policy_register(project, folder, parent=None, state="candidate",
+        version = policy_register(project, folder, parent=None, state=VersionState.CANDIDATE,
                                   config={"task": opts["task"], "kind": kind, "source": str(folder.resolve()),
                                           "model_type": config["model_type"]})
         version = base_policy_install(version, "system:bootstrap_policy", f"base policy from {folder.resolve()}")
@@ -107,7 +107,7 @@ def _progress_bar(seconds: float, steps: int | None = None):
 
 def _register(project, folder: Path, opts: dict, stats: dict, budget: str):
 
-    version = policy_register(project, folder, parent=None, state="candidate",
+    version = policy_register(project, folder, parent=None, state=VersionState.CANDIDATE,
                               config={"task": opts["task"], "kind": opts["kind"], "pretrain": stats})
     return base_policy_install(version, "system:bootstrap_policy",
                                f"base policy pretrained {budget} on stdlib sources")

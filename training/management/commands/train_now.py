@@ -15,7 +15,7 @@ from django.core.management.base import BaseCommand, CommandError
 
 from core.errors import ApplicationError
 from feedback.models import Project
-from training.models import TrainingRun
+from training.models import RunState, TrainingRun
 from training.runs.selectors import training_step_list
 from training.runs.services import train_policy, training_run_start
 from training.runs.settings import RunSettings
@@ -64,7 +64,7 @@ class Command(BaseCommand):
         if not opts["queue"]:
             train_policy(run.pk)
         run = self._wait(run.pk, opts["timeout"])
-        if run.state != "succeeded":
+        if run.state != RunState.SUCCEEDED:
             raise CommandError(f"run {run.pk} {run.state}: {run.error}")
         self.stdout.write(self.style.SUCCESS(f"run {run.pk} succeeded: candidate v{run.candidate.number}"))
         c = run.result
@@ -83,6 +83,6 @@ class Command(BaseCommand):
                 self.stdout.write(f"  step {step.step}: loss {step.loss:+.4f} reward {step.reward_mean:+.3f} "
                                   f"kl {step.kl_ref:.4f} clip {step.clip_fraction:.2f} {step.tokens_per_s:,.0f} tok/s")
                 shown += 1
-            if run.state in ("succeeded", "failed") or time.monotonic() > deadline:
+            if run.state in (RunState.SUCCEEDED, RunState.FAILED) or time.monotonic() > deadline:
                 return run
             time.sleep(1.0)

@@ -20,7 +20,15 @@ from django.db import connection, transaction
 
 from feedback.models import Project
 from feedback.services import project_create
-from training.models import AuditLog, GateReport, PolicyVersion, RewardSpec, TrainingRun
+from training.models import (
+    AuditLog,
+    GateReport,
+    PolicyVersion,
+    RewardSpec,
+    RunState,
+    TrainingRun,
+    VersionState,
+)
 from training.rl.config import RLConfig
 from training.runs.settings import RunSettings
 from webapp.rollups import rollups_rebuild
@@ -28,7 +36,7 @@ from webapp.rollups import rollups_rebuild
 VERSIONS = 8
 SPAN_HOURS = 14 * 24
 ASPECTS = ("correctness", "style", "helpfulness")
-_STATES = {6: "production", 7: "canary", 8: "awaiting_approval"}
+_STATES = {6: VersionState.PRODUCTION, 7: VersionState.CANARY, 8: VersionState.AWAITING_APPROVAL}
 
 _TRAJECTORIES = """
 INSERT INTO feedback_trajectory (project_id, external_id, policy_version, source, task, tags, prompt, extra,
@@ -181,7 +189,7 @@ def _runs(project: Project, versions: dict[int, PolicyVersion], steps: int) -> N
             done = number <= VERSIONS
             run = TrainingRun.objects.create(
                 project=project, base_version=versions[min(number - 1, 6)], candidate=versions.get(number) if done else None,
-                state="succeeded" if done else "running", progress=1.0 if done else 0.4,
+                state=RunState.SUCCEEDED if done else "running", progress=1.0 if done else 0.4,
                 settings=RunSettings(steps=steps, batch_size=64, rl=RLConfig(lr=1e-6 * number, beta=0.02)).to_dict(),
                 worker="seed@localhost")
             cur.execute(_STEPS_OF_RUN, {"run": run.id, "steps": steps if done else int(steps * 0.4)})
@@ -195,7 +203,7 @@ def _gate_and_audit(project: Project, version: PolicyVersion, baseline: PolicyVe
     checks.append({"name": "kl budget", "value": 0.01, "threshold": 0.05, "interval": None, "passed": True})
     GateReport.objects.create(version=version, baseline=baseline, passed=True, checks=checks,
                               policy={"kl_max": 0.05})
-    if version.state in ("retired", "production"):
+    if version.state in (VersionState.RETIRED, VersionState.PRODUCTION):
         snapshot = {"version_id": version.id, "number": version.number}
         AuditLog.objects.create(project=project, actor="seed", action="approve", target=f"policy_version:{version.id}",
                                 before={**snapshot, "state": "awaiting_approval"},
