@@ -69,6 +69,11 @@ LOGIN_FAILURE_WINDOW_S = env_int("LOGIN_FAILURE_WINDOW_S", 900)
 # past it the caller gets 429 with Retry-After (training.promotion.services.refusal_rate_check).
 FLYWHEEL_REFUSALS_MAX = env_int("FLYWHEEL_REFUSALS_MAX", 5)
 FLYWHEEL_REFUSAL_WINDOW_S = env_int("FLYWHEEL_REFUSAL_WINDOW_S", 600)
+# Training past one process: the train worker runs a run's optimiser steps under torchrun on this
+# many processes, the policy sharded with FSDP2 (gloo on CPU, NCCL on GPU; training/runs/updates.py).
+FLYWHEEL_TRAIN_NPROC = env_int("FLYWHEEL_TRAIN_NPROC", 1)
+FLYWHEEL_TRAIN_JOB_TIMEOUT_S = env_int("FLYWHEEL_TRAIN_JOB_TIMEOUT_S", 3600)  # one torchrun job, whole
+FLYWHEEL_TRAIN_COLLECTIVE_TIMEOUT_S = env_int("FLYWHEEL_TRAIN_COLLECTIVE_TIMEOUT_S", 300)  # a hung rank fails its peers
 
 
 def _database_from_url(url: str) -> dict:

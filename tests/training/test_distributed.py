@@ -47,9 +47,10 @@ def _one_process(policy: Path, batches: list) -> tuple[list[float], dict[str, to
     return losses, model.state_dict()
 
 
-def _job(tmp_path: Path, policy: Path, batches: list, **spec) -> Path:
-    folder = tmp_path / "job"
-    JobSpec(policy=str(policy), rl=RL, reference=str(policy), **spec).write(folder, batches)
+def _job(tmp_path: Path, policy: Path, batches: list, name: str = "job", reference: Path | None = None,
+         **spec) -> Path:
+    folder = tmp_path / name
+    JobSpec(policy=str(policy), rl=RL, reference=str(reference or policy), **spec).write(folder, batches)
     return folder
 
 
@@ -58,9 +59,15 @@ def test_two_ranks_give_the_one_process_losses_and_weights(tmp_path, tiny_policy
 
     batches = _batches(steps=3, rows=7, vocab=384)  # 7 rows: the second rank's share is padded
     losses, weights = _one_process(tiny_policy_dir, batches)
-    result = launch(_job(tmp_path, tiny_policy_dir, batches), nproc=2, timeout_s=300)
-    assert [m["step"] for m in result.metrics] == [0, 1, 2]
-    assert [m["loss"] for m in result.metrics] == pytest.approx(losses, abs=1e-5)
+    seen: list[dict] = []
+    first = launch(_job(tmp_path, tiny_policy_dir, batches[:2], "first"), nproc=2, timeout_s=300,
+                   on_metrics=seen.append)
+    # the second job resumes the first's weights and its sharded AdamW state, as a run's later rounds do
+    second = _job(tmp_path, first.policy, batches[2:], "second", reference=tiny_policy_dir,
+                  optimizer=str(tmp_path / "first" / "optim"))
+    result = launch(second, nproc=2, timeout_s=300, on_metrics=seen.append)
+    assert [m["step"] for m in seen] == [0, 1, 0]
+    assert [m["loss"] for m in seen] == pytest.approx(losses, abs=1e-5)
     sharded = AutoModelForCausalLM.from_pretrained(result.policy, dtype=torch.float32).state_dict()
     worst = max(float((sharded[k] - weights[k]).abs().max()) for k in weights)
     assert worst < 1e-5, f"2-rank weights differ from 1 process by {worst}"

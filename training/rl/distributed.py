@@ -19,7 +19,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, astuple, dataclass, fields, replace
 from datetime import timedelta
 from pathlib import Path
@@ -143,6 +143,7 @@ class JobSpec:
     reference: str | None = None  # HF folder of the KL reference; None: no reference model
     seed: int = 0
     timeout_s: float = 300.0
+    optimizer: str | None = None  # a previous job's `optim/` (torch.distributed.checkpoint): resume AdamW
 
     def write(self, folder: Path, batches: Sequence[Batch]) -> None:
         folder.mkdir(parents=True, exist_ok=True)
@@ -176,14 +177,35 @@ def run_job(folder: Path) -> None:
     model = shard(_load(spec.policy, world))
     ref = shard(_load(spec.reference, world).requires_grad_(False)) if spec.reference else None
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    if spec.optimizer:
+        optimizer_load(model, optimizer, spec.optimizer)
     for step, batch in enumerate(batches):
         metrics = distributed_rl_step(model, ref, batch, optimizer, cfg, world)
         if world.is_main:
             with open(folder / "metrics.jsonl", "a") as out:
                 out.write(json.dumps({"step": step, **metrics.to_dict()}) + "\n")
     (folder / f"rank-{world.rank}.json").write_text(json.dumps(rank_memory(model, optimizer)))
+    optimizer_save(model, optimizer, folder / "optim")
     _save(model, spec, folder, world)
     dist.destroy_process_group()
+
+
+def optimizer_save(model: nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> None:
+    """AdamW's sharded state, each rank writing its own shards (a collective)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    dcp.save({"optim": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=str(path))
+
+
+def optimizer_load(model: nn.Module, optimizer: torch.optim.Optimizer, path: str) -> None:
+    """Resumes AdamW from `optimizer_save`'s folder (resharded if the rank count changed)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    state = {"optim": get_optimizer_state_dict(model, optimizer)}  # its shapes: what to load into
+    dcp.load(state, checkpoint_id=path)
+    set_optimizer_state_dict(model, optimizer, state["optim"])
 
 
 def _local_bytes(t: torch.Tensor) -> int:
@@ -238,24 +260,44 @@ def torchrun_command(folder: Path, nproc: int, nnodes: int = 1, node_rank: int =
     return [*cmd, "-m", "training.rl.distributed", str(folder)]
 
 
-def launch(folder: Path, nproc: int, timeout_s: float, **nodes: Any) -> JobResult:
-    """Runs a written job under torchrun; raises DistributedRunFailed (with the log's tail) when a
-    rank fails or the whole job outlives `timeout_s` (its process group is killed)."""
-    log = folder / "torchrun.log"
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+def launch(folder: Path, nproc: int, timeout_s: float, on_metrics: Callable[[dict[str, Any]], None] | None = None,
+           threads: int = 1, **nodes: Any) -> JobResult:
+    """Runs a written job under torchrun, handing each step's metrics to `on_metrics` as rank 0
+    writes them; raises DistributedRunFailed (with the log's tail) when a rank fails or the whole
+    job outlives `timeout_s` (its process group is killed)."""
+    log, seen = folder / "torchrun.log", _MetricsTail(folder / "metrics.jsonl", on_metrics)
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     with open(log, "wb") as out:
         proc = subprocess.Popen(torchrun_command(folder, nproc, **nodes), stdout=out, stderr=subprocess.STDOUT,
                                 env=env, start_new_session=True)
-        try:
-            code = proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            raise DistributedRunFailed(f"the job outlived {timeout_s:.0f} s and was killed; {_tail(log)}") from None
-    if code != 0 or not (folder / "policy").is_dir():
-        raise DistributedRunFailed(f"torchrun exited {code}; {_tail(log)}")
-    lines = (folder / "metrics.jsonl").read_text().splitlines()
-    return JobResult(folder / "policy", [json.loads(line) for line in lines])
+        deadline = time.monotonic() + timeout_s
+        while proc.poll() is None:
+            seen.read()
+            if time.monotonic() > deadline:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                raise DistributedRunFailed(f"the job outlived {timeout_s:.0f} s and was killed; {_tail(log)}")
+            time.sleep(0.2)
+    seen.read()
+    if proc.returncode != 0 or not (folder / "policy").is_dir():
+        raise DistributedRunFailed(f"torchrun exited {proc.returncode}; {_tail(log)}")
+    return JobResult(folder / "policy", seen.lines)
+
+
+class _MetricsTail:
+    """The complete lines rank 0 has appended to metrics.jsonl so far, each handed on once."""
+
+    def __init__(self, path: Path, on_metrics: Callable[[dict[str, Any]], None] | None) -> None:
+        self.path, self.on_metrics, self.lines = path, on_metrics, []
+
+    def read(self) -> None:
+        if not self.path.exists():
+            return
+        complete = self.path.read_text().split("\n")[:-1]  # the last piece may be half-written
+        for line in complete[len(self.lines):]:
+            self.lines.append(json.loads(line))
+            if self.on_metrics:
+                self.on_metrics(self.lines[-1])
 
 
 def _tail(log: Path, chars: int = 1500) -> str:

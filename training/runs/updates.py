@@ -1,0 +1,132 @@
+"""A run's optimiser steps: in this process (`Updates`), or on N processes under torchrun with
+the policy sharded by FSDP2 (`DistributedUpdates`, when FLYWHEEL_TRAIN_NPROC > 1). Both take the
+same seeded mini-batches and hand every step's metrics to `on_step` as the step finishes.
+
+    FLYWHEEL_TRAIN_NPROC=2 .venv/bin/python -m pytest tests/training/test_distributed_runs.py -q
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable, Iterator
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+from django.conf import settings as django_settings
+from transformers import PreTrainedModel
+
+from training.rl.distributed import JobSpec, launch
+from training.rl.trainer import Batch, rl_step
+from training.runs.settings import RunSettings
+
+StepCallback = Callable[[int, int, dict[str, Any]], None]
+
+
+def make_updates(model: PreTrainedModel, ref_model: PreTrainedModel | None, ref_dir: Path | None,
+                 settings: RunSettings, plan: tuple[int, int], on_step: StepCallback, base_dir: Path,
+                 run_id: int) -> Updates:
+    """This process's updates, or torchrun's when the deployment gives the train worker N > 1."""
+    nproc = int(django_settings.FLYWHEEL_TRAIN_NPROC)
+    if nproc <= 1:
+        return Updates(model, ref_model, settings, plan, on_step)
+    work = Path(django_settings.FLYWHEEL_CHECKPOINT_DIR) / "torchrun" / f"run-{run_id}"
+    return DistributedUpdates(model, ref_model, settings, plan, on_step, ref_dir=ref_dir, base_dir=base_dir,
+                              nproc=nproc, work=work)
+
+
+class Updates:
+    """The run's optimiser steps: seeded shuffled mini-batches of `batch_size` rows, one
+    `rl_step` each, every step's metrics handed to `on_step` with the planned total."""
+
+    def __init__(self, model: PreTrainedModel, ref_model: PreTrainedModel | None, settings: RunSettings,
+                 plan: tuple[int, int], on_step: StepCallback) -> None:
+        self.model, self.ref_model, self.cfg, self.on_step = model, ref_model, settings.rl, on_step
+        self.size, self.seed = settings.batch_size, settings.seed
+        self.first_steps, self.planned = plan
+        # fused: one kernel over all the parameters (5x faster a step on CPU than the per-tensor loop)
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=self.cfg.lr, weight_decay=self.cfg.weight_decay,
+                                           fused=True)
+        self.done = 0
+
+    def take(self, batch: Batch, steps: int, seed: int) -> None:
+        for mb in _take(_shuffled(batch, self.size, seed), steps):
+            self.on_step(self.done, self.planned, rl_step(self.model, self.ref_model, mb, self.optimizer,
+                                                          self.cfg).to_dict())
+            self.done += 1
+
+    def close(self) -> None:
+        """Nothing to release in this process."""
+
+
+def _take(batches: Iterator[Batch], n: int) -> Iterator[Batch]:
+    for _, mb in zip(range(n), batches, strict=False):
+        yield mb
+
+
+def _shuffled(batch: Batch, size: int, seed: int) -> Iterator[Batch]:
+    """Mini-batches of `size` rows, a fresh seeded permutation per pass (live samples and group
+    rollouts mixed, not one after the other)."""
+    gen = torch.Generator().manual_seed(seed)
+    while True:
+        order = torch.randperm(batch.size, generator=gen)
+        for start in range(0, batch.size, size):
+            yield batch.rows(order[start : start + size])
+
+
+class DistributedUpdates(Updates):
+    """Each `take` is one torchrun job over the same mini-batches: the current weights go in as a
+    folder, the sharded AdamW state carries over from the previous take (torch.distributed.checkpoint),
+    the updated weights come back into `model` (so rollouts and the trust region see them)."""
+
+    def __init__(self, model: PreTrainedModel, ref_model: PreTrainedModel | None, settings: RunSettings,
+                 plan: tuple[int, int], on_step: StepCallback, *, ref_dir: Path | None, base_dir: Path,
+                 nproc: int, work: Path) -> None:
+        self.model, self.ref_model, self.cfg, self.on_step = model, ref_model, settings.rl, on_step
+        self.size, self.seed = settings.batch_size, settings.seed
+        self.first_steps, self.planned = plan
+        self.ref_dir, self.base_dir, self.nproc = ref_dir, base_dir, nproc
+        self.work = work  # a job folder per take: its batches, the ranks' pids and log, the weights back
+        self.optimizer_dir: Path | None = None
+        self.done = 0
+
+    def take(self, batch: Batch, steps: int, seed: int) -> None:
+        folder = self.work / f"take-{self.done}"
+        save_candidate(self.model, self.base_dir, _fresh(folder / "start"))
+        spec = JobSpec(policy=str(folder / "start"), rl=asdict(self.cfg), seed=seed,
+                       reference=str(self.ref_dir) if self.ref_dir else None,
+                       optimizer=str(self.optimizer_dir) if self.optimizer_dir else None,
+                       timeout_s=float(django_settings.FLYWHEEL_TRAIN_COLLECTIVE_TIMEOUT_S))
+        spec.write(folder, list(_take(_shuffled(batch, self.size, seed), steps)))
+        result = launch(folder, self.nproc, float(django_settings.FLYWHEEL_TRAIN_JOB_TIMEOUT_S),
+                        on_metrics=self._stepped)
+        from transformers import AutoModelForCausalLM  # the gathered weights, as rank 0 wrote them
+
+        trained = AutoModelForCausalLM.from_pretrained(result.policy, dtype=torch.float32).state_dict()
+        self.model.load_state_dict(trained)
+        if self.optimizer_dir is not None:
+            shutil.rmtree(self.optimizer_dir.parent, ignore_errors=True)  # the take before: no longer needed
+        self.optimizer_dir = folder / "optim"
+
+    def _stepped(self, metrics: dict[str, Any]) -> None:
+        metrics = {k: v for k, v in metrics.items() if k != "step"}
+        self.on_step(self.done, self.planned, metrics)
+        self.done += 1
+
+    def close(self) -> None:
+        shutil.rmtree(self.work, ignore_errors=True)
+
+
+def _fresh(folder: Path) -> Path:
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    return folder
+
+
+def save_candidate(model: PreTrainedModel, base_dir: Path, folder: Path) -> None:
+    """The base folder's tokenizer and side files, with the trained weights."""
+    for path in base_dir.iterdir():
+        if path.is_file() and path.suffix != ".safetensors" and not path.name.endswith(".index.json"):
+            shutil.copy2(path, folder / path.name)
+    model.save_pretrained(folder)
