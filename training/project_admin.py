@@ -24,7 +24,7 @@ from django.core.exceptions import PermissionDenied
 from django.db import models
 from django.template.response import TemplateResponse
 
-from feedback.models import ApiKey, FeedbackEvent, Project, Step, Trajectory, WebhookSecret
+from feedback.models import ApiKey, FeedbackEvent, Project, Quarantine, Step, Trajectory, WebhookSecret
 from feedback.selectors import member_role, role_at_least
 from feedback.services import webhook_secret_create
 from training.models import AuditLog
@@ -50,13 +50,17 @@ def snapshot(obj: models.Model | None) -> dict[str, Any] | None:
 class ProjectAdminRequired(admin.ModelAdmin):
     """Change, add and delete for the admins of the row's project only; each change audited."""
 
+    @staticmethod
+    def project_of(obj) -> int | None:
+        return obj.project_id
+
     def has_change_permission(self, request, obj=None) -> bool:
         allowed = super().has_change_permission(request, obj)
-        return allowed and (obj is None or is_project_admin(request.user, obj.project_id))
+        return allowed and (obj is None or is_project_admin(request.user, self.project_of(obj)))
 
     def has_delete_permission(self, request, obj=None) -> bool:
         allowed = super().has_delete_permission(request, obj)
-        return allowed and (obj is None or is_project_admin(request.user, obj.project_id))
+        return allowed and (obj is None or is_project_admin(request.user, self.project_of(obj)))
 
     def formfield_for_foreignkey(self, db_field, request, **kwargs):
         if db_field.name == "project" and not request.user.is_superuser:
@@ -70,7 +74,7 @@ class ProjectAdminRequired(admin.ModelAdmin):
                                    "ask one, or to be made one")
 
     def save_model(self, request, obj, form, change) -> None:
-        self.require_project_admin(request, obj.project_id)
+        self.require_project_admin(request, self.project_of(obj))
         before = snapshot(type(obj).objects.filter(pk=obj.pk).first()) if change else None
         self.write(request, obj, form, change, before)
         self.audit(request, obj, "change" if change else "add", before, snapshot(obj))
@@ -79,7 +83,7 @@ class ProjectAdminRequired(admin.ModelAdmin):
         super().save_model(request, obj, form, change)
 
     def delete_model(self, request, obj) -> None:
-        self.require_project_admin(request, obj.project_id)
+        self.require_project_admin(request, self.project_of(obj))
         before, pk = snapshot(obj), obj.pk
         super().delete_model(request, obj)
         obj.pk = pk
@@ -89,9 +93,8 @@ class ProjectAdminRequired(admin.ModelAdmin):
         for obj in queryset:
             self.delete_model(request, obj)
 
-    @staticmethod
-    def audit(request, obj, action: str, before, after) -> None:
-        AuditLog.objects.create(project_id=obj.project_id, actor=actor_name(request.user),
+    def audit(self, request, obj, action: str, before, after) -> None:
+        AuditLog.objects.create(project_id=self.project_of(obj), actor=actor_name(request.user),
                                 action=f"admin_{action}", target=f"{obj._meta.model_name}:{obj.pk}"[:200],
                                 before=before, after=after, reason="admin")
 
@@ -206,3 +209,39 @@ class FeedbackEventAdmin(ProjectAdminRequired):
     list_filter = ("project", "signal")
     search_fields = ("event_id", "trajectory_external_id")
     raw_id_fields = ("trajectory",)
+
+
+@admin.register(Project)
+class ProjectAdmin(ProjectAdminRequired):
+    """A project's settings (its ingest rate) change by its admins; only a superuser adds one, and
+    none is deleted here (its audit rows protect it)."""
+
+    list_display = ("slug", "name", "rate_limit_per_minute", "created_at")
+    search_fields = ("slug", "name")
+
+    @staticmethod
+    def project_of(obj) -> int | None:
+        return obj.pk
+
+    def has_add_permission(self, request) -> bool:
+        return super().has_add_permission(request) and is_project_admin(request.user, None)
+
+    def has_delete_permission(self, request, obj=None) -> bool:
+        return False
+
+
+@admin.register(Quarantine)
+class QuarantineAdmin(ProjectAdminRequired):
+    """Items the queues set aside. Read-only; deleting a row (an admin of its project, audited)
+    offers a reward item to its queue again."""
+
+    list_display = ("project", "kind", "item", "failures", "last_at", "error")
+    list_filter = ("project", "kind")
+    search_fields = ("item", "error")
+    raw_id_fields = ("trajectory",)
+
+    def has_add_permission(self, request) -> bool:
+        return False
+
+    def has_change_permission(self, request, obj=None) -> bool:
+        return False

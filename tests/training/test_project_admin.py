@@ -17,8 +17,14 @@ import pytest
 from django.contrib.auth.models import Permission
 from django.utils import timezone
 
-from feedback.models import ApiKey, FeedbackEvent, Membership, Trajectory, WebhookSecret
-from feedback.services import api_key_create, feedback_ingest, project_create, webhook_secret_create
+from feedback.models import ApiKey, FeedbackEvent, Membership, Quarantine, Trajectory, WebhookSecret
+from feedback.services import (
+    api_key_create,
+    feedback_ingest,
+    project_create,
+    quarantine_record,
+    webhook_secret_create,
+)
 from tests.factories import feedback, trajectory
 from training.models import AuditLog, EvalSuite, RewardSpec
 from training.rewards.services import reward_spec_default
@@ -193,3 +199,33 @@ def _errors(response) -> str:
     html = response.content.decode()
     return " | ".join(re.sub(r"<[^>]+>", " ", m)[:300] for m in re.findall(r'<ul class="errorlist[^"]*"[^>]*>(.*?)</ul>',
                                                                          html, re.S))
+
+
+def test_a_projects_settings_change_only_by_its_admins_and_are_audited(client, creds, alice, charlie):
+    form = {"slug": "acme", "name": "Acme Autocomplete", "rate_limit_per_minute": 10**9}
+    client.force_login(staff(alice))
+    assert client.post(f"/admin/feedback/project/{creds.project.pk}/change/", form).status_code == 403
+    creds.project.refresh_from_db()
+    assert creds.project.rate_limit_per_minute != 10**9
+    Membership.objects.create(project=creds.project, user=charlie, role="admin")
+    client.force_login(staff(charlie))
+    assert client.post(f"/admin/feedback/project/{creds.project.pk}/change/", form).status_code == 302, \
+        _errors(client.post(f"/admin/feedback/project/{creds.project.pk}/change/", form))
+    creds.project.refresh_from_db()
+    assert creds.project.rate_limit_per_minute == 10**9
+    entry = AuditLog.objects.get(action="admin_change", target=f"project:{creds.project.pk}")
+    assert entry.after["rate_limit_per_minute"] == 10**9
+    assert client.get("/admin/feedback/project/add/").status_code == 403  # a superuser's
+
+
+def test_a_quarantined_item_is_released_only_by_an_admin_of_its_project_on_record(client, creds, alice, charlie):
+    quarantine_record(creds.project.pk, "reward", "trajectory t-9", "boom")
+    row = Quarantine.objects.get()
+    client.force_login(staff(alice))
+    assert client.post(f"/admin/feedback/quarantine/{row.pk}/delete/", {"post": "yes"}).status_code == 403
+    assert Quarantine.objects.filter(pk=row.pk).exists()
+    Membership.objects.create(project=creds.project, user=charlie, role="admin")
+    client.force_login(staff(charlie))
+    assert client.post(f"/admin/feedback/quarantine/{row.pk}/delete/", {"post": "yes"}).status_code == 302
+    assert not Quarantine.objects.filter(pk=row.pk).exists()
+    assert AuditLog.objects.get(action="admin_delete", target=f"quarantine:{row.pk}").before["item"] == "trajectory t-9"
