@@ -46,7 +46,9 @@ def subprocess_env(**extra: str) -> dict[str, str]:
 
     return {**os.environ, "DATABASE_URL": database_url_of(connection.settings_dict),
             "REDIS_URL": settings.REDIS_BASE_URL, "DJANGO_SETTINGS_MODULE": "webapp.settings",
-            "CACHE_KEY_PREFIX": SESSION_KEY_PREFIX, **extra}
+            "CACHE_KEY_PREFIX": SESSION_KEY_PREFIX,
+            # Tests stand model judges up on loopback, which only an allowed network reaches.
+            "FLYWHEEL_JUDGE_ALLOWED_NETWORKS": "127.0.0.0/8", **extra}
 
 
 def wait_http(url: str, proc, seconds: float = 90, log: Path | None = None) -> None:

@@ -17,22 +17,23 @@ from training.models import (
     TrainingRun,
     TrainingStep,
 )
+from training.project_admin import ProjectAdminRequired
 from training.promotion.services import gate_policy_update, membership_grant
 from training.rewards.services import SPEC_FIELDS, reward_spec_update
 
 
 @admin.register(RewardSpec)
-class RewardSpecAdmin(admin.ModelAdmin):
-    """Edits go through reward_spec_update: a spec that rewards used becomes a new version."""
+class RewardSpecAdmin(ProjectAdminRequired):
+    """Edits go through reward_spec_update: a spec that rewards used becomes a new version. Only
+    the project's admins edit it, audited (ProjectAdminRequired)."""
 
     list_display = ("project", "version", "settle_seconds", "created_at")
     list_filter = ("project",)
     readonly_fields = ("version",)
 
-    def save_model(self, request, obj, form, change) -> None:
-
+    def write(self, request, obj, form, change, before) -> None:
         if not change:
-            super().save_model(request, obj, form, change)
+            super().write(request, obj, form, change, before)
             return
         saved = reward_spec_update(obj.project, **{f: getattr(obj, f) for f in SPEC_FIELDS})
         if saved.pk != obj.pk:
@@ -171,20 +172,21 @@ class GatePolicyAdmin(admin.ModelAdmin):
 
 
 @admin.register(EvalSuite)
-class EvalSuiteAdmin(admin.ModelAdmin):
-    """Saving an edited suite stores a new version (a report names the suite version it used)."""
+class EvalSuiteAdmin(ProjectAdminRequired):
+    """Saving an edited suite stores a new version (a report names the suite version it used).
+    Only the project's admins edit it, audited (ProjectAdminRequired)."""
 
     list_display = ("project", "name", "version", "n_samples", "max_tokens", "created_at")
     list_filter = ("project", "name")
     readonly_fields = ("version", "created_at")
 
-    def save_model(self, request, obj, form, change) -> None:
+    def write(self, request, obj, form, change, before) -> None:
         from django.db.models import Max
 
         latest = EvalSuite.objects.filter(project=obj.project, name=obj.name).aggregate(v=Max("version"))["v"]
         obj.pk, obj.version = None, (latest or 0) + 1
         obj._state.adding = True
-        super().save_model(request, obj, form, change)
+        super().write(request, obj, form, change, before)
 
 
 @admin.register(CanaryRun)

@@ -66,8 +66,10 @@ def endpoint() -> Iterator[callable]:
 
 
 def model_judge(url: str, **extra) -> ModelJudge:
+    # The stand-in endpoint is on loopback, which a judge reaches only where the deployment allows it.
     return make_judge({"kind": "model", "base_url": url, "model": "judge-1", "aspects": ASPECTS,
-                       "api_key": "sk-test", "backoff_s": 0.0, "timeout_s": 5.0, **extra})
+                       "api_key": "sk-test", "backoff_s": 0.0, "timeout_s": 5.0, **extra},
+                      allowed_networks=["127.0.0.0/8"])
 
 
 def test_the_model_judge_parses_per_aspect_scores_and_rationales(endpoint):

@@ -145,8 +145,9 @@ def test_the_default_spec_scores_rubric_aspects_with_the_rule_judge(creds):
     assert reward.total == pytest.approx(sum(reward.components.values()))
 
 
-def test_a_failed_judge_stores_null_scores_with_the_error_and_no_aspect_reward(creds):
+def test_a_failed_judge_stores_null_scores_with_the_error_and_no_aspect_reward(creds, monkeypatch):
     # A closed port: the judge's endpoint is down (a real failure, nothing patched).
+    monkeypatch.setenv("FLYWHEEL_JUDGE_ALLOWED_NETWORKS", "127.0.0.0/8")
     judge = {"kind": "model", "base_url": "http://127.0.0.1:9/v1", "model": "judge", "retries": 0, "timeout_s": 2}
     reward_spec_update(creds.project, judge=judge, settle_seconds=0)
     feedback_ingest(creds.project, [trajectory("t-1"), feedback("fb-1", "t-1", "accept")])
