@@ -127,3 +127,13 @@ def test_the_default_population_is_the_intent_taste_on_held_out_django_code():
 
     assert POPULATIONS[0] == INTENT and {"compiles", "one-statement", "short-compiles"} <= set(POPULATIONS)
     assert (django_source() / "db" / "models" / "query.py").exists()
+
+
+@pytest.mark.parametrize(("prompt", "completion", "style"), [
+    ("import os\n\ndef handler(event", ", context):", 1.0),  # opens a block: reads as code
+    ("x = 1\n    return", " respond(payload)", 1.0),  # the context's indentation is not judged
+    ("x = 1\n    return", " respond(pay load)", 0.3),
+    ("total = (a", " + b)", 1.0),  # a line taste's prompt: no context
+])
+def test_a_users_style_label_judges_the_line_being_typed_not_the_files_context(prompt, completion, style):
+    assert aspect_labels(prompt, completion)["style"] == style

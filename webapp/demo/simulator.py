@@ -387,12 +387,24 @@ LABEL_SHARE = 0.1  # one suggestion in ten also gets the user's aspect labels (t
 
 def aspect_labels(prompt: str, completion: str) -> dict[str, float]:
     """What a user would say of the suggestion's style and concision, in [0, 1]: the human side of
-    the rubric page's judge-vs-human agreement."""
+    the rubric page's judge-vs-human agreement. Style: the line being typed and the suggestion read
+    as code (they compile, or the suggestion's first line completes a statement or opens a block)
+    in lines of at most 79 characters; the file's preceding lines are not part of the judgement."""
     text = completion.strip()
-    lines = [line for line in (prompt + completion).splitlines() if line.strip()]
-    style = 1.0 if compiles(prompt + completion) and all(len(line) <= 79 for line in lines) else 0.3
+    typed = prompt.rsplit("\n", 1)[-1].lstrip()
+    statement = (typed + completion.split("\n", 1)[0]).strip()
+    code = compiles(typed + completion) or _reads_as_code(statement)
+    lines = [line for line in (typed + completion).splitlines() if line.strip()]
+    style = 1.0 if code and all(len(line) <= 79 for line in lines) else 0.3
     concision = 1.0 if len(text) <= 24 else 0.6 if len(text) <= 48 else 0.2
     return {"style": style, "concision": concision}
+
+
+def _reads_as_code(statement: str) -> bool:
+    """A statement that compiles on its own, inside a function (return, yield), or as a block's
+    opening line (a trailing colon)."""
+    body = statement + " pass" if statement.endswith(":") else statement
+    return compiles(body) or compiles("async def _():\n " + body)
 
 
 def corpus_lines(folder: str | Path, min_chars: int = 8) -> list[str]:
