@@ -25,7 +25,6 @@ import threading
 import time
 import uuid
 import warnings
-from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -35,7 +34,8 @@ from typing import Any
 import httpx
 
 from feedback.client import FlywheelClient
-from training.rewards.usefulness import accepted_chars, intent_reaction, invents, known_names
+from training.gate.naturalness import inventing_share, top_share
+from training.rewards.usefulness import accepted_chars, intent_reaction, known_names
 
 
 @dataclass
@@ -257,18 +257,19 @@ def population_metrics(taste: str, requests: Sequence[UserPrompt], suggestions: 
                        known: frozenset[str]) -> dict[str, float]:
     """What a population's users got from one suggestion per request, without click noise:
     accepted characters per request (the utility: what they did not have to type), the accept
-    rate by the population's taste, silence, the share of shown suggestions that invent a name,
-    the share of the most common suggestion, and the characters matching what the user was about
-    to type (any length, the first line's common prefix)."""
+    rate by the population's taste, silence, the share of shown suggestions that invent a name and
+    the most common suggestion's share of the requests (the gate's naturalness figures,
+    training.gate.naturalness), and the characters matching what the user was about to type (any
+    length, the first line's common prefix)."""
     n = max(len(requests), 1)
-    visible = [(r, s) for r, s in zip(requests, suggestions, strict=True) if shown(s)]
-    counts = Counter(s.strip() for _, s in visible)
+    pairs = list(zip(requests, suggestions, strict=True))
+    visible = [(r, s) for r, s in pairs if shown(s)]
     return {
         "accepted_chars": sum(accepted_chars(s, r.intended) for r, s in visible) / n,
         "accept_rate": sum(likes(taste, r.prompt, s, r.intended) for r, s in visible) / n,
         "silent_rate": 1 - len(visible) / n,
-        "invented_share": sum(invents(s, r.prompt, known) for r, s in visible) / len(visible) if visible else 0.0,
-        "top_suggestion_share": counts.most_common(1)[0][1] / len(visible) if visible else 0.0,
+        "invented_share": inventing_share([(s, r.prompt) for r, s in pairs], known),
+        "top_suggestion_share": top_share([[s] for s in suggestions]),
         "matched_chars": sum(accepted_chars(s, r.intended, min_chars=1) for r, s in visible) / n,
     }
 
