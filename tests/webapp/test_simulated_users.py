@@ -137,3 +137,8 @@ def test_the_default_population_is_the_intent_taste_on_held_out_django_code():
 ])
 def test_a_users_style_label_judges_the_line_being_typed_not_the_files_context(prompt, completion, style):
     assert aspect_labels(prompt, completion)["style"] == style
+
+
+def test_a_line_taste_asks_with_a_statements_start_and_knows_the_rest_of_the_line():
+    request = next(user_prompts(["    total = compute(a, b)"], "compiles", random.Random(1)))
+    assert request.prompt + request.intended == "total = compute(a, b)" and 8 <= len(request.prompt) <= 24

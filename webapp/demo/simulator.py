@@ -208,11 +208,16 @@ def line_prompt(line: str, cut: int) -> UserPrompt | None:
     return UserPrompt(text[:cut], text[cut:])
 
 
-def prompts_from(lines: Sequence[str], rng: random.Random, prefix_chars: int = 24) -> Iterator[str]:
-    """The start of a statement: a line's first 8..prefix_chars characters (line tastes)."""
-    while True:
-        line = rng.choice(lines).strip()
-        yield line[: rng.randint(8, prefix_chars)]
+def _request(files: Sequence[CodeFile], taste: str, rng: random.Random) -> UserPrompt | None:
+    """A random line of a random file, cut where a user of the taste would ask (None: the line is
+    too short to ask about)."""
+    file = rng.choice(files)
+    index = rng.randrange(len(file.lines))
+    if taste == INTENT:
+        p = intent_prompt(file.lines, index, rng.randint(2, 20))
+    else:
+        p = line_prompt(file.lines[index], rng.randint(8, 24))
+    return None if p is None else UserPrompt(p.prompt, p.intended, file.path)
 
 
 def user_prompts(source: CodeBase | Sequence[str], taste: str, rng: random.Random) -> Iterator[UserPrompt]:
@@ -221,19 +226,12 @@ def user_prompts(source: CodeBase | Sequence[str], taste: str, rng: random.Rando
     (an older caller): statement starts."""
     if not isinstance(source, CodeBase):
         while True:
-            line = rng.choice(source).strip()
-            if (p := line_prompt(line, rng.randint(8, 24))) is not None:
+            if (p := line_prompt(rng.choice(source), rng.randint(8, 24))) is not None:
                 yield p
     files = [f for f in source.users_files() if f.lines]
     while True:
-        file = rng.choice(files)
-        index = rng.randrange(len(file.lines))
-        if taste == INTENT:
-            p = intent_prompt(file.lines, index, rng.randint(2, 20))
-        else:
-            p = line_prompt(file.lines[index], rng.randint(8, 24))
-        if p is not None:
-            yield UserPrompt(p.prompt, p.intended, file.path)
+        if (p := _request(files, taste, rng)) is not None:
+            yield p
 
 
 def held_out_prompts(code: CodeBase, taste: str, n: int, seed: int = 11) -> list[UserPrompt]:
@@ -241,15 +239,11 @@ def held_out_prompts(code: CodeBase, taste: str, n: int, seed: int = 11) -> list
     rng = random.Random(seed)
     files = [f for f in code.held_out_files() if f.lines]
     out: list[UserPrompt] = []
-    for _ in range(n * 50):
-        if len(out) == n or not files:
+    for _ in range(n * 50 if files else 0):
+        if len(out) == n:
             break
-        file = rng.choice(files)
-        index = rng.randrange(len(file.lines))
-        cut = rng.randint(2, 20) if taste == INTENT else rng.randint(8, 24)
-        p = intent_prompt(file.lines, index, cut) if taste == INTENT else line_prompt(file.lines[index], cut)
-        if p is not None:
-            out.append(UserPrompt(p.prompt, p.intended, file.path))
+        if (p := _request(files, taste, rng)) is not None:
+            out.append(p)
     return out
 
 
