@@ -265,8 +265,8 @@ def _promotions(project, started_at) -> dict:
 
 def _loop_record() -> dict:
     """What the loop did, to read the curve by: each run (data, rollouts, the reward model's
-    held-out AUC, mean clip fraction, fresh mismatch KL) and each gate verdict (the improvement,
-    its interval and width, the checks that failed)."""
+    held-out AUC, mean clip fraction, fresh mismatch KL), each gate verdict (the improvement,
+    its interval and width, the checks that failed) and the users' aspect labels."""
     from django.db.models import Avg
 
     from training.models import GateReport, TrainingRun
@@ -295,6 +295,12 @@ def _loop_record() -> dict:
                       "width": (interval[1] - interval[0]) if None not in interval else None,
                       "failed": [n for n, c in rows.items() if not c.get("passed")],
                       "kl": rows.get("kl", {}).get("value"), "length_drift": rows.get("length_drift", {}).get("value")})
+    return {"runs": runs, "gates": gates, **_labels_record()}
+
+
+def _labels_record() -> dict:
+    """The users' aspect labels and the judge-vs-human pairs the rubric page shows for them (after
+    a last rollup refresh)."""
     from django.db.models import Sum
 
     from feedback.models import FeedbackEvent
@@ -304,7 +310,7 @@ def _loop_record() -> dict:
     rollups_refresh()
     labels = FeedbackEvent.objects.filter(project__slug="demo", aspect_labels__isnull=False).count()
     pairs = AgreementRollup.objects.filter(project__slug="demo", tag="").aggregate(n=Sum("pairs"))["n"] or 0
-    return {"runs": runs, "gates": gates, "aspect_labels": labels, "agreement_pairs": pairs}
+    return {"aspect_labels": labels, "agreement_pairs": pairs}
 
 
 def _screenshot(port: int, path: str) -> None:

@@ -1,7 +1,8 @@
 """Reads for the overview: what each version is worth to its users, and what it writes now.
 
 A fixed number of queries whatever the row counts, like webapp.selectors. The rules of what a
-suggestion is worth and of an invented name are training.rewards.usefulness's.
+suggestion is worth and of an invented name are training.rewards.usefulness's, applied to the
+suggestion's first line as the gate's naturalness rows apply them (training.gate.naturalness).
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from django.db.models import F, Prefetch, Sum, Window
 from django.db.models.functions import RowNumber
 
 from feedback.models import FeedbackEvent, Project, Step, Trajectory
-from training.rewards.usefulness import first_line, invents, known_names
+from training.gate.naturalness import invented_counts
+from training.rewards.usefulness import first_line, known_names
 
 NAME_SAMPLE = 100  # newest suggestions per version the invented-name share is measured on
 RECENT = 5  # suggestions per version in "what it writes now"
@@ -64,7 +66,7 @@ def writes_now(project: Project, numbers: list[int], since: datetime) -> dict[in
         row = out.setdefault(t.policy_version, {"shown": 0, "invented": 0, "recent": []})
         if completion.strip():
             row["shown"] += 1
-            row["invented"] += invents(completion, prompt, known)
+            row["invented"] += invented_counts(completion, prompt, known)[0] > 0
         if len(row["recent"]) < RECENT:
             clicks = [f"{e.signal} {e.value:g}" if e.value is not None else e.signal for e in t.feedback_events.all()]
             row["recent"].append({"id": t.id, "typed": prompt.rsplit("\n", 1)[-1][-60:],

@@ -116,7 +116,7 @@ def test_a_population_reports_utility_silence_invented_names_and_collapse(tmp_pa
     assert m["accepted_chars"] == pytest.approx((29 + 9 + 0 + 29) / 4)  # " respond(" kept of the second
     assert m["accept_rate"] == pytest.approx(3 / 4) and m["silent_rate"] == pytest.approx(1 / 4)
     assert m["invented_share"] == pytest.approx(1 / 3)  # "zorblax" exists nowhere
-    assert m["top_suggestion_share"] == pytest.approx(2 / 3)
+    assert m["top_suggestion_share"] == pytest.approx(2 / 4)  # of the requests: one in two got it
     assert m["matched_chars"] == pytest.approx(m["accepted_chars"])
     compiles = population_metrics("compiles", [UserPrompt("x = (", "1)")], ["1)"], code.known)
     assert compiles["accept_rate"] == 1 and compiles["accepted_chars"] == 0  # "1)" is under 3 characters
@@ -127,3 +127,18 @@ def test_the_default_population_is_the_intent_taste_on_held_out_django_code():
 
     assert POPULATIONS[0] == INTENT and {"compiles", "one-statement", "short-compiles"} <= set(POPULATIONS)
     assert (django_source() / "db" / "models" / "query.py").exists()
+
+
+@pytest.mark.parametrize(("prompt", "completion", "style"), [
+    ("import os\n\ndef handler(event", ", context):", 1.0),  # opens a block: reads as code
+    ("x = 1\n    return", " respond(payload)", 1.0),  # the context's indentation is not judged
+    ("x = 1\n    return", " respond(pay load)", 0.3),
+    ("total = (a", " + b)", 1.0),  # a line taste's prompt: no context
+])
+def test_a_users_style_label_judges_the_line_being_typed_not_the_files_context(prompt, completion, style):
+    assert aspect_labels(prompt, completion)["style"] == style
+
+
+def test_a_line_taste_asks_with_a_statements_start_and_knows_the_rest_of_the_line():
+    request = next(user_prompts(["    total = compute(a, b)"], "compiles", random.Random(1)))
+    assert request.prompt + request.intended == "total = compute(a, b)" and 8 <= len(request.prompt) <= 24

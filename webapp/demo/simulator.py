@@ -25,7 +25,6 @@ import threading
 import time
 import uuid
 import warnings
-from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -35,7 +34,8 @@ from typing import Any
 import httpx
 
 from feedback.client import FlywheelClient
-from training.rewards.usefulness import accepted_chars, intent_reaction, invents, known_names
+from training.gate.naturalness import inventing_share, top_share
+from training.rewards.usefulness import accepted_chars, intent_reaction, known_names
 
 
 @dataclass
@@ -208,11 +208,16 @@ def line_prompt(line: str, cut: int) -> UserPrompt | None:
     return UserPrompt(text[:cut], text[cut:])
 
 
-def prompts_from(lines: Sequence[str], rng: random.Random, prefix_chars: int = 24) -> Iterator[str]:
-    """The start of a statement: a line's first 8..prefix_chars characters (line tastes)."""
-    while True:
-        line = rng.choice(lines).strip()
-        yield line[: rng.randint(8, prefix_chars)]
+def _request(files: Sequence[CodeFile], taste: str, rng: random.Random) -> UserPrompt | None:
+    """A random line of a random file, cut where a user of the taste would ask (None: the line is
+    too short to ask about)."""
+    file = rng.choice(files)
+    index = rng.randrange(len(file.lines))
+    if taste == INTENT:
+        p = intent_prompt(file.lines, index, rng.randint(2, 20))
+    else:
+        p = line_prompt(file.lines[index], rng.randint(8, 24))
+    return None if p is None else UserPrompt(p.prompt, p.intended, file.path)
 
 
 def user_prompts(source: CodeBase | Sequence[str], taste: str, rng: random.Random) -> Iterator[UserPrompt]:
@@ -221,19 +226,12 @@ def user_prompts(source: CodeBase | Sequence[str], taste: str, rng: random.Rando
     (an older caller): statement starts."""
     if not isinstance(source, CodeBase):
         while True:
-            line = rng.choice(source).strip()
-            if (p := line_prompt(line, rng.randint(8, 24))) is not None:
+            if (p := line_prompt(rng.choice(source), rng.randint(8, 24))) is not None:
                 yield p
     files = [f for f in source.users_files() if f.lines]
     while True:
-        file = rng.choice(files)
-        index = rng.randrange(len(file.lines))
-        if taste == INTENT:
-            p = intent_prompt(file.lines, index, rng.randint(2, 20))
-        else:
-            p = line_prompt(file.lines[index], rng.randint(8, 24))
-        if p is not None:
-            yield UserPrompt(p.prompt, p.intended, file.path)
+        if (p := _request(files, taste, rng)) is not None:
+            yield p
 
 
 def held_out_prompts(code: CodeBase, taste: str, n: int, seed: int = 11) -> list[UserPrompt]:
@@ -241,15 +239,11 @@ def held_out_prompts(code: CodeBase, taste: str, n: int, seed: int = 11) -> list
     rng = random.Random(seed)
     files = [f for f in code.held_out_files() if f.lines]
     out: list[UserPrompt] = []
-    for _ in range(n * 50):
-        if len(out) == n or not files:
+    for _ in range(n * 50 if files else 0):
+        if len(out) == n:
             break
-        file = rng.choice(files)
-        index = rng.randrange(len(file.lines))
-        cut = rng.randint(2, 20) if taste == INTENT else rng.randint(8, 24)
-        p = intent_prompt(file.lines, index, cut) if taste == INTENT else line_prompt(file.lines[index], cut)
-        if p is not None:
-            out.append(UserPrompt(p.prompt, p.intended, file.path))
+        if (p := _request(files, taste, rng)) is not None:
+            out.append(p)
     return out
 
 
@@ -257,18 +251,19 @@ def population_metrics(taste: str, requests: Sequence[UserPrompt], suggestions: 
                        known: frozenset[str]) -> dict[str, float]:
     """What a population's users got from one suggestion per request, without click noise:
     accepted characters per request (the utility: what they did not have to type), the accept
-    rate by the population's taste, silence, the share of shown suggestions that invent a name,
-    the share of the most common suggestion, and the characters matching what the user was about
-    to type (any length, the first line's common prefix)."""
+    rate by the population's taste, silence, the share of shown suggestions that invent a name and
+    the most common suggestion's share of the requests (the gate's naturalness figures,
+    training.gate.naturalness), and the characters matching what the user was about to type (any
+    length, the first line's common prefix)."""
     n = max(len(requests), 1)
-    visible = [(r, s) for r, s in zip(requests, suggestions, strict=True) if shown(s)]
-    counts = Counter(s.strip() for _, s in visible)
+    pairs = list(zip(requests, suggestions, strict=True))
+    visible = [(r, s) for r, s in pairs if shown(s)]
     return {
         "accepted_chars": sum(accepted_chars(s, r.intended) for r, s in visible) / n,
         "accept_rate": sum(likes(taste, r.prompt, s, r.intended) for r, s in visible) / n,
         "silent_rate": 1 - len(visible) / n,
-        "invented_share": sum(invents(s, r.prompt, known) for r, s in visible) / len(visible) if visible else 0.0,
-        "top_suggestion_share": counts.most_common(1)[0][1] / len(visible) if visible else 0.0,
+        "invented_share": inventing_share([(s, r.prompt) for r, s in pairs], known),
+        "top_suggestion_share": top_share([[s] for s in suggestions]),
         "matched_chars": sum(accepted_chars(s, r.intended, min_chars=1) for r, s in visible) / n,
     }
 
@@ -387,12 +382,24 @@ LABEL_SHARE = 0.1  # one suggestion in ten also gets the user's aspect labels (t
 
 def aspect_labels(prompt: str, completion: str) -> dict[str, float]:
     """What a user would say of the suggestion's style and concision, in [0, 1]: the human side of
-    the rubric page's judge-vs-human agreement."""
+    the rubric page's judge-vs-human agreement. Style: the line being typed and the suggestion read
+    as code (they compile, or the suggestion's first line completes a statement or opens a block)
+    in lines of at most 79 characters; the file's preceding lines are not part of the judgement."""
     text = completion.strip()
-    lines = [line for line in (prompt + completion).splitlines() if line.strip()]
-    style = 1.0 if compiles(prompt + completion) and all(len(line) <= 79 for line in lines) else 0.3
+    typed = prompt.rsplit("\n", 1)[-1].lstrip()
+    statement = (typed + completion.split("\n", 1)[0]).strip()
+    code = compiles(typed + completion) or _reads_as_code(statement)
+    lines = [line for line in (typed + completion).splitlines() if line.strip()]
+    style = 1.0 if code and all(len(line) <= 79 for line in lines) else 0.3
     concision = 1.0 if len(text) <= 24 else 0.6 if len(text) <= 48 else 0.2
     return {"style": style, "concision": concision}
+
+
+def _reads_as_code(statement: str) -> bool:
+    """A statement that compiles on its own, inside a function (return, yield), or as a block's
+    opening line (a trailing colon)."""
+    body = statement + " pass" if statement.endswith(":") else statement
+    return compiles(body) or compiles("async def _():\n " + body)
 
 
 def corpus_lines(folder: str | Path, min_chars: int = 8) -> list[str]:
