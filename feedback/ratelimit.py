@@ -1,4 +1,10 @@
-"""Per-project ingest rate limit: a fixed one-minute window counted in Redis.
+"""Rate limits: fixed one-minute windows counted in Redis, shared by every process that counts
+(web replicas, serving replicas). One counter, `rate_count`; three budgets over it:
+
+- ingest: a project's events per minute (`Project.rate_limit_per_minute`), for the webhook and
+  bearer ingest, and for what the serving process will record (a served completion is an event);
+- serving: requests per minute per API key (`FLYWHEEL_SERVE_RATE_PER_KEY`) and per project
+  (`FLYWHEEL_SERVE_RATE_PER_PROJECT`), checked by the serving process before it generates.
 
 When Redis cannot be reached the limit is not applied (logged): the durable write goes to
 PostgreSQL, and refusing feedback because a counter is down would lose it.
@@ -9,6 +15,7 @@ from __future__ import annotations
 import logging
 import time
 
+from django.conf import settings
 from django.core.cache import cache
 from redis.exceptions import RedisError
 
@@ -16,22 +23,54 @@ from core.errors import RateLimited
 from feedback.models import Project
 
 log = logging.getLogger(__name__)
+WINDOW_S = 60
 
 
-def ingest_rate_check(project: Project, events: int) -> None:
-    """Counts `events` against the project's per-minute budget; raises RateLimited over it."""
-    window = int(time.time() // 60)
-    key = f"ingest-rate:{project.id}:{window}"
+def rate_count(key: str, cost: int) -> int | None:
+    """Adds `cost` to this minute's counter `key`; the total so far, or None with Redis away."""
+    window = int(time.time() // WINDOW_S)
+    bucket = f"rate:{key}:{window}"
     try:
-        cache.add(key, 0, timeout=120)
-        used = cache.incr(key, max(events, 1))
+        cache.add(bucket, 0, timeout=2 * WINDOW_S)
+        return cache.incr(bucket, max(cost, 1))
     except (RedisError, OSError):
-        log.warning("rate limit not applied to %s: Redis is unreachable", project.slug, exc_info=True)
-        return
-    if used > project.rate_limit_per_minute:
-        retry = 60 - int(time.time() % 60)
-        raise RateLimited(
-            f"project {project.slug!r} is over its rate of {project.rate_limit_per_minute} events per minute",
-            f"Retry after {retry} s with the same webhook-id; nothing from this request was stored.",
-            headers={"Retry-After": str(retry)},
-        )
+        log.warning("rate limit %s not applied: Redis is unreachable", key, exc_info=True)
+        return None
+
+
+def retry_after_s() -> int:
+    return WINDOW_S - int(time.time() % WINDOW_S)
+
+
+def _over(what: str, fix: str) -> RateLimited:
+    retry = retry_after_s()
+    return RateLimited(what, fix.format(retry=retry), headers={"Retry-After": str(retry)})
+
+
+def ingest_rate_check(project: Project, events: int, *,
+                      fix: str = "Retry after {retry} s with the same webhook-id; nothing from this request was "
+                                 "stored.") -> None:
+    """Counts `events` against the project's per-minute budget; raises RateLimited over it."""
+    used = rate_count(f"ingest:{project.id}", events)
+    if used is not None and used > project.rate_limit_per_minute:
+        raise _over(f"project {project.slug!r} is over its rate of {project.rate_limit_per_minute} events per "
+                    "minute", fix)
+
+
+_SERVE_FIX = "Retry after {retry} s (Retry-After); nothing was generated or recorded for this request."
+
+
+def serving_rate_check(project: Project, key_id: int | None, completions: int) -> None:
+    """A serving request for `completions` choices: counted per key and per project, and, as the
+    trajectories it will record, against the project's ingest rate. Raises RateLimited over any."""
+    per_key, per_project = settings.FLYWHEEL_SERVE_RATE_PER_KEY, settings.FLYWHEEL_SERVE_RATE_PER_PROJECT
+    used = rate_count(f"serve-key:{key_id}", 1)
+    if used is not None and used > per_key:
+        raise _over(f"this API key is over its rate of {per_key} completion requests per minute",
+                    _SERVE_FIX + " Spread requests over the minute, or use a key per client.")
+    used = rate_count(f"serve-project:{project.id}", 1)
+    if used is not None and used > per_project:
+        raise _over(f"project {project.slug!r} is over its rate of {per_project} completion requests per minute",
+                    _SERVE_FIX)
+    ingest_rate_check(project, completions, fix=_SERVE_FIX + " (Every completion is recorded as a trajectory, "
+                                                             "which counts against the project's ingest rate.)")

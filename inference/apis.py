@@ -27,10 +27,11 @@ from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_GET, require_POST
 
 from core.db import keep_connections
-from core.errors import ApplicationError
+from core.errors import ApplicationError, RateLimited
 from core.metrics import metrics_response
 from feedback.auth import Principal, api_key_principal, bearer_token
 from feedback.models import ApiKey
+from feedback.ratelimit import serving_rate_check
 from inference import conversations, metrics, serving, tools
 from inference.engines import SamplingParams
 from inference.serving import CompletionRequest, Served, ServingError
@@ -48,7 +49,10 @@ _keys: dict[str, tuple[float, Principal]] = {}
 def _error(exc: ServingError) -> JsonResponse:
     kind = "invalid_request_error" if exc.status < 500 else "server_error"
     body = {"error": {"message": exc.message, "type": kind, "code": exc.status, "fix": exc.fix}}
-    return JsonResponse(body, status=exc.status)
+    response = JsonResponse(body, status=exc.status)
+    for name, value in exc.headers.items():
+        response[name] = value
+    return response
 
 
 def _handles_errors(view):
@@ -259,15 +263,38 @@ def _pairs(served: Served):
     return enumerate(zip(served.completions, served.trajectory_ids, strict=True))
 
 
+RECORDER_RETRY_S = 5
+
+
+async def _admit(principal: Principal, body: dict[str, Any]) -> None:
+    """Before anything is generated or a conversation slot is taken: room in the recorder (a
+    completion it cannot hold is refused, not answered and lost), then the rate limits per key
+    and per project, and the ingest rate the recorded completions count against (Redis, shared
+    by the replicas: feedback/ratelimit.py)."""
+    n = _number(body, "n", 1, 1, serving.MAX_N, integer=True)
+    recorder = serving.current().recorder
+    if recorder is not None and recorder.full():
+        metrics.RECORDER_SHED.labels("refused").inc()
+        raise ServingError(503, "this serving process is behind on recording completions",
+                           f"Retry after {RECORDER_RETRY_S} s (Retry-After); the store is slow or away.",
+                           headers={"Retry-After": str(RECORDER_RETRY_S)})
+    try:
+        # Off the event loop (a Redis round trip), on no particular thread.
+        await sync_to_async(serving_rate_check, thread_sensitive=False)(principal.project, principal.key_id, n)
+    except RateLimited as exc:
+        raise ServingError(429, exc.message, exc.fix, headers=exc.headers) from None
+
+
 @csrf_exempt
 @require_POST
 @_handles_errors
 async def chat_completions(request: HttpRequest) -> JsonResponse:
-    await _aserve_auth(request)
+    principal = await _aserve_auth(request)
     body = _json_body(request)
     offered = tools.tools_of(body)
     messages = tools.messages_of(body.get("messages"), serving.MAX_HISTORY)
-    linked = conversations.link(serving.current(), body, messages)
+    await _admit(principal, body)
+    linked = conversations.link(serving.current(), body, messages, principal.key_id)
     _check_messages_size(linked.read() if linked else messages, offered)
     server, engine, req, served = await _serve(body, messages, lambda e, m: list(e.tokenizer.apply_chat_template(
         m, tools=offered or None, add_generation_prompt=True, tokenize=True, return_dict=False)),
@@ -294,12 +321,13 @@ async def chat_completions(request: HttpRequest) -> JsonResponse:
 @require_POST
 @_handles_errors
 async def completions(request: HttpRequest) -> JsonResponse:
-    await _aserve_auth(request)
+    principal = await _aserve_auth(request)
     body = _json_body(request)
     prompt = body.get("prompt")
     if not isinstance(prompt, str) or not prompt:
         raise ServingError(400, "'prompt' must be a non-empty string", "Send the text to continue.")
     _check_prompt_size([prompt])
+    await _admit(principal, body)
     logprobs = body.get("logprobs")
     server, engine, req, served = await _serve(body, [{"role": "user", "content": prompt}], lambda e, _: e.encode(prompt),
                                          logprobs is not None and logprobs is not False)

@@ -49,6 +49,7 @@ MAX_OPEN = 10_000
 class Conversation:
     key: str
     trajectory_id: str
+    owner: int | None = None  # the API key that opened it: only that key sees and continues it
     event: dict[str, Any] | None = None  # the trajectory so far
     seen: int = 0  # messages of the last request already in the trajectory (its prompt or steps)
     turns: int = 0
@@ -69,42 +70,59 @@ class Conversation:
         return [*self.event["prompt"], {"role": "assistant", "content": self.summary}, *messages[self.kept_from:]]
 
 
+Index = tuple[int | None, str]  # (the owning key, the client's conversation id)
+
+
 class Conversations:
-    """Open conversations by key and by response id; `put` receives finished trajectories."""
+    """Open conversations by (owning key, conversation id) and by response id; `put` receives
+    finished trajectories. A conversation takes a slot of the MAX_OPEN only once a turn of it has
+    been answered (`add`): a refused request holds nothing."""
 
     def __init__(self, put: Callable[[list[dict[str, Any]]], None] | None, idle_s: float = IDLE_S,
                  max_turns: int = MAX_TURNS) -> None:
         self.put, self.idle_s, self.max_turns = put, idle_s, max_turns
-        self._open: dict[str, Conversation] = {}
-        self._responses: dict[str, str] = {}  # response id -> conversation key
+        self._open: dict[Index, Conversation] = {}
+        self._responses: dict[str, Index] = {}  # response id -> its conversation
         self._lock = threading.Lock()
 
-    def find(self, conversation_id: Any, previous_response_id: Any) -> Conversation | None:
-        """The conversation a request continues (a new one for an unseen conversation_id)."""
+    def find(self, conversation_id: Any, previous_response_id: Any, owner: int | None = None) -> Conversation | None:
+        """The conversation a request of key `owner` continues (a new one, not yet registered, for
+        an unseen conversation_id). Another key's conversation is answered as one that is not open."""
         self.sweep()
         if previous_response_id is not None:
-            key = self._responses.get(previous_response_id) if isinstance(previous_response_id, str) else None
-            if key is None or key not in self._open:
+            index = self._responses.get(previous_response_id) if isinstance(previous_response_id, str) else None
+            found = self._open.get(index) if index is not None else None
+            if found is None or found.owner != owner:
                 raise ServingError(404, "previous_response_id names no open conversation of this serving process",
                                    "Send the id of the last answer within the idle window, or start over "
                                    "without previous_response_id.")
-            return self._open[key]
+            return found
         if conversation_id is None:
             return None
         if not isinstance(conversation_id, str) or not 0 < len(conversation_id) <= 200:
             raise ServingError(400, "'metadata.conversation_id' must be a string of 1 to 200 characters",
                                "Send your own id for the conversation, the same on every turn.")
         with self._lock:
-            if conversation_id not in self._open and len(self._open) >= MAX_OPEN:
+            found = self._open.get((owner, conversation_id))
+            if found is None and len(self._open) >= MAX_OPEN:
                 raise ServingError(429, f"{MAX_OPEN} conversations are open on this serving process",
-                                   "End conversations with metadata.conversation_end, or retry later.")
-            return self._open.setdefault(conversation_id, Conversation(conversation_id, f"traj_{uuid.uuid4().hex}"))
+                                   "End conversations with metadata.conversation_end, or retry later.",
+                                   headers={"Retry-After": str(int(self.idle_s))})
+            return found or Conversation(conversation_id, f"traj_{uuid.uuid4().hex}", owner)
+
+    def open_count(self) -> int:
+        return len(self._open)
 
     def add(self, conversation: Conversation, event: dict[str, Any], messages: list[dict[str, Any]],
             response_id: str, end: bool = False) -> None:
         """One served turn (`event`: the single-turn trajectory the server would record) joins the
         conversation's trajectory; the request's messages not yet in it become context steps."""
         with self._lock:
+            index = (conversation.owner, conversation.key)
+            if index not in self._open and len(self._open) < MAX_OPEN:
+                self._open.setdefault(index, conversation)
+            # Full meanwhile, or a concurrent first turn of the same id won: recorded, not kept open.
+            registered = self._open.get(index) is conversation
             step = event["steps"][0]
             if conversation.event is None:
                 conversation.event = {**event, "id": conversation.trajectory_id, "steps": [step]}
@@ -115,8 +133,9 @@ class Conversations:
             conversation.seen = len(messages) + 1  # the client sends this answer back next time
             conversation.turns += 1
             conversation.last = time.monotonic()
-            self._responses[response_id] = conversation.key
-            done = end or conversation.turns >= self.max_turns
+            if registered:
+                self._responses[response_id] = index
+            done = end or conversation.turns >= self.max_turns or not registered
         if done:
             self._finish([conversation])
 
@@ -143,7 +162,8 @@ class Conversations:
     def _finish(self, conversations: list[Conversation]) -> None:
         with self._lock:
             for c in conversations:
-                self._open.pop(c.key, None)
+                if self._open.get((c.owner, c.key)) is c:
+                    del self._open[(c.owner, c.key)]
             self._responses = {r: k for r, k in self._responses.items() if k in self._open}
         events = [c.event for c in conversations if c.event is not None]
         if events and self.put is not None:
@@ -252,11 +272,13 @@ def check_read_size(messages: list[dict[str, Any]]) -> None:
                            "metadata.conversation_id so that the server summarizes it.")
 
 
-def link(server: PolicyServer, body: dict[str, Any], messages: list[dict[str, Any]]) -> Link | None:
-    """None for a request outside any conversation (recorded on its own, as before)."""
+def link(server: PolicyServer, body: dict[str, Any], messages: list[dict[str, Any]],
+         owner: int | None = None) -> Link | None:
+    """None for a request outside any conversation (recorded on its own, as before). `owner`:
+    the API key of the request; a conversation is continued only by the key that opened it."""
     metadata = body.get("metadata") if isinstance(body.get("metadata"), dict) else {}
     registry = conversations_for(server)
-    conversation = registry.find(metadata.get("conversation_id"), body.get("previous_response_id"))
+    conversation = registry.find(metadata.get("conversation_id"), body.get("previous_response_id"), owner)
     if conversation is None:
         return None
     if body.get("n", 1) not in (1, None):

@@ -19,6 +19,9 @@ SERVING_CANARY_SHARE = Gauge("flywheel_serving_canary_share", "Share of requests
 TRAJECTORIES_RECORDED = Counter("flywheel_serving_trajectories_recorded", "Served completions stored as trajectories.")
 TRAJECTORIES_DROPPED = Counter("flywheel_serving_trajectories_dropped", "Served completions the store refused "
                                "(each logged with the reason).")
+RECORDER_SHED = Counter("flywheel_serving_recorder_shed", "Served completions shed because the recorder's queue "
+                        "was full: `refused` requests answered 503 before generating, `dropped` events past the bound.",
+                        ["how"])
 RECORDER_QUEUE = Gauge("flywheel_serving_recorder_queue_depth", "Served completions waiting to be written.")
 SERVING_BATCH = Histogram("flywheel_serving_engine_batch_requests", "Requests running in one engine step "
                           "(vllm-async engine): above 1, concurrent requests shared a batch.",

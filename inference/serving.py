@@ -48,9 +48,9 @@ MAX_HISTORY = 1024
 class ServingError(Exception):
     """A request the server refuses; `status` is the HTTP status and the message says the fix."""
 
-    def __init__(self, status: int, message: str, fix: str) -> None:
+    def __init__(self, status: int, message: str, fix: str, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
-        self.status, self.message, self.fix = status, message, fix
+        self.status, self.message, self.fix, self.headers = status, message, fix, headers or {}
 
 
 @dataclass
@@ -87,9 +87,14 @@ class Recorder:
     A write that fails with a transient error (`transient(exc)`: the database is restarting) is
     retried, then the batch is queued again. Any other failure is a poison pill: the batch is
     written event by event and each event that still fails goes to `quarantine(event, error)`,
-    so one bad completion never holds up the others."""
+    so one bad completion never holds up the others.
+
+    The queue holds at most `max_pending` events: the server refuses new completions while it is
+    `full()` (503, so nothing it answered is lost), and an event put past the bound (a batch
+    queued again during a long outage) is shed and counted (flywheel_serving_recorder_shed)."""
 
     write: Callable[[list[dict[str, Any]]], None]
+    max_pending: int = 20_000
     batch_size: int = 200
     interval_s: float = 0.25
     quarantine: Callable[[dict[str, Any], str], None] | None = None
@@ -104,10 +109,18 @@ class Recorder:
 
     def put(self, events: list[dict[str, Any]]) -> None:
         for event in events:
+            if self._queue.qsize() >= self.max_pending:
+                metrics.RECORDER_SHED.labels("dropped").inc()
+                log.error("recorder queue full (%d): served completion %s shed", self.max_pending,
+                          event.get("id") if isinstance(event, dict) else None)
+                continue
             self._queue.put(event)
 
     def pending(self) -> int:
         return self._queue.qsize()
+
+    def full(self) -> bool:
+        return self._queue.qsize() >= self.max_pending
 
     def flush(self) -> int:
         batch: list[dict[str, Any]] = []

@@ -233,6 +233,10 @@ DATA_UPLOAD_MAX_MEMORY_SIZE = INGEST_MAX_BODY_BYTES
 REQUEST_MAX_BODY_BYTES = INGEST_MAX_BODY_BYTES
 ANONYMOUS_MAX_BODY_BYTES = env_int("ANONYMOUS_MAX_BODY_BYTES", 64 * 1024)
 FLYWHEEL_PUSH_MAX_BYTES = env_int("FLYWHEEL_PUSH_MAX_BYTES", 8 * 1024**3)
+# Serving's rate limits, completion requests per minute, shared by replicas through Redis
+# (feedback/ratelimit.py `serving_rate_check`); what they record also counts against ingest's.
+FLYWHEEL_SERVE_RATE_PER_KEY = env_int("FLYWHEEL_SERVE_RATE_PER_KEY", 600)
+FLYWHEEL_SERVE_RATE_PER_PROJECT = env_int("FLYWHEEL_SERVE_RATE_PER_PROJECT", 6000)
 INGEST_STATEMENT_TIMEOUT_MS = env_int("INGEST_STATEMENT_TIMEOUT_MS", 15_000)
 # What one read may cost: a page of the read API holds at most this much JSON (and `limit` rows),
 # a step's token ids, log-probs and routing at most this many items there (the first ones), and
