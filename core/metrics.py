@@ -5,8 +5,9 @@ and the guarded `/metrics` answer shared by the web app and the serving process.
     curl http://127.0.0.1:8001/metrics            # loopback, when no token is configured
 
 Who may scrape: with `FLYWHEEL_METRICS_TOKEN` set, only a request bearing it (from anywhere);
-without it, only a direct loopback connection (no `X-Forwarded-For`/`Forwarded` header, which a
-reverse proxy on the same machine adds: proxied requests would otherwise look local).
+without it, only a direct loopback connection (none of the headers a reverse proxy on the same
+machine adds, `PROXY_HEADERS`: X-Real-IP, X-Forwarded-*, Forwarded...; proxied requests would
+otherwise look local).
 
 The serving process's own metrics are in inference/metrics.py (free of Django, like the engines).
 Counters live in the process that counts (each web replica, each serving process); figures the
@@ -73,6 +74,11 @@ def _observe(request: HttpRequest, response: HttpResponse, start: float) -> None
 
 _METHODS = frozenset({"GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"})
 _LOOPBACK = frozenset({"127.0.0.1", "::1", "::ffff:127.0.0.1"})
+# What a reverse proxy on this machine adds to what it forwards (nginx's X-Real-IP, Traefik's
+# and HAProxy's X-Forwarded-*, the CDNs' client headers): a request bearing any one came from
+# elsewhere, whatever REMOTE_ADDR says. Present at all counts, even empty.
+PROXY_HEADERS = ("forwarded", "x-forwarded-for", "x-forwarded-host", "x-forwarded-proto", "x-real-ip",
+                 "x-client-ip", "x-cluster-client-ip", "true-client-ip", "cf-connecting-ip", "fastly-client-ip", "via")
 
 
 def scrape_refusal(request: HttpRequest) -> JsonResponse | None:
@@ -85,7 +91,7 @@ def scrape_refusal(request: HttpRequest) -> JsonResponse | None:
         return _refused(401, "/metrics needs the metrics token",
                         "Send 'Authorization: Bearer <FLYWHEEL_METRICS_TOKEN>' (Prometheus: "
                         "authorization.credentials in the scrape config).")
-    proxied = request.headers.get("x-forwarded-for") or request.headers.get("forwarded")
+    proxied = any(request.headers.get(name) is not None for name in PROXY_HEADERS)
     if request.META.get("REMOTE_ADDR") in _LOOPBACK and not proxied:
         return None
     return _refused(403, "/metrics answers only loopback connections when no metrics token is set",

@@ -12,7 +12,7 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
-from django.db.models import Q
+from django.db.models import Exists, OuterRef, Q
 from django.utils import timezone
 from drf_spectacular.extensions import OpenApiAuthenticationExtension
 from rest_framework.authentication import BaseAuthentication
@@ -20,7 +20,7 @@ from rest_framework.permissions import BasePermission
 from standardwebhooks.webhooks import Webhook, WebhookVerificationError
 
 from core.errors import Forbidden, Unauthorized
-from feedback.models import ApiKey, Project, WebhookSecret
+from feedback.models import ApiKey, Membership, Project, WebhookSecret
 
 WEBHOOK_HEADERS = ("webhook-id", "webhook-timestamp", "webhook-signature")
 PROJECT_HEADER = "flywheel-project"
@@ -52,7 +52,11 @@ class Principal:
 
 
 def api_key_principal(raw: str) -> Principal:
-    key = ApiKey.objects.select_related("project", "owner").filter(key_hash=ApiKey.hash_key(raw)).first()
+    # A key bound to a person acts as that person in its project: one who left the project (no
+    # membership any more) takes the key's power along. Read in the same query.
+    member = Membership.objects.filter(user_id=OuterRef("owner_id"), project_id=OuterRef("project_id"))
+    key = (ApiKey.objects.select_related("project", "owner").annotate(owner_is_member=Exists(member))
+           .filter(key_hash=ApiKey.hash_key(raw)).first())
     if key is None:
         raise Unauthorized("the API key is not known", "Check the key; create one with `manage.py create_project`.")
     if key.revoked_at is not None:
@@ -60,6 +64,11 @@ def api_key_principal(raw: str) -> Principal:
     if key.owner is not None and not key.owner.is_active:
         raise Unauthorized(f"the API key acts as {key.owner.get_username()!r}, whose account is deactivated",
                            "Use a key of an active account (manage.py create_key --owner USERNAME).")
+    if key.owner is not None and not key.owner_is_member:
+        raise Unauthorized(f"the API key acts as {key.owner.get_username()!r}, who is no member of project "
+                           f"{key.project.slug!r} any more",
+                           "Use a key of a current member (manage.py create_key --owner USERNAME), or grant the "
+                           "account a role in the project again (manage.py member).")
     return Principal(project=key.project, scopes=frozenset(key.scopes), via="api_key", name=key.name,
                      owner=key.owner, key_id=key.pk)
 

@@ -46,7 +46,9 @@ _SECRETS = _secrets()
 SECRET_KEY = _SECRETS["SECRET_KEY"]
 FLYWHEEL_SECRETS_KEY = _SECRETS["FLYWHEEL_SECRETS_KEY"]
 FLYWHEEL_USER_PEPPER = _SECRETS["FLYWHEEL_USER_PEPPER"]
-ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", ["localhost", "127.0.0.1", "[::1]", "testserver"])
+# Not `testserver`: Django's test client's host is added by the test environment only
+# (django.test.utils.setup_test_environment, which pytest-django runs), never served for real.
+ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", ["localhost", "127.0.0.1", "[::1]"])
 CSRF_TRUSTED_ORIGINS = env_list("CSRF_TRUSTED_ORIGINS", [])
 
 # Behind TLS (FLYWHEEL_HTTPS=1, production): cookies only over HTTPS, HSTS, redirects to HTTPS.

@@ -1,9 +1,15 @@
 """Password sign-in throttling for the dashboard and the admin: a small counter in the cache.
 
-After LOGIN_FAILURES_MAX failed sign-ins for one account, or from one address, within
-LOGIN_FAILURE_WINDOW_S, further attempts are refused without checking the password until the
-window (which starts at the first failure) ends. Counting per account stops guessing one
-password from many addresses; per address stops trying one password on many accounts.
+After LOGIN_FAILURES_MAX failed sign-ins for one account from one address, or from one address
+for any accounts, within LOGIN_FAILURE_WINDOW_S, further attempts from that address are refused
+without checking the password until the window (which starts at the first failure) ends.
+
+Why not per account alone: a lock on the account would let anyone who knows a username lock its
+owner out, from anywhere, for as long as they keep failing. Here a stranger's failures lock only
+the stranger's address; the owner signing in from their own address is never refused for them.
+What that costs: guessing one account's password from many addresses gets LOGIN_FAILURES_MAX
+tries per address per window (password validators keep guessable passwords out); per address
+stops trying one password on many accounts.
 
 When Redis cannot be reached the counts are kept in this process's memory instead (logged): signing
 in keeps working during an outage, and guessing stays throttled per process.
@@ -41,7 +47,7 @@ def _counted(op: Callable[[BaseCache], Any]) -> Any:
 def _keys(request, username: str) -> list[str]:
     account = hashlib.sha256(username.strip().lower().encode()).hexdigest()[:32]
     address = request.META.get("REMOTE_ADDR", "") if request is not None else ""
-    return [f"login-failures:account:{account}", f"login-failures:address:{address}"]
+    return [f"login-failures:account:{account}:address:{address}", f"login-failures:address:{address}"]
 
 
 def login_locked(request, username: str) -> bool:
@@ -68,8 +74,8 @@ class _Throttled:
         if login_locked(self.request, username):
             minutes = max(1, settings.LOGIN_FAILURE_WINDOW_S // 60)
             raise forms.ValidationError(
-                f"Too many failed sign-ins for this account or from this address. Wait up to {minutes} minutes "
-                "and try again, or ask an administrator to reset the password.", code="throttled")
+                f"Too many failed sign-ins from this address. Wait up to {minutes} minutes and try again, "
+                "or ask an administrator to reset the password.", code="throttled")
         try:
             return super().clean()
         except forms.ValidationError:

@@ -136,3 +136,17 @@ async def test_a_removed_member_stops_receiving_pushes(bob, creds, monkeypatch):
     await sync_to_async(project_event)(creds.project.id, {"type": "ingest", "accepted": 2})
     assert await communicator.receive_output(timeout=10) == {"type": "websocket.close", "code": 4404}
     await sync_to_async(connections.close_all)()  # the consumer's database thread: let the test DB go
+
+
+def test_a_key_stops_working_once_its_owner_leaves_the_project(client, creds, alice):
+    from feedback.models import Membership
+    from feedback.services import api_key_create
+
+    key = api_key_create(creds.project, ["read"], "alice-laptop", owner=alice)
+    assert client.get("/api/v1/trajectories", HTTP_AUTHORIZATION=f"Bearer {key}").status_code == 200
+    Membership.objects.filter(user=alice, project=creds.project).delete()
+    response = client.get("/api/v1/trajectories", HTTP_AUTHORIZATION=f"Bearer {key}")
+    assert response.status_code == 401
+    assert "no member of project 'acme'" in response.json()["error"]["message"] and response.json()["error"]["fix"]
+    # A project's own key (bound to nobody) is not a membership's, and goes on working.
+    assert client.get("/api/v1/trajectories", HTTP_AUTHORIZATION=f"Bearer {creds.api_key}").status_code == 200

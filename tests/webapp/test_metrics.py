@@ -120,6 +120,13 @@ def test_metrics_are_refused_to_remote_and_proxied_callers(client):
     assert proxied.status_code == 403
 
 
+@pytest.mark.parametrize("header", ["X-Real-IP", "X-Forwarded-Host", "Forwarded", "True-Client-IP", "Via"])
+def test_a_loopback_request_a_proxy_forwarded_is_no_local_scrape(client, header):
+    assert client.get("/metrics", REMOTE_ADDR="127.0.0.1").status_code == 200
+    response = client.get("/metrics", REMOTE_ADDR="127.0.0.1", headers={header: "203.0.113.9"})
+    assert response.status_code == 403 and response.json()["error"]["fix"]
+
+
 @override_settings(FLYWHEEL_METRICS_TOKEN="scrape-me")
 def test_with_a_token_set_only_its_bearers_may_scrape(client):
     assert client.get("/metrics").status_code == 401

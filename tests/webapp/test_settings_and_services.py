@@ -81,3 +81,14 @@ def test_the_demo_refuses_the_test_only_switch(monkeypatch):
     monkeypatch.setenv("FLYWHEEL_TEST_PG_UNDURABLE", "1")
     with pytest.raises(ConfigError, match="test suite only"):
         _environment()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_test_clients_host_is_not_served_by_default(asgi_server):
+    import httpx
+
+    from webapp import settings as project_settings
+
+    assert "testserver" not in project_settings.ALLOWED_HOSTS
+    assert httpx.get(asgi_server + "/healthz").status_code == 200
+    assert httpx.get(asgi_server + "/healthz", headers={"Host": "testserver"}).status_code == 400
