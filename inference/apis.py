@@ -359,14 +359,20 @@ async def load_version(request: HttpRequest) -> JsonResponse:
     return JsonResponse(await sync_to_async(serving.current().load, thread_sensitive=False)(body))
 
 
+# This process's own token as a registered replica, set by serve_policy: FLYWHEEL_REPLICA_TOKEN, or
+# inference/tokens.py `replica_token` of FLYWHEEL_INTERNAL_TOKEN and the address it registered. A replica deployed with
+# only its own token cannot push to, or load weights on, any other replica.
+REPLICA_TOKEN = ""
+
+
 def internal_token_valid(sent: str) -> bool:
-    """`sent` is this process's internal token (none configured: nothing is valid)."""
-    token = settings.FLYWHEEL_INTERNAL_TOKEN
-    return bool(token) and hmac.compare_digest(sent.encode(), token.encode())
+    """`sent` is this process's internal token or its replica token (none configured: nothing is)."""
+    tokens = [t for t in (settings.FLYWHEEL_INTERNAL_TOKEN, REPLICA_TOKEN) if t]
+    return any(hmac.compare_digest(sent.encode(), t.encode()) for t in tokens)
 
 
 def _internal_auth(request: HttpRequest) -> None:
-    if not settings.FLYWHEEL_INTERNAL_TOKEN:
+    if not settings.FLYWHEEL_INTERNAL_TOKEN and not REPLICA_TOKEN:
         raise ServingError(403, "internal endpoints are off", "Set FLYWHEEL_INTERNAL_TOKEN for both sides.")
     sent = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
     if not internal_token_valid(sent):

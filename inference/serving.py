@@ -204,6 +204,9 @@ class PolicyServer:
         self._rng = random.Random(canary_seed)
         self._swap_lock = threading.Lock()
         self.on_close: list[Callable[[], None]] = []  # run before the recorder's last flush
+        # (canary number, share asked) -> the share to run it at, or ServingError; set by whoever
+        # knows the database (serve_policy, training/replicas/agent.py). None: the share asked.
+        self.canary_share_of: Callable[[int, float], float] | None = None
 
     # --- names ------------------------------------------------------------------------------
     def model_name(self, version: int) -> str:
@@ -319,6 +322,8 @@ class PolicyServer:
                 if not isinstance(share, int | float) or isinstance(share, bool) or not 0 < share < 1:
                     raise ServingError(400, "'share' must be a fraction in (0, 1)", "Send e.g. {\"share\": 0.1}.")
                 number = _version_number(body["canary"])
+                if self.canary_share_of is not None:  # the database's share, handed in
+                    share = self.canary_share_of(number, float(share))
                 self.set_canary(self.engine_for(self.resolve(number, "canary"), number), float(share))
         return {"version": self.engine.version, "canary": self.canary.version if self.canary else None,
                 "canary_share": self.canary_share}

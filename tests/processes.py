@@ -124,3 +124,28 @@ class OwnPostgres:
         with psycopg.connect(url, autocommit=True) as conn:
             return {name: conn.execute(f"SHOW {name}").fetchone()[0]
                     for name in ("fsync", "full_page_writes", "synchronous_commit")}
+
+
+class InThreadServer:
+    """uvicorn serving an ASGI `app` on a thread of this process (its settings and monkeypatches
+    apply): `url` while running, `stop()` to end it."""
+
+    def __init__(self, app) -> None:
+        import threading
+
+        import uvicorn
+
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                                    lifespan="off"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        while not self.server.started:
+            if not self.thread.is_alive():
+                raise RuntimeError(f"uvicorn on {self.url} did not start")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)

@@ -356,6 +356,9 @@ FLYWHEEL_GATE_TIME_LIMIT_S = env_int("FLYWHEEL_GATE_TIME_LIMIT_S", 1800)
 FLYWHEEL_SWEEP_REQUEUE_AFTER_S = env_int("FLYWHEEL_SWEEP_REQUEUE_AFTER_S", 300)
 FLYWHEEL_SWEEP_MAX_ATTEMPTS = env_int("FLYWHEEL_SWEEP_MAX_ATTEMPTS", 3)
 FLYWHEEL_INTERNAL_TOKEN = env_str("FLYWHEEL_INTERNAL_TOKEN", "")
+# A serving replica's own token (`manage.py replica_token ADDRESS` prints it from the one above):
+# give a replica this instead of FLYWHEEL_INTERNAL_TOKEN and it can reach no other replica.
+FLYWHEEL_REPLICA_TOKEN = env_str("FLYWHEEL_REPLICA_TOKEN", "")
 # Serving replicas (training/replicas): each beats every FLYWHEEL_REPLICA_HEARTBEAT_S; one silent
 # for FLYWHEEL_REPLICA_STALE_S counts as down (a promotion skips it; it catches up when it returns).
 FLYWHEEL_REPLICA_HEARTBEAT_S = env_float("FLYWHEEL_REPLICA_HEARTBEAT_S", 5.0)

@@ -9,16 +9,14 @@ without reading (or spooling) any of it.
 from __future__ import annotations
 
 import socket
-import threading
 from collections.abc import Iterator
 from urllib.parse import urlsplit
 
 import pytest
-import uvicorn
 from django.test import override_settings
 
 from inference.listeners import INTERNAL_URLS, PUBLIC_URLS, listener_app
-from tests.processes import free_port
+from tests.processes import InThreadServer
 
 EIGHT_GIB = 8 * 1024**3
 TOKEN = "internal-test-token"
@@ -69,24 +67,12 @@ def _chunked(total: int, size: int = 16 * 1024) -> Iterator[bytes]:
 
 @pytest.fixture(scope="module")
 def listeners(django_db_setup, django_db_blocker) -> Iterator[dict[str, str]]:
-    urls, servers, threads = {}, [], []
-    for name, urlconf in (("public", PUBLIC_URLS), ("internal", INTERNAL_URLS)):
-        port = free_port()
-        server = uvicorn.Server(uvicorn.Config(listener_app(urlconf), host="127.0.0.1", port=port,
-                                               log_level="warning", lifespan="off"))
-        thread = threading.Thread(target=server.run, daemon=True)
-        thread.start()
-        servers.append(server)
-        threads.append(thread)
-        urls[name] = f"http://127.0.0.1:{port}"
-    while not all(s.started for s in servers):
-        threading.Event().wait(0.05)
+    servers = {name: InThreadServer(listener_app(urlconf))
+               for name, urlconf in (("public", PUBLIC_URLS), ("internal", INTERNAL_URLS))}
     with override_settings(FLYWHEEL_INTERNAL_TOKEN=TOKEN):
-        yield urls
-    for server in servers:
-        server.should_exit = True
-    for thread in threads:
-        thread.join(10)
+        yield {name: server.url for name, server in servers.items()}
+    for server in servers.values():
+        server.stop()
 
 
 @pytest.mark.parametrize("path", ["/api/v1/events", "/accounts/login/", "/admin/login/", "/nowhere"])

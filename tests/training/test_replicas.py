@@ -187,6 +187,27 @@ def test_a_canary_is_pushed_with_its_share_to_every_replica_and_its_promotion_se
     agent.server.close()
 
 
+def test_a_push_with_a_canary_share_the_database_does_not_hold_is_refused(creds, production, tmp_path):
+    v2 = _child(creds.project, production, tmp_path, seed=5)
+    CanaryRun.objects.create(version=v2, baseline=production, share=0.25)
+    version_transition(v2, "canary", "test", "canary_start", "test")
+    now = timezone.now()
+    row = ServingReplica.objects.create(project=creds.project, address="http://10.0.0.7:8002", version=1,
+                                        registered_at=now, heartbeat_at=now)
+    (body,) = PushPlanner(serving_target(creds.project.id), [row]).bodies(row)
+    header, blobs, files = push.push_decode(body)
+    forged = push.push_encode({**header, "share": 0.99}, blobs, files)
+    agent = _agent(creds.project, production, tmp_path)
+    with pytest.raises(ServingError) as refused:
+        agent.receive(forged)
+    assert refused.value.status == 409 and "0.25" in refused.value.message and refused.value.fix
+    assert agent.server.canary is None
+    with pytest.raises(ServingError):  # /internal/load goes through the same check
+        agent.server.load({"canary": 2, "share": 0.5})
+    assert agent.receive(body)["canary_share"] == 0.25
+    agent.server.close()
+
+
 def test_a_rollback_sends_one_delta_computed_between_the_two_versions(creds, production, tmp_path):
     v2 = _child(creds.project, production, tmp_path, seed=7)
     agent = _agent(creds.project, production, tmp_path)

@@ -27,6 +27,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +68,21 @@ def servable_version(project: Project, number: int, role: str) -> PolicyVersion:
     return version
 
 
+def servable_canary_share(project: Project, number: int, share: float) -> float:
+    """The share the database gives canary v`number` (its running CanaryRun); a load or push that
+    asks for another share is refused (409), whoever holds the internal token."""
+    close_old_connections()
+    target = serving_target(project.pk)
+    if target.canary != number:
+        raise ServingError(409, f"v{number} is not the project's running canary (that is v{target.canary})",
+                           "Start its canary first (dashboard or the versions API); the deploy then loads it.")
+    if abs(float(share) - target.canary_share) > 1e-9:
+        raise ServingError(409, f"canary v{number} runs at share {target.canary_share} in the database, "
+                                f"not {share}", "Send the share its canary run was started with; to change it, "
+                                                "decide the canary and start another.")
+    return target.canary_share
+
+
 @dataclass
 class Held:
     number: int
@@ -89,6 +105,8 @@ class ReplicaAgent:
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
         self._behind_since: float | None = None
+        # A push's canary share is the database's (the push carries it for the replica's log).
+        server.canary_share_of = partial(servable_canary_share, project)
 
     # --- what is served -------------------------------------------------------------------
     def served(self) -> dict[str, Any]:

@@ -20,6 +20,7 @@ import httpx
 from django.utils import timezone
 
 from feedback.models import Project
+from inference.tokens import replica_token
 from training.models import PolicyVersion, ReplicaState, ServingReplica
 from training.replicas.selectors import replicas_live
 from training.versions.selectors import DeployTarget
@@ -98,7 +99,9 @@ def _record(outcome: PushOutcome) -> None:
 
 def _send(replica: ServingReplica, bodies: list[bytes], token: str, timeout: float) -> PushOutcome:
     outcome = PushOutcome(replica.id, replica.address, ok=True)
-    headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/octet-stream"}
+    # Each replica gets its own token (inference/apis.py `replica_token`), never the shared one.
+    headers = {"Authorization": f"Bearer {replica_token(token, replica.address)}",
+               "Content-Type": "application/octet-stream"}
     try:
         with httpx.Client(timeout=timeout, headers=headers) as http:
             for body in bodies:

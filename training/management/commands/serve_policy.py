@@ -37,6 +37,7 @@ import logging
 import os
 import signal
 import socket
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -48,12 +49,13 @@ from core.db import keep_connections
 from core.errors import NotFound
 from feedback.models import Project
 from feedback.services import feedback_ingest, quarantine_record
-from inference import metrics, replica, serving
+from inference import apis, metrics, replica, serving
 from inference.engines import EngineFactory, new_event_loop
 from inference.listeners import serve_both
 from inference.serving import PolicyServer, Recorder, ServingError
+from inference.tokens import replica_token
 from kernels.delta import CheckpointCorrupt
-from training.replicas.agent import ReplicaAgent, servable_version
+from training.replicas.agent import ReplicaAgent, servable_canary_share, servable_version
 from training.versions.selectors import policy_get, serving_target
 from training.versions.services import policy_folder
 
@@ -88,7 +90,7 @@ class Command(BaseCommand):
     def handle(self, *args, **opts):
         opts["summary_budget"] = summary_budget(opts["summary_budget"], opts["max_model_len"])
         internal_host, internal_port = opts["internal_host"], opts["internal_port"] or opts["port"] + 1
-        if internal_host not in LOOPBACK and not settings.FLYWHEEL_INTERNAL_TOKEN:
+        if internal_host not in LOOPBACK and not (settings.FLYWHEEL_INTERNAL_TOKEN or settings.FLYWHEEL_REPLICA_TOKEN):
             raise CommandError(f"--internal-host {internal_host} exposes /internal/* beyond this machine: set "
                                "FLYWHEEL_INTERNAL_TOKEN (the web app sends the same) or keep it on 127.0.0.1")
         server = self._server(opts)
@@ -97,6 +99,8 @@ class Command(BaseCommand):
         if opts["model_dir"] is None and opts["policy_version"] is None:
             address = opts["advertise"] or advertised_address(internal_host, internal_port)
             agent = _agent(server, opts, address)
+            apis.REPLICA_TOKEN = settings.FLYWHEEL_REPLICA_TOKEN or (
+                replica_token(settings.FLYWHEEL_INTERNAL_TOKEN, agent.address) if settings.FLYWHEEL_INTERNAL_TOKEN else "")
             replica.RECEIVER = agent.receive
         self.stdout.write(f"serving {server.model_name(server.engine.version)} ({opts['engine']}) on "
                           f"http://{opts['host']}:{opts['port']}/v1 (internal: {internal_host}:{internal_port}"
@@ -135,6 +139,7 @@ class Command(BaseCommand):
             server = PolicyServer(project.slug, engines(folder, number), recorder,
                                   max_model_len=opts["max_model_len"], engines=engines,
                                   resolve=_servable(project, resolve), summary_budget=opts["summary_budget"])
+            server.canary_share_of = partial(servable_canary_share, project)
             if opts["model_dir"] is None and opts["policy_version"] is None and target.canary is not None:
                 server.load({"canary": target.canary, "share": target.canary_share})
         except ServingError as exc:
