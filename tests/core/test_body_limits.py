@@ -14,7 +14,11 @@ from urllib.parse import urlsplit
 
 import pytest
 from django.test import override_settings
+from hypothesis import given
+from hypothesis import settings as hsettings
+from hypothesis import strategies as st
 
+from core.bodylimit import BodyLimit
 from inference.listeners import INTERNAL_URLS, PUBLIC_URLS, listener_app
 from tests.processes import InThreadServer
 
@@ -137,3 +141,48 @@ def test_the_internal_listener_reads_a_large_body_only_with_its_token(listeners,
 def test_the_internal_listener_cuts_a_chunked_push_without_its_token(listeners):
     head = _head("/internal/push", "Transfer-Encoding: chunked", "Authorization: Bearer wrong-token")
     assert _exchange(listeners["internal"], head, _chunked(16 * 1024 * 1024))[0] == 413
+
+
+def _call(limit: BodyLimit, headers: list[tuple[bytes, bytes]], chunks: list[bytes]) -> tuple[int | None, bool]:
+    """(the status sent, whether the app saw the whole body) for one request through `limit`."""
+    import asyncio
+
+    sent: list[dict] = []
+    incoming = [{"type": "http.request", "body": c, "more_body": i < len(chunks) - 1} for i, c in enumerate(chunks)]
+    seen = {"whole": False}
+
+    async def app(scope, receive, send):
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            if not message.get("more_body"):
+                seen["whole"] = True
+                await send({"type": "http.response.start", "status": 200, "headers": []})
+                await send({"type": "http.response.body", "body": b""})
+                return
+
+    async def receive():
+        return incoming.pop(0) if incoming else {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message)
+
+    limit.app = app
+    asyncio.run(limit({"type": "http", "headers": headers}, receive, send))
+    return (sent[0]["status"] if sent else None), seen["whole"]
+
+
+@given(declared=st.one_of(st.binary(max_size=30), st.integers(0, 2**70).map(lambda n: str(n).encode())),
+       sizes=st.lists(st.integers(0, 300), max_size=8), keyed=st.booleans())
+@hsettings(max_examples=200, deadline=None)
+def test_no_content_length_or_body_gets_past_the_limit_or_raises(declared, sizes, keyed):
+    limit = BodyLimit(None, limit=1000, anonymous_limit=100)  # type: ignore[arg-type]
+    headers = [(b"content-length", declared)] + ([(b"authorization", b"Bearer x")] if keyed else [])
+    chunks = [b"x" * n for n in sizes] or [b""]
+    status, whole = _call(limit, headers, chunks)
+    bound = 1000 if keyed else 100
+    if whole:
+        assert sum(sizes) <= bound and declared.isdigit() and int(declared) <= bound and status == 200
+    else:
+        assert status in (400, 413, None)
