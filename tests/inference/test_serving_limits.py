@@ -17,7 +17,7 @@ from prometheus_client import REGISTRY
 
 from feedback.services import api_key_create
 from inference import conversations, serving
-from inference.engine import make_engine
+from inference.engines import make_engine
 from inference.scripted import ScriptedEngine
 
 pytestmark = pytest.mark.django_db
