@@ -322,9 +322,10 @@ class PolicyServer:
                 if not isinstance(share, int | float) or isinstance(share, bool) or not 0 < share < 1:
                     raise ServingError(400, "'share' must be a fraction in (0, 1)", "Send e.g. {\"share\": 0.1}.")
                 number = _version_number(body["canary"])
+                folder = self.resolve(number, "canary")
                 if self.canary_share_of is not None:  # the database's share, handed in
                     share = self.canary_share_of(number, float(share))
-                self.set_canary(self.engine_for(self.resolve(number, "canary"), number), float(share))
+                self.set_canary(self.engine_for(folder, number), float(share))
         return {"version": self.engine.version, "canary": self.canary.version if self.canary else None,
                 "canary_share": self.canary_share}
 
