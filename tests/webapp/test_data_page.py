@@ -11,6 +11,8 @@ from feedback.models import Trajectory
 from feedback.services import feedback_ingest
 from feedback.userdata.services import consent_opt_out_set, data_policy_set
 from tests.factories import trajectory
+
+# The training fixtures (a tiny policy in production) for the lineage panels.
 from tests.training.conftest import checkpoint_root, ckpt_settings, production, tiny_policy_dir, tokenizer  # noqa: F401
 from tests.training.test_lineage import ingest_users, run_once
 from tests.training.test_services import plain_spec
@@ -39,7 +41,7 @@ def test_the_data_page_shows_retention_consent_redactions_and_erasures(creds, bo
     assert "u-1" not in body and "a@example.com" not in body
 
 
-def test_the_replay_and_registry_pages_show_which_versions_learned_from_what(creds, bob, production, tokenizer):
+def test_the_replay_and_registry_pages_show_which_versions_learned_from_what(creds, bob, production, tokenizer):  # noqa: F811
     plain_spec(creds.project, settle_seconds=0)
     ingest_users(creds.project, tokenizer, {"u-a": 4})
     run = run_once(creds.project)
