@@ -2,6 +2,10 @@
 
     .venv/bin/python bench/ingest.py [--events 20000] [--clients 4] [--json]
 
+The redaction column: the endpoint at batch 1,000 for a project with every built-in redactor on
+(e-mail, API keys and tokens, IPv4, IPv6; one prompt in ten holds an address to replace), and
+the cost of redaction where it runs, the in-process parse of a 1,000-event batch (median of 7).
+
 (b) runs uvicorn serving webapp.asgi (a separate process) on a bench database of the embedded
 PostgreSQL (or DATABASE_URL's server), with concurrent signed clients (feedback/client.py).
 Half the events are trajectories with one step of 24 tokens, half feedback on them.
@@ -36,7 +40,8 @@ def make_events(prefix: str, n: int) -> list[dict]:
         tid = f"{prefix}-t{i}"
         events.append({
             "type": "trajectory", "id": tid, "policy_version": 1, "task": "tab-completion",
-            "prompt": [{"role": "user", "content": f"def f{i}(x):"}],
+            "prompt": [{"role": "user", "content": f"def f{i}(x):  # ask ann{i}@example.com, host 10.0.{i % 250}.1"
+                        if i % 10 == 0 else f"def f{i}(x):  # returns x plus one, see the docs of version 1.2"}],
             "steps": [{"role": "assistant", "content": " return x + 1", "token_ids": list(range(24)),
                        "logprobs": [-0.25] * 24}],
             "occurred_at": "2026-11-29T08:00:00Z",
@@ -99,11 +104,17 @@ def _serve(url: str) -> tuple[subprocess.Popen, str]:
     raise RuntimeError("uvicorn did not start")
 
 
-def bench_endpoint(base: str, n: int, batch: int, clients: int) -> float:
+REDACTORS = ["email", "api_key", "ipv4", "ipv6"]
+
+
+def bench_endpoint(base: str, n: int, batch: int, clients: int, redact: bool = False) -> float:
     from feedback.client import FlywheelClient
     from feedback.services import project_create
+    from feedback.userdata.services import data_policy_set
 
     creds = project_create(f"bench {uuid.uuid4().hex[:8]}")
+    if redact:
+        data_policy_set(creds.project, redactors=REDACTORS)
     events = make_events(f"b{batch}", n)
     batches = [events[i:i + batch] for i in range(0, len(events), batch)]
     senders = [FlywheelClient(base, creds.webhook_secret, project=creds.project.slug) for _ in range(clients)]
@@ -121,6 +132,29 @@ def bench_endpoint(base: str, n: int, batch: int, clients: int) -> float:
     return len(events) / elapsed
 
 
+def bench_parse(batch: int = 1000, repeat: int = 7) -> tuple[float, float]:
+    """Milliseconds to parse one batch in process, without and with every redactor (median)."""
+    import statistics
+
+    from django.utils import timezone
+
+    from feedback.services import _parse_batch, project_create
+    from feedback.userdata.services import data_policy_set
+
+    plain, redacted = (project_create(f"parse {uuid.uuid4().hex[:8]}").project for _ in range(2))
+    data_policy_set(redacted, redactors=REDACTORS)
+    events = make_events("parse", batch)
+    out = []
+    for project in (plain, redacted):
+        times = []
+        for _ in range(repeat):
+            start = time.perf_counter()
+            _parse_batch(project, events, timezone.now())
+            times.append(time.perf_counter() - start)
+        out.append(statistics.median(times) * 1000)
+    return out[0], out[1]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--events", type=int, default=20000)
@@ -134,15 +168,22 @@ def main() -> None:
     proc, base = _serve(url)
     try:
         rates = {b: bench_endpoint(base, args.events, b, args.clients) for b in (100, 1000)}
+        redacting = bench_endpoint(base, args.events, 1000, args.clients, redact=True)
     finally:
         proc.terminate()
         proc.wait(20)
     best = max(rates.values())
     rows = [("naive ORM save per event", naive, 1.0)]
     rows += [(f"endpoint, HTTP+ASGI, batch {b}, {args.clients} clients", r, r / naive) for b, r in rates.items()]
+    rows.append((f"endpoint, batch 1000, {args.clients} clients, redaction on", redacting, redacting / naive))
+    parse_plain, parse_redacted = bench_parse()
+    http_overhead = rates[1000] / redacting - 1
+    parse_overhead = (parse_redacted - parse_plain) / parse_plain
     print(f"{'path':<48} {'events/s':>10} {'vs naive':>9}")
     for name, rate, ratio in rows:
         print(f"{name:<48} {rate:>10.0f} {ratio:>8.1f}x")
+    print(f"redaction at batch 1000: {http_overhead:+.1%} time over HTTP; parse of the batch "
+          f"{parse_plain:.1f} ms -> {parse_redacted:.1f} ms ({parse_overhead:+.1%})")
     if args.json:
         print(json.dumps({
             "naive_events_per_s": round(naive, 1),
@@ -150,6 +191,9 @@ def main() -> None:
             "endpoint_events_per_s_batch100": round(rates[100], 1),
             "endpoint_events_per_s_batch1000": round(rates[1000], 1),
             "speedup": round(best / naive, 2),
+            "endpoint_events_per_s_batch1000_redacted": round(redacting, 1),
+            "redaction_overhead_batch1000": round(http_overhead, 4),
+            "redaction_parse_ms_batch1000": [round(parse_plain, 2), round(parse_redacted, 2)],
             "clients": args.clients,
             "cores": os.cpu_count(),
         }))
