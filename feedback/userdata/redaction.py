@@ -32,6 +32,7 @@ MAX_ATOMS = 16
 MAX_REPEAT = 1000  # an atom's upper bound: "+" and "*" must be written {1,N} / {0,N}
 MAX_CUSTOM = 16  # custom patterns per project
 _NAME = re.compile(r"[a-z][a-z0-9_]{0,31}")
+_UNSTORABLE = re.compile("[\x00\ud800-\udfff]")  # PostgreSQL's jsonb cannot hold them
 
 
 @dataclass(frozen=True)
@@ -155,8 +156,9 @@ def atoms_of(pattern: str) -> tuple[Atom, ...]:
     unbounded or huge repeats)."""
     fix = ("Write a sequence of characters and classes with bounded repeats, e.g. "
            r"'ACME-[0-9]{6,10}' or '[A-Z]{2}[0-9]{2}[A-Z0-9]{10,30}'; no groups, '|', anchors or look-arounds.")
-    if not isinstance(pattern, str) or not 0 < len(pattern) <= MAX_PATTERN_CHARS:
-        raise BadRequest(f"a custom pattern must be 1 to {MAX_PATTERN_CHARS} characters", fix)
+    if not isinstance(pattern, str) or not 0 < len(pattern) <= MAX_PATTERN_CHARS or _UNSTORABLE.search(pattern):
+        raise BadRequest(f"a custom pattern must be 1 to {MAX_PATTERN_CHARS} characters of valid Unicode "
+                         "without NUL (write \\x00 to match one)", fix)
     try:
         parsed = list(sre_parse.parse(pattern))
     except (re.error, RecursionError, OverflowError) as exc:
@@ -263,12 +265,12 @@ def redactor_for(names: Iterable[str], custom: Iterable[dict] = ()) -> Redactor:
         raise BadRequest(f"unknown redactors {unknown}", f"Use any of {sorted(BUILTIN)}.")
     if len(custom) > MAX_CUSTOM:
         raise BadRequest(f"{len(custom)} custom patterns; at most {MAX_CUSTOM} are allowed", "Merge or drop some.")
-    patterns = [p for n in names for p in BUILTIN[n]]
+    patterns = [p for n in dict.fromkeys(names) for p in BUILTIN[n]]  # each named once
     for entry in custom:
         name = entry.get("name") if isinstance(entry, dict) else None
-        if not isinstance(name, str) or not _NAME.fullmatch(name) or name in BUILTIN:
+        if not isinstance(name, str) or not _NAME.fullmatch(name):
             raise BadRequest(f"custom pattern name {str(name)[:40]!r} is not valid",
-                             "Name it with 1 to 32 lowercase letters, digits or '_' (not a built-in name).")
+                             "Name it with 1 to 32 lowercase letters, digits or '_', starting with a letter.")
         patterns.append(Pattern(name, atoms_of(entry.get("pattern"))))
     return Redactor(tuple(patterns))
 

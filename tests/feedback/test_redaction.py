@@ -51,7 +51,7 @@ def test_a_custom_pattern_is_a_bounded_sequence_or_refused_with_the_fix():
             atoms_of(bad)
         assert refused.value.fix, bad
     with pytest.raises(BadRequest, match="not valid"):
-        redactor_for([], [{"name": "Email!", "pattern": "x"}])
+        redactor_for([], [{"name": "Ticket!", "pattern": "x"}])
     with pytest.raises(BadRequest, match="unknown redactors"):
         redactor_for(["phone"])
 
