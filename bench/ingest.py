@@ -2,6 +2,11 @@
 
     .venv/bin/python bench/ingest.py [--events 20000] [--clients 4] [--json]
 
+The redaction column: a project with every built-in redactor on (e-mail, API keys and tokens,
+IPv4, IPv6; one prompt in ten holds an address to replace) against one without, at batch 1,000:
+through `feedback_ingest` in process (parse, redaction, durable commit; median of 15 batches,
+alternating) and through the endpoint. `--redaction-only` runs the first alone.
+
 (b) runs uvicorn serving webapp.asgi (a separate process) on a bench database of the embedded
 PostgreSQL (or DATABASE_URL's server), with concurrent signed clients (feedback/client.py).
 Half the events are trajectories with one step of 24 tokens, half feedback on them.
@@ -36,7 +41,8 @@ def make_events(prefix: str, n: int) -> list[dict]:
         tid = f"{prefix}-t{i}"
         events.append({
             "type": "trajectory", "id": tid, "policy_version": 1, "task": "tab-completion",
-            "prompt": [{"role": "user", "content": f"def f{i}(x):"}],
+            "prompt": [{"role": "user", "content": f"def f{i}(x):  # ask ann{i}@example.com, host 10.0.{i % 250}.1"
+                        if i % 10 == 0 else f"def f{i}(x):  # returns x plus one, see the docs of version 1.2"}],
             "steps": [{"role": "assistant", "content": " return x + 1", "token_ids": list(range(24)),
                        "logprobs": [-0.25] * 24}],
             "occurred_at": "2026-11-29T08:00:00Z",
@@ -99,11 +105,17 @@ def _serve(url: str) -> tuple[subprocess.Popen, str]:
     raise RuntimeError("uvicorn did not start")
 
 
-def bench_endpoint(base: str, n: int, batch: int, clients: int) -> float:
+REDACTORS = ["email", "api_key", "ipv4", "ipv6"]
+
+
+def bench_endpoint(base: str, n: int, batch: int, clients: int, redact: bool = False) -> float:
     from feedback.client import FlywheelClient
     from feedback.services import project_create
+    from feedback.userdata.services import data_policy_set
 
     creds = project_create(f"bench {uuid.uuid4().hex[:8]}")
+    if redact:
+        data_policy_set(creds.project, redactors=REDACTORS)
     events = make_events(f"b{batch}", n)
     batches = [events[i:i + batch] for i in range(0, len(events), batch)]
     senders = [FlywheelClient(base, creds.webhook_secret, project=creds.project.slug) for _ in range(clients)]
@@ -121,28 +133,86 @@ def bench_endpoint(base: str, n: int, batch: int, clients: int) -> float:
     return len(events) / elapsed
 
 
+def bench_inprocess(batch: int = 1000, repeat: int = 15) -> tuple[float, float]:
+    """Milliseconds to ingest one batch through feedback_ingest in this process (parse, redaction,
+    the durable commit), without and with every redactor: the median of `repeat` fresh batches
+    each, alternating the two projects so that both see the same machine."""
+    import statistics
+
+    from feedback.services import feedback_ingest, project_create
+    from feedback.userdata.services import data_policy_set
+
+    plain, redacted = (project_create(f"inproc {uuid.uuid4().hex[:8]}").project for _ in range(2))
+    data_policy_set(redacted, redactors=REDACTORS)
+    times: dict[int, list[float]] = {plain.pk: [], redacted.pk: []}
+    for k in range(repeat):
+        for project in (plain, redacted) if k % 2 == 0 else (redacted, plain):
+            events = make_events(f"in{k}-{project.pk}", batch)
+            start = time.perf_counter()
+            feedback_ingest(project, events)
+            times[project.pk].append(time.perf_counter() - start)
+    return statistics.median(times[plain.pk]) * 1000, statistics.median(times[redacted.pk]) * 1000
+
+
+def bench_redact_only(batch: int = 1000, repeat: int = 15) -> float:
+    """Milliseconds the redaction of one batch takes by itself (median): the part of a redacted
+    ingest that the plain one does not do, measured without the database's noise."""
+    import statistics
+
+    from feedback.userdata.redaction import redact_event, redactor_for
+
+    redactor, events, times = redactor_for(REDACTORS), make_events("alone", batch), []
+    for _ in range(repeat):
+        counts: dict[str, int] = {}
+        start = time.perf_counter()
+        for event in events:
+            redact_event(event, redactor, counts)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1000
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--events", type=int, default=20000)
     parser.add_argument("--naive-events", type=int, default=2000)
     parser.add_argument("--clients", type=int, default=4)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--redaction-only", action="store_true", help="only the in-process redaction column")
     args = parser.parse_args()
 
     url = setup_django(BENCH_DB)
+    inproc_plain, inproc_redacted = bench_inprocess()
+    inproc_overhead = (inproc_redacted - inproc_plain) / inproc_plain
+    alone = bench_redact_only()
+    redaction_line = (f"redaction at batch 1000, in process (parse + durable commit): {inproc_plain:.0f} ms -> "
+                      f"{inproc_redacted:.0f} ms a batch ({inproc_overhead:+.1%}); the redaction alone "
+                      f"{alone:.0f} ms ({alone / inproc_plain:.1%} of the plain batch)")
+    if args.redaction_only:
+        print(redaction_line)
+        if args.json:
+            print(json.dumps({"inprocess_ms_batch1000": [round(inproc_plain, 1), round(inproc_redacted, 1)],
+                              "redaction_overhead_inprocess_batch1000": round(inproc_overhead, 4),
+                              "redaction_alone_ms_batch1000": round(alone, 1),
+                              "redaction_alone_share": round(alone / inproc_plain, 4)}))
+        return
     naive = bench_naive(args.naive_events)
     proc, base = _serve(url)
     try:
         rates = {b: bench_endpoint(base, args.events, b, args.clients) for b in (100, 1000)}
+        redacting = bench_endpoint(base, args.events, 1000, args.clients, redact=True)
     finally:
         proc.terminate()
         proc.wait(20)
     best = max(rates.values())
     rows = [("naive ORM save per event", naive, 1.0)]
     rows += [(f"endpoint, HTTP+ASGI, batch {b}, {args.clients} clients", r, r / naive) for b, r in rates.items()]
+    rows.append((f"endpoint, batch 1000, {args.clients} clients, redaction on", redacting, redacting / naive))
+    http_overhead = rates[1000] / redacting - 1
     print(f"{'path':<48} {'events/s':>10} {'vs naive':>9}")
     for name, rate, ratio in rows:
         print(f"{name:<48} {rate:>10.0f} {ratio:>8.1f}x")
+    print(redaction_line)
+    print(f"redaction at batch 1000 over HTTP (4 clients, noisier): {http_overhead:+.1%} time")
     if args.json:
         print(json.dumps({
             "naive_events_per_s": round(naive, 1),
@@ -150,6 +220,11 @@ def main() -> None:
             "endpoint_events_per_s_batch100": round(rates[100], 1),
             "endpoint_events_per_s_batch1000": round(rates[1000], 1),
             "speedup": round(best / naive, 2),
+            "endpoint_events_per_s_batch1000_redacted": round(redacting, 1),
+            "redaction_overhead_batch1000": round(http_overhead, 4),
+            "inprocess_ms_batch1000": [round(inproc_plain, 1), round(inproc_redacted, 1)],
+            "redaction_overhead_inprocess_batch1000": round(inproc_overhead, 4),
+            "redaction_alone_share": round(alone / inproc_plain, 4),
             "clients": args.clients,
             "cores": os.cpu_count(),
         }))

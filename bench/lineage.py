@@ -33,7 +33,7 @@ INSERT INTO feedback_trajectory (project_id, external_id, policy_version, source
                                  occurred_at, received_at, user_hash, no_train)
 SELECT %(p)s, 't-' || i, 1, 'live', 'tab-completion', '[]', '[{"role": "user", "content": "def f(x):"}]', '{}',
        now() - make_interval(secs => %(n)s - i), now() - make_interval(secs => %(n)s - i),
-       (%(hashes)s::text[])[1 + (i * 7919) %% %(u)s], false
+       (%(hashes)s::text[])[1 + (i::bigint * 7919) %% %(u)s], false
 FROM generate_series(0, %(n)s - 1) AS i
 """
 _FEEDBACK = """

@@ -165,8 +165,10 @@ def data_policy_of(project: Project) -> DataPolicy:
 
 
 def user_hash_of(project: Project, user: str | int) -> str:
-    """The stored form of a user id of `project` (what ingest writes for the same id)."""
-    return hash_user(str(user), user_hash_key(project))
+    """The stored form of a user id of `project` (what ingest writes for the same id). An id
+    ingest would refuse (a lone surrogate) still hashes, to a value no stored row carries."""
+    text = str(user).encode("utf-8", "surrogatepass").decode("utf-8", "replace")
+    return hash_user(text, user_hash_key(project))
 
 
 @dataclass(slots=True)

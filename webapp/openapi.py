@@ -51,6 +51,7 @@ for _action in _ACTIONS:
     _EXTRA[(f"/api/v1/versions/{{version_id}}/{_action}", "post")] = (409, 415, 429)  # 429: refusals rate-limited
 
 _BODY_REQUIRED = [("/api/v1/events", "post"), *((f"/api/v1/versions/{{version_id}}/{a}", "post") for a in _ACTIONS)]
+_BODY_REQUIRED += [("/api/v1/consent/opt-outs", "post"), ("/api/v1/erasures", "post")]
 # (path, method, status) -> link name -> (target path, target method, parameter, runtime expression)
 _LINKS: dict[tuple[str, str, str], dict[str, tuple[str, str, str, str]]] = {
     ("/api/v1/events", "post", "202"): {

@@ -10,8 +10,10 @@ import json
 from typing import Any
 
 from django.http import StreamingHttpResponse
-from drf_spectacular.utils import OpenApiResponse, extend_schema
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import OpenApiResponse, extend_schema, inline_serializer
 from rest_framework import serializers
+from rest_framework.parsers import JSONParser
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
@@ -20,8 +22,32 @@ from feedback.auth import HasAdminScope, Principal
 from feedback.models import DataPolicy, Project
 from feedback.selectors import project_for_member, role_at_least
 from feedback.services import data_policy_of
+from feedback.userdata.redaction import BUILTIN, MAX_CUSTOM
 from feedback.userdata.selectors import data_overview, user_export_rows
 from feedback.userdata.services import consent_opt_out_set, data_policy_set
+
+_USER = {"type": "string", "minLength": 1, "maxLength": 255, "pattern": "^[^\\x00]*$",
+         "description": "The id the events carried in 'user' (hashed the same way)."}
+USER_BODY = {"type": "object", "required": ["user"], "properties": {"user": _USER}}
+OPT_OUT_BODY = {"type": "object", "required": ["user"],
+                "properties": {"user": _USER, "opted_out": {"type": "boolean", "default": True}}}
+DATA_POLICY_BODY = {"type": "object", "properties": {
+    "consent_default": {"type": "string", "enum": [c for c, _ in DataPolicy.CONSENTS]},
+    "retention_days": {"type": "integer", "minimum": 1, "maximum": 36_500, "nullable": True},
+    "erasure_policy": {"type": "string", "enum": [c for c, _ in DataPolicy.ERASURE_POLICIES]},
+    "redactors": {"type": "array", "uniqueItems": True, "items": {"type": "string", "enum": sorted(BUILTIN)}},
+    "custom_patterns": {"type": "array", "maxItems": MAX_CUSTOM, "items": {
+        "type": "object", "required": ["name", "pattern"], "properties": {
+            "name": {"type": "string", "pattern": "^[a-z][a-z0-9_]{0,31}$"},
+            # The schema shows the simplest form; classes and bounded repeats are accepted too
+            # (e.g. "ACME-[0-9]{6,10}"), anything that could backtrack is a 400 with the fix.
+            "pattern": {"type": "string", "pattern": "^[A-Za-z0-9]{1,100}$",
+                        "description": "characters and classes with bounded repeats, e.g. ACME-[0-9]{6,10}"}}}},
+}}
+POLICY_OUT = inline_serializer("DataPolicy", {
+    "consent_default": serializers.CharField(), "retention_days": serializers.IntegerField(allow_null=True),
+    "erasure_policy": serializers.CharField(), "redactors": serializers.ListField(child=serializers.CharField()),
+    "custom_patterns": serializers.ListField(child=serializers.DictField())})
 
 
 def admin_project(request) -> Project:
@@ -51,14 +77,21 @@ class DataPolicyApi(APIView):
     """GET /api/v1/data-policy: the project's data policy and data overview; PATCH changes it."""
 
     permission_classes = [HasAdminScope]
+    parser_classes = [JSONParser]
 
-    @extend_schema(operation_id="v1_data_policy_get", responses={200: OpenApiResponse(description="the policy")})
+    @extend_schema(operation_id="v1_data_policy_get", responses=inline_serializer("DataOverview", {
+        "consent_default": serializers.CharField(), "retention_days": serializers.IntegerField(allow_null=True),
+        "erasure_policy": serializers.CharField(), "redactors": serializers.ListField(child=serializers.CharField()),
+        "custom_patterns": serializers.ListField(child=serializers.CharField()),
+        "trajectories": serializers.IntegerField(), "no_train": serializers.IntegerField(),
+        "with_user": serializers.IntegerField(), "no_train_share": serializers.FloatField(allow_null=True),
+        "opted_out_users": serializers.IntegerField(), "oldest": serializers.DateTimeField(allow_null=True)}))
     def get(self, request) -> Response:
         overview = data_overview(admin_project(request))
         return Response({**overview, "oldest": overview["oldest"].isoformat() if overview["oldest"] else None})
 
-    @extend_schema(operation_id="v1_data_policy_update", request=DataPolicyInput,
-                   responses={200: OpenApiResponse(description="the policy")})
+    @extend_schema(operation_id="v1_data_policy_update", request={"application/json": DATA_POLICY_BODY},
+                   responses=POLICY_OUT)
     def patch(self, request) -> Response:
         project = admin_project(request)
         data = DataPolicyInput(data=request.data)
@@ -79,9 +112,11 @@ class OptOutApi(APIView):
     answers, no run that starts trains on that user's trajectories or feedback."""
 
     permission_classes = [HasAdminScope]
+    parser_classes = [JSONParser]
 
-    @extend_schema(operation_id="v1_consent_opt_out", request=OptOutInput,
-                   responses={200: OpenApiResponse(description="the user's consent now and before")})
+    @extend_schema(operation_id="v1_consent_opt_out", request={"application/json": OPT_OUT_BODY},
+                   responses=inline_serializer("OptOut", {"opted_out": serializers.BooleanField(),
+                                                          "was_opted_out": serializers.BooleanField()}))
     def post(self, request) -> Response:
         project = admin_project(request)
         data = OptOutInput(data=request.data)
@@ -96,11 +131,11 @@ class UserExportApi(APIView):
     permission_classes = [HasAdminScope]
 
     @extend_schema(operation_id="v1_user_export",
-                   responses={(200, "application/jsonl"): OpenApiResponse(description="one JSON object a line")})
+                   responses={(200, "application/jsonl"): OpenApiResponse(
+                       response=OpenApiTypes.STR, description="one JSON object a line: the user, their "
+                       "trajectories, their feedback")})
     def get(self, request, user: str) -> StreamingHttpResponse:
         project = admin_project(request)
-        if not 0 < len(user) <= 255:
-            raise BadRequest("the user id must be 1 to 255 characters", "Send the id the events carried in 'user'.")
         rows = user_export_rows(project, user)
         response = StreamingHttpResponse((_line(r) for r in rows), content_type="application/jsonl")
         response["Content-Disposition"] = 'attachment; filename="user-export.jsonl"'

@@ -32,6 +32,7 @@ MAX_ATOMS = 16
 MAX_REPEAT = 1000  # an atom's upper bound: "+" and "*" must be written {1,N} / {0,N}
 MAX_CUSTOM = 16  # custom patterns per project
 _NAME = re.compile(r"[a-z][a-z0-9_]{0,31}")
+_UNSTORABLE = re.compile("[\x00\ud800-\udfff]")  # PostgreSQL's jsonb cannot hold them
 
 
 @dataclass(frozen=True)
@@ -47,12 +48,50 @@ class Pattern:
     atoms: tuple[Atom, ...]
     accept: Callable[[str], bool] | None = None  # a check of a candidate match (e.g. a real IP)
     boundary: str | None = None  # a match never starts right after this class (default: the first atom's)
+    # A text without any of `needles` (a C-speed `in`), or in which `prefilter` finds nothing,
+    # cannot match: most text skips the scan. Default needle: the longest literal run every match holds.
+    needles: tuple[str, ...] = ()
+    prefilter: str | None = None
     compiled: re.Pattern = field(init=False, compare=False, repr=False)
+    maybe: Callable[[str], Any] | None = field(init=False, compare=False, repr=False)  # the prefilter's search
 
     def __post_init__(self) -> None:
+        if not self.needles:
+            run = _literal_run(self.atoms)
+            object.__setattr__(self, "needles", (run,) if run else ())
+        object.__setattr__(self, "maybe", re.compile(self.prefilter).search if self.prefilter else None)
         first = self.boundary or self.atoms[0].cls
         body = "".join(f"{a.cls}{{{a.low},{a.high}}}+" for a in self.atoms)
         object.__setattr__(self, "compiled", re.compile(f"(?<!{first}){body}"))
+
+    def may_match(self, text: str) -> bool:
+        for needle in self.needles:
+            if needle in text:
+                break
+        else:
+            if self.needles:
+                return False
+        return self.maybe is None or self.maybe(text) is not None
+
+
+def _literal_run(atoms: tuple[Atom, ...]) -> str:
+    """The longest run of single characters every match holds in a row (e.g. "ACME-"), or ""."""
+    best, run = "", ""
+    for atom in atoms:
+        if atom.low == atom.high == 1 and _is_literal(atom.cls):
+            run += _unescape(atom.cls)
+            best = max(best, run, key=len)
+        elif atom.low >= 1 or atom.high > 0:
+            run = ""
+    return best
+
+
+def _is_literal(cls: str) -> bool:
+    return len(_unescape(cls)) == 1 and re.escape(_unescape(cls)) == cls
+
+
+def _unescape(cls: str) -> str:
+    return cls[1:] if cls.startswith("\\") and len(cls) == 2 else cls
 
 
 def _atoms(*parts: tuple[str, int, int]) -> tuple[Atom, ...]:
@@ -94,14 +133,16 @@ BUILTIN: dict[str, tuple[Pattern, ...]] = {
         # Prefixed secrets (OpenAI/Stripe sk-/pk-/rk-, Flywheel fw_, GitHub ghp_/gho_/ghs_/ghu_,
         # GitLab glpat-, Slack xoxb-...): a word, a separator, then 16+ key characters.
         Pattern("api_key", _atoms(("[A-Za-z]", 2, 5), ("[-_]", 1, 1), (_KEY, 16, 512)),
-                lambda m: re.split("[-_]", m, maxsplit=1)[0] in _KEY_PREFIXES, boundary=_KEY),
+                lambda m: re.split("[-_]", m, maxsplit=1)[0] in _KEY_PREFIXES, boundary=_KEY,
+                needles=("-", "_"), prefilter="(?:sk|pk|rk|fw|gh[pous]|glpat|xox[bpars])[-_]"),
         Pattern("api_key", _atoms(("AKIA", 1, 1), ("[0-9A-Z]", 16, 16)), boundary="[A-Za-z0-9]"),  # AWS key ids
         # JSON Web Tokens: three base64url parts, the first an encoded '{"'.
         Pattern("api_key", _atoms(("eyJ", 1, 1), (_KEY, 8, 4096), ("[.]", 1, 1), (_KEY, 8, 4096), ("[.]", 1, 1),
-                                  (_KEY, 0, 4096)), boundary=_KEY),
+                                  (_KEY, 0, 4096)), boundary=_KEY, needles=("eyJ",)),
     ),
-    "ipv4": (Pattern("ipv4", _atoms(("[0-9.]", 7, 15)), _ip_ok),),
-    "ipv6": (Pattern("ipv6", _atoms(("[0-9A-Fa-f:.]", 3, 45)), _ipv6_ok, boundary="[0-9A-Za-z:.]"),),
+    "ipv4": (Pattern("ipv4", _atoms(("[0-9.]", 7, 15)), _ip_ok, needles=(".",), prefilter=r"\d\.\d"),),
+    "ipv6": (Pattern("ipv6", _atoms(("[0-9A-Fa-f:.]", 3, 45)), _ipv6_ok, boundary="[0-9A-Za-z:.]",
+                     needles=(":",), prefilter="::|[0-9A-Fa-f]:[0-9A-Fa-f]"),),
 }
 DEFAULT_REDACTORS = ("email", "api_key")
 
@@ -115,8 +156,9 @@ def atoms_of(pattern: str) -> tuple[Atom, ...]:
     unbounded or huge repeats)."""
     fix = ("Write a sequence of characters and classes with bounded repeats, e.g. "
            r"'ACME-[0-9]{6,10}' or '[A-Z]{2}[0-9]{2}[A-Z0-9]{10,30}'; no groups, '|', anchors or look-arounds.")
-    if not isinstance(pattern, str) or not 0 < len(pattern) <= MAX_PATTERN_CHARS:
-        raise BadRequest(f"a custom pattern must be 1 to {MAX_PATTERN_CHARS} characters", fix)
+    if not isinstance(pattern, str) or not 0 < len(pattern) <= MAX_PATTERN_CHARS or _UNSTORABLE.search(pattern):
+        raise BadRequest(f"a custom pattern must be 1 to {MAX_PATTERN_CHARS} characters of valid Unicode "
+                         "without NUL (write \\x00 to match one)", fix)
     try:
         parsed = list(sre_parse.parse(pattern))
     except (re.error, RecursionError, OverflowError) as exc:
@@ -187,6 +229,8 @@ class Redactor:
             return text
         spans: list[tuple[int, int, str]] = []
         for pattern in self.patterns:
+            if not pattern.may_match(text):
+                continue
             for m in pattern.compiled.finditer(text):
                 if pattern.accept is None or pattern.accept(m.group()):
                     spans.append((m.start(), m.end(), pattern.name))
@@ -221,12 +265,12 @@ def redactor_for(names: Iterable[str], custom: Iterable[dict] = ()) -> Redactor:
         raise BadRequest(f"unknown redactors {unknown}", f"Use any of {sorted(BUILTIN)}.")
     if len(custom) > MAX_CUSTOM:
         raise BadRequest(f"{len(custom)} custom patterns; at most {MAX_CUSTOM} are allowed", "Merge or drop some.")
-    patterns = [p for n in names for p in BUILTIN[n]]
+    patterns = [p for n in dict.fromkeys(names) for p in BUILTIN[n]]  # each named once
     for entry in custom:
         name = entry.get("name") if isinstance(entry, dict) else None
-        if not isinstance(name, str) or not _NAME.fullmatch(name) or name in BUILTIN:
+        if not isinstance(name, str) or not _NAME.fullmatch(name):
             raise BadRequest(f"custom pattern name {str(name)[:40]!r} is not valid",
-                             "Name it with 1 to 32 lowercase letters, digits or '_' (not a built-in name).")
+                             "Name it with 1 to 32 lowercase letters, digits or '_', starting with a letter.")
         patterns.append(Pattern(name, atoms_of(entry.get("pattern"))))
     return Redactor(tuple(patterns))
 
@@ -273,47 +317,54 @@ MAX_WALK_DEPTH = 40  # deeper than ingest accepts (32): such an event is refused
 
 
 def redact_event(raw: Any, redactor: Redactor, counts: dict[str, int]) -> Any:
-    """A copy of one raw ingest event with its free text redacted (prompt, steps' content and tool
-    calls, extra fields). A step whose text changed loses its sampled token ids, log-probs and
-    routing (they encode the redacted text; the trainer re-tokenises the turn), and a redacted
-    prompt drops the recorded prompt token ids. `raw` itself is not changed."""
+    """One raw ingest event with its free text redacted (prompt, steps' content and tool calls,
+    extra fields): a copy when anything changed, else `raw` itself (never changed in place). A
+    step whose text changed loses its sampled token ids, log-probs and routing (they encode the
+    redacted text; the trainer re-tokenises the turn), and a redacted prompt drops the recorded
+    prompt token ids."""
     if not isinstance(raw, dict) or not redactor.patterns:
         return raw
-    out: dict[str, Any] = {}
-    for key, value in raw.items():
-        if key in _STRUCTURAL or key == "steps":
-            out[key] = value
-        else:
-            out[key] = _walk(value, redactor, counts, 0)
-    if out.get("prompt") != raw.get("prompt"):
-        out.pop("prompt_token_ids", None)
+    changed = {key: new for key, value in raw.items() if key not in _STRUCTURAL and key != "steps"
+               and (new := _walk(value, redactor, counts, 0)) is not value}
     steps = raw.get("steps")
-    if isinstance(steps, list):
-        out["steps"] = [_step(s, redactor, counts) for s in steps]
-        if out.get("prompt") != raw.get("prompt"):
-            for s in out["steps"]:
-                if isinstance(s, dict):
-                    s.pop("prompt_token_ids", None)
+    new_steps = [_step(s, redactor, counts) for s in steps] if isinstance(steps, list) else steps
+    if not changed and (steps is None or all(a is b for a, b in zip(new_steps, steps, strict=True))):
+        return raw
+    out = {**raw, **changed}
+    if "prompt" in changed:
+        out.pop("prompt_token_ids", None)
+        new_steps = [{k: v for k, v in s.items() if k != "prompt_token_ids"} if isinstance(s, dict) else s
+                     for s in new_steps]
+    if steps is not None:
+        out["steps"] = new_steps
     return out
 
 
 def _step(raw: Any, redactor: Redactor, counts: dict[str, int]) -> Any:
     if not isinstance(raw, dict):
         return raw
-    out = {k: (v if k in _SAMPLED or k == "role" else _walk(v, redactor, counts, 0)) for k, v in raw.items()}
-    if out.get("content") != raw.get("content") or out.get("tool_calls") != raw.get("tool_calls"):
+    changed = {k: new for k, v in raw.items() if k not in _SAMPLED and k != "role"
+               and (new := _walk(v, redactor, counts, 0)) is not v}
+    if not changed:
+        return raw
+    out = {**raw, **changed}
+    if "content" in changed or "tool_calls" in changed:
         for key in _SAMPLED:
             out.pop(key, None)
     return out
 
 
 def _walk(value: Any, redactor: Redactor, counts: dict[str, int], depth: int) -> Any:
+    """`value` with its strings redacted: the same object when nothing in it changed."""
     if isinstance(value, str):
         return redactor.redact(value, counts)
     if depth > MAX_WALK_DEPTH:
         return value
     if isinstance(value, list):
-        return [_walk(v, redactor, counts, depth + 1) for v in value]
-    if isinstance(value, dict):
-        return {k: _walk(v, redactor, counts, depth + 1) for k, v in value.items()}
+        items = [_walk(v, redactor, counts, depth + 1) for v in value]
+        return value if all(a is b for a, b in zip(items, value, strict=True)) else items
+    if isinstance(value, dict):  # a message's role is a name, not text
+        changed = {k: new for k, v in value.items() if k != "role"
+                   and (new := _walk(v, redactor, counts, depth + 1)) is not v}
+        return {**value, **changed} if changed else value
     return value

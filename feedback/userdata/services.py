@@ -48,6 +48,10 @@ def data_policy_set(project: Project, **fields: Any) -> DataPolicy:
     if "redactors" in fields or "custom_patterns" in fields:
         redaction.redactor_for(fields.get("redactors", policy.redactors),
                                fields.get("custom_patterns", policy.custom_patterns))  # raises BadRequest
+    if "redactors" in fields:
+        fields["redactors"] = list(dict.fromkeys(fields["redactors"]))
+    if "custom_patterns" in fields:  # exactly what was checked is kept, nothing more
+        fields["custom_patterns"] = [{"name": c["name"], "pattern": c["pattern"]} for c in fields["custom_patterns"]]
     for name, value in fields.items():
         setattr(policy, name, value)
     policy.save()

@@ -37,20 +37,21 @@ def test_emails_keys_tokens_and_ip_addresses_are_replaced_and_counted_per_redact
 def test_overlapping_matches_become_one_replacement_counted_for_each_redactor():
     out, counts = redact(f"x {KEY}@corp.example.com y")  # a key that is also an address's local part
     assert out == "x [redacted:api_key+email] y" and counts == {"api_key": 1, "email": 1}
-    out, counts = redact("a@b.example.com@c.example.com", ["email"])  # chained addresses
-    assert "@" not in out.replace("[redacted:email]", "") and counts["email"] >= 1
+    out, counts = redact("a@b.example.com@c.example.com", ["email"])  # chained: the first address, the rest no address
+    assert out == "[redacted:email]@c.example.com" and counts == {"email": 1}
 
 
 def test_a_custom_pattern_is_a_bounded_sequence_or_refused_with_the_fix():
     out, counts = redact("ticket ACME-00012345 closed", [], [{"name": "ticket", "pattern": "ACME-[0-9]{6,10}"}])
     assert out == "ticket [redacted:ticket] closed" and counts == {"ticket": 1}
-    for bad in ["(a+)+b", "a|b", "[a-z]+x", "(ab){2}", r"(a)\1", "(?=a)b", "^abc", "a{0,5000}", "", "x" * 201, "(",
+    assert atoms_of("a|b") == atoms_of("[ab]")  # one character either way: a class
+    for bad in ["(a+)+b", "ab|cd", "[a-z]+x", "(ab){2}", r"(a)\1", "(?=a)b", "^abc", "a{0,5000}", "", "x" * 201, "(",
                 "a{0,3}b"]:
         with pytest.raises(BadRequest) as refused:
             atoms_of(bad)
         assert refused.value.fix, bad
     with pytest.raises(BadRequest, match="not valid"):
-        redactor_for([], [{"name": "Email!", "pattern": "x"}])
+        redactor_for([], [{"name": "Ticket!", "pattern": "x"}])
     with pytest.raises(BadRequest, match="unknown redactors"):
         redactor_for(["phone"])
 
@@ -73,7 +74,7 @@ def test_the_work_on_hostile_inputs_grows_linearly_and_matches_the_compiled_patt
 
 
 def test_a_megabyte_of_hostile_text_is_redacted_in_one_pass():
-    text = ("a@" * 100_000) + ("1." * 100_000) + ("eyJ" * 100_000) + (KEY + " ") * 5_000  # ~1.1 MB
+    text = ("a@" * 100_000) + " " + ("1." * 100_000) + " " + ("eyJ" * 100_000) + " " + (KEY + " ") * 5_000  # ~1.1 MB
     out, counts = redact(text)
     assert counts["api_key"] == 5_000 and KEY not in out
 

@@ -21,7 +21,7 @@ import pytest
 from django.test import override_settings
 
 from feedback.models import FeedbackEvent, Step, Trajectory
-from feedback.services import api_key_create, feedback_ingest
+from feedback.services import api_key_create, feedback_ingest, user_hash_of
 from inference import serving
 from inference.engines import make_engine
 from tests.processes import ROOT, free_port, subprocess_env, wait_http
@@ -215,6 +215,8 @@ BAD_REQUESTS = {
     "a seed beyond 64 bits": ({"model": "acme", "messages": [{"role": "user", "content": "hi"}], "seed": 2**70}, "'seed'"),
     "too many messages": ({"model": "acme", "messages": [{"role": "user", "content": "hi"}] * 65}, "'messages'"),
     "an unknown role": ({"model": "acme", "messages": [{"role": "<|im_start|>system", "content": "hi"}]}, "'role'"),
+    "a user id of 300 characters": (
+        {"model": "acme", "messages": [{"role": "user", "content": "hi"}], "user": "u" * 300}, "'user'"),
     "a stop string of a megabyte": (
         {"model": "acme", "messages": [{"role": "user", "content": "hi"}], "stop": ["s" * 100]}, "'stop'"),
 }
@@ -227,6 +229,18 @@ def test_bad_requests_get_400_with_a_fix(client, local_server, name):
     assert response.status_code == 400, response.content
     error = response.json()["error"]
     assert words in error["message"] and error["fix"]
+
+
+def test_the_requests_user_is_recorded_as_whose_trajectory_it_is_hashed(client, local_server, creds):
+    events: list[dict] = []
+    local_server.recorder = serving.Recorder(write=events.extend)
+    answer = _post(client, "/v1/chat/completions", {"model": "acme", "messages": [{"role": "user", "content": "hi"}],
+                                                    "max_tokens": 2, "user": "u-serve-9"})
+    assert answer.status_code == 200, answer.content
+    local_server.recorder.flush()
+    assert [e["user"] for e in events] == ["u-serve-9"]
+    feedback_ingest(creds.project, events)
+    assert Trajectory.objects.get().user_hash == user_hash_of(creds.project, "u-serve-9")
 
 
 def test_a_prompt_too_long_for_the_context_is_refused_before_it_is_tokenised(client, local_server, monkeypatch):

@@ -54,7 +54,8 @@ def seeded(creds) -> dict[str, Any]:
     fuzzer = service_account_get("fuzzer")  # an approver: the decisions reach the promotion service
     membership_set(project, fuzzer, "approver")
     return {"creds": creds, "key": api_key_create(project, ["admin"], name="fuzzer", owner=fuzzer),
-            "version_id": [v.id for v in (v1, v2, v3, v4, v5)], "external_id": ["traj-0", "traj-1", "traj-2"]}
+            "version_id": [v.id for v in (v1, v2, v3, v4, v5)], "external_id": ["traj-0", "traj-1", "traj-2"],
+            "user": ["u-42"]}  # the seeded feedback's user (a subject access export)
 
 
 @pytest.fixture

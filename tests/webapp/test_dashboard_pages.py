@@ -13,7 +13,7 @@ from training.models import AuditLog, PolicyVersion
 
 pytestmark = pytest.mark.django_db
 
-PAGES = ["overview", "runs", "rubrics", "rollouts", "replay", "registry"]
+PAGES = ["overview", "runs", "rubrics", "rollouts", "replay", "registry", "data"]
 
 
 def _seed(slug: str, events: int, trajectories: int) -> None:

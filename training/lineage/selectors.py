@@ -12,7 +12,6 @@ from datetime import datetime
 from django.db import connection
 from django.db.models import QuerySet
 
-from core.errors import BadRequest
 from feedback.models import FeedbackEvent, Project, Trajectory
 from feedback.services import user_hash_of
 from training.models import Erasure, PolicyVersion
@@ -55,18 +54,18 @@ ORDER BY v.number
 def data_of(project: Project, *, user: str | None = None, trajectory: str | None = None,
             since: datetime | None = None, until: datetime | None = None
             ) -> tuple[QuerySet[Trajectory], QuerySet[FeedbackEvent]]:
-    """The trajectories and feedback events a lineage question is about: a user's (the
-    trajectories served to them and their feedback on anyone's), one trajectory (by its id), or
-    those that occurred in [since, until)."""
+    """The trajectories and feedback events a lineage question is about; each filter given
+    narrows it: a user's data (the trajectories served to them and their feedback on anyone's),
+    one trajectory (by its id: it and the feedback on it), what occurred in [since, until).
+    Nothing given: all of the project's data."""
     trajectories = Trajectory.objects.filter(project=project)
     feedback = FeedbackEvent.objects.filter(project=project)
     if user is not None:
         hashed = user_hash_of(project, user)
-        return trajectories.filter(user_hash=hashed), feedback.filter(user_hash=hashed)
+        trajectories, feedback = trajectories.filter(user_hash=hashed), feedback.filter(user_hash=hashed)
     if trajectory is not None:
-        return trajectories.filter(external_id=trajectory), feedback.filter(trajectory__external_id=trajectory)
-    if since is None and until is None:
-        raise BadRequest("which data?", "Name a user, a trajectory, or a time window (since and/or until).")
+        trajectories = trajectories.filter(external_id=trajectory)
+        feedback = feedback.filter(trajectory__external_id=trajectory)
     if since is not None:
         trajectories, feedback = trajectories.filter(occurred_at__gte=since), feedback.filter(occurred_at__gte=since)
     if until is not None:
