@@ -207,7 +207,7 @@ def test_the_rubric_page_tells_a_context_model_from_the_feature_fallback(creds, 
     model = {"kind": "context", "checks": [], "labels": 2000, "accept_rate": 0.5, "heldout": 400,
              "heldout_auc": 0.812, "features_heldout_auc": 0.507}
     TrainingRun.objects.create(project=creds.project, base_version=v1, state="succeeded",
-                               config={"reward_model": model, "rollouts": 64})
+                               result={"reward_model": model, "rollouts": 64})
     body = _client(bob).get(f"/p/{creds.project.slug}/rubrics/").content.decode()
     table = body[body.index('id="reward-model"'):]
     assert "<td>context</td><td>2000</td>" in table and "0.812 (0.507)" in table
