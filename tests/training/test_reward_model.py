@@ -72,3 +72,70 @@ def test_expected_signal_reward_is_on_the_spec_scale():
     assert expected_signal_reward(0.0, True, rewards) == -0.25
     assert expected_signal_reward(0.5, True, rewards) == pytest.approx(0.25)
     assert expected_signal_reward(0.9, False, rewards) == 0.0  # not shown: no click
+
+
+# ------------------------------------------------------------------------ prompt and completion together
+
+TINY = dict(vocab_size=384, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64,
+            max_position=128)
+
+
+@pytest.fixture(scope="module")
+def intent_population(tmp_path_factory):
+    """2,500 intent-taste clicks on stdlib code lines, read by a tiny policy pretrained on them
+    (300 steps): right, partially right, wrong (another line's rest) and the policy's own samples."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from training.pretrain import PolicyConfig, build_policy, load_tokenizer, pretrain, stdlib_corpus
+    from training.rewards.intent_clicks import code_cases, intent_clicks
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matrices: a second thread only waits (15 ms vs 0.35 ms a layer on 2 busy cores)
+    try:
+        lines = stdlib_corpus(8000)
+        folder = build_policy(tmp_path_factory.mktemp("intent-policy"), PolicyConfig(**TINY), lines[:3000])
+        pretrain(folder, lines, seconds=float("inf"), batch_size=16, seq_len=64, max_steps=300)
+        tokenizer = load_tokenizer(folder)
+        policy = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+
+        def encode(text: str) -> list[int]:
+            return tokenizer.encode(text, add_special_tokens=False)
+
+        clicks = intent_clicks(code_cases(lines, 2500, seed=0), policy, encode, tokenizer.decode, seed=0)
+        yield policy, encode, clicks
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_a_model_that_reads_the_prompt_tells_a_right_continuation_from_a_wrong_one(intent_population):
+    from training.rewards.reward_model import fit_context_model
+
+    policy, encode, clicks = intent_population
+    fitted = clicks[:2000]
+    assert 0.3 < sum(c.label > 0 for c in fitted) / len(fitted) < 0.7  # both classes, mostly real code
+    assert any(0 < c.label < 1 for c in fitted)  # graded (partial) accepts among them
+    context = fit_context_model(fitted, policy, encode)
+    features = fit_reward_model(fitted)
+    assert context.calibration["heldout"] == 400 and context.calibration["heldout_auc"] >= 0.75
+    assert abs(features.calibration["heldout_auc"] - 0.5) < 0.1  # the suggestion alone: near chance
+    fresh = clicks[2000:]
+    labels = __import__("torch").tensor([c.label for c in fresh])
+    assert auc(context.predict(fresh), labels) >= 0.75 > auc(features.predict(fresh), labels) + 0.1
+
+
+def test_the_users_model_falls_back_to_features_while_clicks_are_few(intent_population):
+    from training.rewards.reward_model import (
+        CONTEXT_MIN_LABELS,
+        ContextRewardModel,
+        RewardModel,
+        fit_users_model,
+    )
+
+    policy, encode, clicks = intent_population
+    few = fit_users_model(clicks[:CONTEXT_MIN_LABELS - 1], policy=policy, encode=encode)
+    assert isinstance(few, RewardModel) and few.summary()["kind"] == "features"
+    many = fit_users_model(clicks[:2000], policy=policy, encode=encode)
+    assert isinstance(many, ContextRewardModel)
+    summary = many.summary()
+    assert summary["kind"] == "context" and summary["heldout_auc"] > summary["features_heldout_auc"]

@@ -200,6 +200,19 @@ def test_the_rubric_page_shows_the_users_reward_model_per_run(creds, bob):
     assert table.count("<tr>") == 2  # the header and the one run that fitted a model
 
 
+def test_the_rubric_page_tells_a_context_model_from_the_feature_fallback(creds, bob):
+    from training.models import TrainingRun
+
+    v1 = PolicyVersion.objects.create(project=creds.project, number=1, state="production")
+    model = {"kind": "context", "checks": [], "labels": 2000, "accept_rate": 0.5, "heldout": 400,
+             "heldout_auc": 0.812, "features_heldout_auc": 0.507}
+    TrainingRun.objects.create(project=creds.project, base_version=v1, state="succeeded",
+                               result={"reward_model": model, "rollouts": 64})
+    body = _client(bob).get(f"/p/{creds.project.slug}/rubrics/").content.decode()
+    table = body[body.index('id="reward-model"'):]
+    assert "<td>context</td><td>2000</td>" in table and "0.812 (0.507)" in table
+
+
 def test_the_rubric_page_shows_how_graded_signals_scale_their_reward(creds, bob):
     from training.rewards.services import reward_spec_update
 

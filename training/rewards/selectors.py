@@ -135,8 +135,19 @@ def labelled_suggestions(project: Project, spec: RewardSpec, limit: int = 4000) 
             completion_ids=[int(t) for s in steps for t in (s.token_ids or [])],
             label=_label(events[-1], grade),
             source_id=trajectory.pk,
+            prompt_ids=_recorded_prompt(trajectory, steps),
         ))
     return out
+
+
+def _recorded_prompt(trajectory: Trajectory, steps: list[Step]) -> list[int]:
+    """The ids the serving engine was fed before the first assistant step, when recorded (else []:
+    the context reward model encodes the prompt text)."""
+    for extra in ([steps[0].extra] if steps else []) + [trajectory.extra]:
+        ids = extra.get("prompt_token_ids") if isinstance(extra, dict) else None
+        if isinstance(ids, list) and ids and all(type(t) is int and t >= 0 for t in ids):
+            return ids
+    return []
 
 
 def _label(event: FeedbackEvent, grade: Any) -> float:

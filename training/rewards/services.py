@@ -22,7 +22,7 @@ from training.models import AgentTask, Reward, RewardSpec, RubricScore
 from training.rewards import selectors
 from training.rewards.checks import CheckConfigError, CheckResult, SandboxUnavailable, check_from_config
 from training.rewards.judges import AspectScore, Judge, make_judge
-from training.rewards.reward_model import Labelled, RewardModel, expected_signal_reward, fit_reward_model
+from training.rewards.reward_model import Labelled, UsersModel, expected_signal_reward, fit_reward_model
 from training.rewards.spec import DEFAULT_SIGNAL_REWARDS, RewardSpecData, compute_reward
 
 if TYPE_CHECKING:
@@ -228,19 +228,23 @@ def rewards_compute_pending(project: Project, limit: int = 1000, now: datetime |
 
 
 def suggestions_reward(
-    spec: RewardSpec, items: Sequence[tuple[str, str, Sequence[int]]], model: RewardModel | None,
+    spec: RewardSpec, items: Sequence[tuple[str, str, Sequence[int]] | tuple[str, str, Sequence[int], Sequence[int]]],
+    model: UsersModel | None,
 ) -> list[tuple[float, dict[str, float]]]:
     """Rewards of suggestions no user saw (group rollouts), on the spec's scale: the signal part is
     what the users would give in expectation (`model`'s accept probability through the spec's
     accept/reject values; a suggestion not shown gets `silent`), plus the spec's checks and judged
-    aspects like any trajectory. Nothing is stored. items: (prompt, completion, completion ids)."""
+    aspects like any trajectory. Nothing is stored. items: (prompt, completion, completion ids[,
+    prompt ids]): the prompt ids the completion was sampled after, read by a context model."""
     data = RewardSpecData.from_json(spec.signal_rewards, spec.checks, spec.aspects)
     judge = _judge_for(spec.judge, spec.aspects) if spec.judge else None
-    checks = checks_run_many(spec.checks, [(c, {"prompt": p}) for p, c, _ in items])
-    labelled = [Labelled(p, c, {k: r.score for k, r in row.items()}, ids) for (p, c, ids), row in zip(items, checks, strict=True)]
+    checks = checks_run_many(spec.checks, [(item[1], {"prompt": item[0]}) for item in items])
+    labelled = [Labelled(item[0], item[1], {k: r.score for k, r in row.items()}, item[2],
+                         prompt_ids=item[3] if len(item) > 3 else ())  # type: ignore[misc]
+                for item, row in zip(items, checks, strict=True)]
     accept = model.predict(labelled).tolist() if model is not None else [None] * len(items)
     out = []
-    for (prompt, completion, _), row, p in zip(items, checks, accept, strict=True):
+    for (prompt, completion, *_), row, p in zip(items, checks, accept, strict=True):
         shown = completion.strip() != ""
         aspects = judge.judge(prompt, completion, {}).scores if judge is not None else {}
         _, components = compute_reward(data, ["silent"], row, aspects)

@@ -30,7 +30,7 @@ from training.gate.services import eval_suite_active
 from training.gate.stats import kl_estimate
 from training.models import Reward, RewardSpec, TrainingRun
 from training.rewards.agents import run_agent_rollouts
-from training.rewards.reward_model import RewardModel, fit_reward_model
+from training.rewards.reward_model import CONTEXT_MIN_LABELS, Labelled, UsersModel, fit_users_model
 from training.rewards.selectors import agent_tasks, labelled_suggestions, rewarded_trajectories_since
 from training.rewards.services import agent_reward_of, suggestions_reward
 from training.rl.advantages import RunningBaseline
@@ -313,7 +313,7 @@ class GroupRollouts:
     `setup` returns None (and a report saying why) when off (`group` unset in the run settings) or
     without a model yet (too few clicks)."""
 
-    def __init__(self, run: TrainingRun, spec: RewardSpec, model: RewardModel, prompts: dict[tuple[int, ...], str],
+    def __init__(self, run: TrainingRun, spec: RewardSpec, model: UsersModel, prompts: dict[tuple[int, ...], str],
                  base_dir: Path, settings: RunSettings) -> None:
         self.run, self.spec, self.reward_model, self.prompts = run, spec, model, prompts
         self.keys = list(prompts)
@@ -339,7 +339,7 @@ class GroupRollouts:
             return None, {}
         spec = _spec(run)
         labelled = labelled_suggestions(run.project, spec)
-        model = fit_reward_model(labelled, [c["name"] for c in spec.checks])
+        model = users_model(labelled, spec, base_dir, tokenizer)
         if model is None:
             return None, {"reward_model": None, "rollouts": 0}
         prompts: dict[tuple[int, ...], str] = {}
@@ -372,8 +372,8 @@ class GroupRollouts:
                                      sampling=SamplingParams(max_tokens=self.max_tokens, seed=seed))
         self.mean_tokens[r] = sum(len(c.token_ids) for c in every) / max(1, len(every))
         completions = [c for c in every if c.token_ids]
-        scored = suggestions_reward(self.spec, [(self.prompts[keys[c.prompt_index]], c.text, c.token_ids)
-                                                for c in completions], self.reward_model)
+        scored = suggestions_reward(self.spec, [(self.prompts[keys[c.prompt_index]], c.text, c.token_ids,
+                                                 keys[c.prompt_index]) for c in completions], self.reward_model)
         self.count += len(completions)
         if scored:
             self.rewards_per_round.append(sum(t for t, _ in scored) / len(scored))
@@ -451,6 +451,17 @@ class GroupRollouts:
 
     def close(self) -> None:
         self.engine.close()
+
+
+def users_model(labelled: Sequence[Labelled], spec: RewardSpec, base_dir: Path, tokenizer: Any) -> UsersModel | None:
+    """The model standing in for the users on the rollouts (training.rewards.reward_model
+    `fit_users_model`): from CONTEXT_MIN_LABELS clicks on it may read prompt and completion with a
+    frozen copy of the run's base weights (the weights the rollouts start from)."""
+    names = [c["name"] for c in spec.checks]
+    if sum(i.label is not None for i in labelled) < CONTEXT_MIN_LABELS:
+        return fit_users_model(labelled, names)
+    frozen = setup_model(base_dir).eval().requires_grad_(False)
+    return fit_users_model(labelled, names, frozen, lambda text: tokenizer.encode(text, add_special_tokens=False))
 
 
 # --------------------------------------------------------------------------------- log-probs
