@@ -28,7 +28,7 @@ from training.runs.settings import RunSettings
 CHECKS = [{"name": "python_compiles", "weight": 0.25, "prompt_is_prefix": True}]
 PROMPTS = ["total = (a", "name = str(x", "value = [1, 2", "if ok", "items = {}", "x = y +"]
 # (completion, compiles after its prompt?) — the users accept exactly what compiles.
-TAILS = [" # ok\n", ")\n", " 3\n", "]\n", " + 1)\n", ":\n"]
+TAILS = [" and b\n", ")\n", " 3\n", "]\n", " + 1)\n", ":\n"]
 
 
 def _spec(project):
