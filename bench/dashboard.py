@@ -77,7 +77,7 @@ def _time_pages(repeat: int) -> dict[str, tuple[float, float]]:
     user, _ = User.objects.get_or_create(username="bench-viewer", defaults={"is_staff": True})
     # Pages are shown to the project's members only (a staff flag alone sees nothing).
     membership_grant(Project.objects.get(slug=SLUG), user, "viewer", "system:bench", "bench/dashboard.py viewer")
-    client = Client()
+    client = Client(HTTP_HOST="localhost")  # an allowed host of the default settings (testserver is not)
     client.force_login(user)
     out = {}
     for name, url in _pages().items():

@@ -66,17 +66,20 @@ def _key(creds) -> dict[str, str]:
 
 def _promote(version: PolicyVersion) -> None:
     """What the promotion service records for an approval (the database says what is served)."""
-    for old in PolicyVersion.objects.filter(project=version.project, state="production"):
+    version.refresh_from_db()  # the row's state, not this object's (a helper holds stale ones)
+    for old in PolicyVersion.objects.filter(project=version.project, state="production").exclude(pk=version.pk):
         version_transition(old, "retired", "test", "retire")
-    version_transition(version, "production", "test", "approve", "test")
+    if version.state != "production":
+        version_transition(version, "production", "test", "approve", "test")
 
 
 def _start_canary(version: PolicyVersion, share: float) -> None:
     baseline = PolicyVersion.objects.get(project=version.project, state="production")
     CanaryRun.objects.create(version=version, baseline=baseline, share=share)
-    for state in ("gated", "awaiting_approval"):  # a canary starts from an approval
-        version_transition(version, state, "test", "gate")
-    version_transition(version, "canary", "test", "canary_start", "test")
+    version.refresh_from_db()
+    path = ["candidate", "gated", "awaiting_approval", "canary"]  # a canary starts from an approval
+    for state in path[path.index(version.state) + 1:]:
+        version_transition(version, state, "test", state)
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -324,8 +327,9 @@ def test_an_approval_hot_swaps_the_running_server(creds, dense_dir, tmp_path, al
     from training.promotion.services import candidate_promote
 
     _, v2 = _versions(creds.project, dense_dir, tmp_path)
-    version_transition(v2, "gated", "test", "gate_start")
-    version_transition(v2, "awaiting_approval", "test", "gate")
+    path = ["candidate", "gated", "awaiting_approval"]
+    for state in path[path.index(v2.state) + 1:]:
+        version_transition(v2, state, "test", "gate")
     proc, url, internal = _serve(creds.project.slug, "torch")
     settings.FLYWHEEL_INFERENCE_URL, settings.FLYWHEEL_INTERNAL_TOKEN = url, TOKEN
     settings.FLYWHEEL_INFERENCE_INTERNAL_URL = internal

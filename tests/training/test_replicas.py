@@ -80,10 +80,11 @@ def _production_push(base: PolicyVersion, target: PolicyVersion) -> bytes:
 
 
 def _make_production(version: PolicyVersion) -> None:
-    for old in PolicyVersion.objects.filter(project=version.project, state="production"):
+    version.refresh_from_db()  # the row's state, not this object's (a helper holds stale ones)
+    for old in PolicyVersion.objects.filter(project=version.project, state="production").exclude(pk=version.pk):
         version_transition(old, "retired", "test", "retire")
-    version.refresh_from_db()  # it may be one of those just retired
-    version_transition(version, "production", "test", "approve", "test")
+    if version.state != "production":
+        version_transition(version, "production", "test", "approve", "test")
 
 
 def test_a_replica_registers_beats_and_counts_as_down_once_silent(creds, production, tmp_path, settings):
@@ -159,7 +160,9 @@ def test_a_canary_is_pushed_with_its_share_to_every_replica_and_its_promotion_se
     rows = [ServingReplica.objects.create(project=creds.project, address=f"http://10.0.0.{i}:8002", version=1,
                                           registered_at=now, heartbeat_at=now) for i in range(3)]
     CanaryRun.objects.create(version=v2, baseline=production, share=0.25)
-    version_transition(v2, "canary", "test", "test")  # a canary starts from an approval (v2 awaits one)
+    path = ["candidate", "gated", "awaiting_approval", "canary"]  # a canary starts from an approval
+    for state in path[path.index(v2.state) + 1:]:
+        version_transition(v2, state, "test", "test")
     target = serving_target(creds.project.id)
     planner = PushPlanner(target, rows)
     plans = [planner.bodies(r) for r in rows]

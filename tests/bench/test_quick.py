@@ -1,0 +1,31 @@
+"""Benches that rot fail here: each bench with a quick mode runs as `--quick --json` (tiny sizes,
+seconds) in a subprocess on this session's database server, and its last line must be its JSON
+result. No figure is asserted: the bench's numbers are read from its table, by hand.
+
+    .venv/bin/python -m pytest tests/bench/test_quick.py -q
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.processes import subprocess_env
+
+ROOT = Path(__file__).resolve().parents[2]
+# The benches with a quick mode (bench/dashboard.py failed unseen for weeks before it had one).
+QUICK = ["dashboard.py"]
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("bench", QUICK)
+def test_a_quick_bench_runs_and_ends_with_its_json_line(bench):
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / bench), "--quick", "--json"], cwd=ROOT,
+                          env=subprocess_env(), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    last = json.loads(done.stdout.strip().splitlines()[-1])
+    assert isinstance(last, dict) and last, done.stdout[-2000:]
