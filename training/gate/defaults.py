@@ -66,7 +66,9 @@ class BaseMeasure:
                 "min_median_chars": self.chars_p10}
 
     def as_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "derived": self.derived()}
+        """JSON as stored (tuples as lists), with the thresholds derived from it."""
+        plain = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
+        return {**plain, "derived": self.derived()}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> BaseMeasure:
