@@ -89,7 +89,8 @@ def _gate(project, production: Path, candidate: Path, number: int = 1) -> GateRe
     if prod is None:
         prod = PolicyVersion.objects.create(project=project, number=number, state="production",
                                             checkpoint_path=str(production))
-    cand = PolicyVersion.objects.create(project=project, number=prod.number + 1, parent=prod, state="candidate",
+    last = PolicyVersion.objects.filter(project=project).order_by("-number").first()
+    cand = PolicyVersion.objects.create(project=project, number=last.number + 1, parent=prod, state="candidate",
                                         checkpoint_path=str(candidate))
     return gate_run(cand.id)
 
@@ -131,7 +132,6 @@ def test_the_base_passes_against_itself_with_its_figures_measured_once_at_fixed_
     assert set(base["thresholds"]) == {"kl_budget", "length_ratio_max", "min_median_chars", "logprob_tolerance"}
     assert rows["kl"]["threshold"] == base["thresholds"]["kl_budget"] == base["measure"]["entropy"]
     assert rows["naturalness_logprob"]["value"] == 0.0 and rows["invented_names"]["value"] == 0.0  # the same samples
-    print(base["measure"], rows["naturalness_logprob"]["detail"], rows["invented_names"]["detail"])
     measure = base["measure"]
     assert measure["seeds"] == [0, 1] and measure["samples"] == 2 * 16 * 3
     assert measure["entropy_by_seed"] == pytest.approx([3.2657, 3.229], abs=1e-3)
