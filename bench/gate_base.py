@@ -25,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from inference.engine import make_engine  # noqa: E402
+from inference.engines import make_engine  # noqa: E402
 from training.gate.config import SuiteSpec  # noqa: E402
 from training.gate.defaults import base_measure  # noqa: E402
 from training.gate.runner import suite_sample  # noqa: E402

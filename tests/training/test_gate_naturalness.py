@@ -20,7 +20,7 @@ from feedback.services import feedback_ingest
 from tests.factories import member, trajectory
 from training.gate.naturalness import distinct_rate, invented_counts, top_share, top_suggestion
 from training.gate.services import gate_run
-from training.models import EvalSuite, GateReport, PolicyVersion
+from training.models import EvalSuite, GateReport, PolicyVersion, VersionState
 from training.pretrain import PolicyConfig, build_policy, pretrain, stdlib_corpus
 from training.promotion.services import base_policy_install, gate_policy_update
 from training.rewards.usefulness import language_names
@@ -85,12 +85,12 @@ def project(creds):
 
 
 def _gate(project, production: Path, candidate: Path, number: int = 1) -> GateReport:
-    prod = PolicyVersion.objects.filter(project=project, state="production").first()
+    prod = PolicyVersion.objects.filter(project=project, state=VersionState.PRODUCTION).first()
     if prod is None:
-        prod = PolicyVersion.objects.create(project=project, number=number, state="production",
+        prod = PolicyVersion.objects.create(project=project, number=number, state=VersionState.PRODUCTION,
                                             checkpoint_path=str(production))
     last = PolicyVersion.objects.filter(project=project).order_by("-number").first()
-    cand = PolicyVersion.objects.create(project=project, number=last.number + 1, parent=prod, state="candidate",
+    cand = PolicyVersion.objects.create(project=project, number=last.number + 1, parent=prod, state=VersionState.CANDIDATE,
                                         checkpoint_path=str(candidate))
     return gate_run(cand.id)
 
@@ -174,11 +174,11 @@ def test_a_candidate_that_answers_everything_with_one_string_is_refused_by_the_c
 def test_with_production_moved_on_a_candidate_is_still_compared_with_the_base(project, planted):
     """Production is gibberish; a candidate just as bad changes nothing against it, and is refused
     against the base, which samples the suite itself now."""
-    base = PolicyVersion.objects.create(project=project, number=1, state="candidate",
+    base = PolicyVersion.objects.create(project=project, number=1, state=VersionState.CANDIDATE,
                                         checkpoint_path=str(planted["base"]))
     base_policy_install(base, "system:test", "the project's base")
-    PolicyVersion.objects.filter(pk=base.pk).update(state="retired")
-    PolicyVersion.objects.create(project=project, number=2, parent=base, state="production",
+    PolicyVersion.objects.filter(pk=base.pk).update(state=VersionState.RETIRED)
+    PolicyVersion.objects.create(project=project, number=2, parent=base, state=VersionState.PRODUCTION,
                                  checkpoint_path=str(planted["gibberish"]))
     gate_policy_update(project, "system:test", "a budget set by hand", thresholds={"margin": -0.01, "kl_budget": 0.125})
     report = _gate(project, planted["gibberish"], planted["gibberish"])
