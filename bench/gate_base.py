@@ -77,9 +77,9 @@ def main() -> None:
     measure = base_measure(sets, (0, 1), prompts, known_names(prompts.values())).as_dict()
     rows = [("entropy per token (seed 0, 1)", " / ".join(f"{h:.3f}" for h in measure["entropy_by_seed"])),
             ("mean log-prob per token of its own samples", f"{-measure['entropy']:.3f}"),
-            ("tokens: mean / p10 / p90", f"{measure['tokens_mean']:.2f} / {measure['tokens_p10']:g} / "
-                                         f"{measure['tokens_p90']:g}"),
-            ("shown characters: p10 / median", f"{measure['chars_p10']:g} / {measure['chars_median']:g}"),
+            ("tokens: mean / p25 / p75", f"{measure['tokens_mean']:.2f} / {measure['tokens_p25']:g} / "
+                                         f"{measure['tokens_p75']:g}"),
+            ("shown characters: p25 / median", f"{measure['chars_p25']:g} / {measure['chars_median']:g}"),
             ("invented-name share", f"{measure['invented_share']:.3f}"),
             ("most common suggestion's share", f"{measure['top_share']:.3f}"),
             ("distinct-suggestion rate", f"{measure['distinct_rate']:.3f}"),

@@ -22,13 +22,17 @@ def test_the_kl_budget_is_the_bases_entropy_per_token_over_both_seeds():
 def test_the_length_bound_is_the_spread_of_the_bases_own_lengths_never_tighter_than_the_library_default():
     always_full = base_measure([_samples([16] * 20, -1.0)])  # every completion runs to the limit
     assert always_full.derived()["length_ratio_max"] == 1.5
-    spread = base_measure([_samples([2, 4, 8, 8, 8, 8, 8, 8, 12, 14], -1.0)])  # mean 8, p10 4, p90 12
-    assert spread.tokens_p10 == 4 and spread.derived()["length_ratio_max"] == pytest.approx(8.0 / 4)
+    spread = base_measure([_samples([2, 3, 4, 8, 8, 8, 8, 12, 13, 14], -1.0)])  # mean 8, p25 4, p75 12
+    assert (spread.tokens_p25, spread.tokens_p75) == (4, 12)
+    assert spread.derived()["length_ratio_max"] == pytest.approx(8.0 / 4)
+    stops_at_once = base_measure([_samples([1] * 6 + [16] * 4, -1.0)])  # mean 7, p25 1: the row would be off
+    assert stops_at_once.derived()["length_ratio_max"] == 3.0
 
 
-def test_the_median_floor_is_the_bases_tenth_percentile_of_shown_characters():
-    measure = base_measure([_samples([10] * 9, -1.0, "x = 1") + _samples([10], -1.0, "a much longer line of code")])
-    assert measure.chars_p10 == 5 and measure.derived()["min_median_chars"] == 5
+def test_the_median_floor_is_the_bases_25th_percentile_of_shown_characters():
+    texts = ["x = 1"] * 2 + ["value = 1"] * 6 + ["a much longer line of code"] * 2
+    measure = base_measure([[Sample(f"p{i}", t, 4, 0.0, logprobs=[-1.0] * 4) for i, t in enumerate(texts)]])
+    assert measure.chars_p25 == 9 and measure.derived()["min_median_chars"] == 9
 
 
 def test_a_base_that_gave_nothing_cannot_be_measured():

@@ -136,7 +136,7 @@ def test_the_base_passes_against_itself_with_its_figures_measured_once_at_fixed_
     assert measure["seeds"] == [0, 1] and measure["samples"] == 2 * 16 * 3
     assert measure["entropy_by_seed"] == pytest.approx([3.2657, 3.229], abs=1e-3)
     assert measure["derived"] == pytest.approx({"kl_budget": 3.2474, "logprob_tolerance": 1.6237,
-                                                "length_ratio_max": 2.3411, "min_median_chars": 6.0}, abs=1e-3)
+                                                "length_ratio_max": 1.5, "min_median_chars": 11.0}, abs=1e-3)
     # a 120-step base invents about half its names; one suggestion per prompt its own
     assert measure["invented_share"] == pytest.approx(0.5515, abs=1e-3)
     assert measure["top_share"] == pytest.approx(1 / 16, abs=1e-3) and measure["distinct_rate"] == 1.0
