@@ -16,11 +16,12 @@ minus the mean log-prob of its own sampled tokens, over both seeds):
 - logprob_tolerance = H / 2. The candidate's text may be less likely under the reference than the
   reference's own by at most half its entropy per token: sharpening raises that log-prob, ending a
   statement costs a token or two, gibberish costs several nats on every token.
-- length_ratio_max = the spread of the base's own completion lengths: max(mean / p10, p90 / mean)
-  of its token counts, never tighter than 1.5 (a base that always runs to the token limit has no
-  spread, and learning to end a statement must still pass).
-- min_median_chars = the 10th percentile of the base's shown suggestions' characters (first
-  line): a candidate whose typical suggestion is shorter than nine in ten of the base's gains by
+- length_ratio_max = the spread of the base's own completion lengths: max(mean / p25, p75 / mean)
+  of its token counts (a candidate's mean outside the base's middle half is not the base's kind of
+  answer), within [1.5, 3]: a base that always runs to the token limit has no spread and learning to
+  end a statement must still pass; one that often stops after a token would switch the row off.
+- min_median_chars = the 25th percentile of the base's shown suggestions' characters (first
+  line): a candidate whose typical suggestion is shorter than three in four of the base's gains by
   shrinking. The row's floor is still production's median when that is lower.
 
 The figures of the two seeds (`entropy_by_seed`) say how far the measurement itself moves.
@@ -37,6 +38,7 @@ from training.gate.samples import Sample, by_prompt
 from training.rewards.usefulness import known_names
 
 LENGTH_RATIO_FLOOR = 1.5  # the library's length bound before it was derived; derived ones only widen it
+LENGTH_RATIO_CEILING = 3.0  # past it the row would never fire (a base that often stops after one token)
 
 
 @dataclass(frozen=True)
@@ -46,9 +48,9 @@ class BaseMeasure:
     entropy: float  # nats per token
     entropy_by_seed: tuple[float, ...]
     tokens_mean: float
-    tokens_p10: float
-    tokens_p90: float
-    chars_p10: float  # shown suggestions' characters
+    tokens_p25: float
+    tokens_p75: float
+    chars_p25: float  # shown suggestions' characters
     chars_median: float
     samples: int
     seeds: tuple[int, ...] = ()
@@ -60,13 +62,15 @@ class BaseMeasure:
     distinct_rate: float | None = None
 
     def derived(self) -> dict[str, float]:
-        spread = max(self.tokens_mean / max(self.tokens_p10, 1.0), self.tokens_p90 / max(self.tokens_mean, 1e-9))
+        spread = max(self.tokens_mean / max(self.tokens_p25, 1.0), self.tokens_p75 / max(self.tokens_mean, 1e-9))
         return {"kl_budget": round(self.entropy, 4), "logprob_tolerance": round(self.entropy / 2, 4),
-                "length_ratio_max": round(max(LENGTH_RATIO_FLOOR, spread), 4),
-                "min_median_chars": self.chars_p10}
+                "length_ratio_max": round(min(max(LENGTH_RATIO_FLOOR, spread), LENGTH_RATIO_CEILING), 4),
+                "min_median_chars": self.chars_p25}
 
     def as_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "derived": self.derived()}
+        """JSON as stored (tuples as lists), with the thresholds derived from it."""
+        plain = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
+        return {**plain, "derived": self.derived()}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> BaseMeasure:
@@ -90,8 +94,8 @@ def base_measure(sample_sets: Sequence[Sequence[Sample]], seeds: Sequence[int] =
     return BaseMeasure(
         entropy=round(sum(entropies) / len(entropies), 4) if entropies else 0.0,
         entropy_by_seed=tuple(round(h, 4) for h in entropies), tokens_mean=round(sum(lengths) / len(lengths), 4),
-        tokens_p10=_quantile(lengths, 0.1), tokens_p90=_quantile(lengths, 0.9),
-        chars_p10=_quantile(chars, 0.1), chars_median=_quantile(chars, 0.5), samples=len(pooled),
+        tokens_p25=_quantile(lengths, 0.25), tokens_p75=_quantile(lengths, 0.75),
+        chars_p25=_quantile(chars, 0.25), chars_median=_quantile(chars, 0.5), samples=len(pooled),
         seeds=tuple(seeds), **(_naturalness(sample_sets, prompts, known) if prompts is not None else {}))
 
 

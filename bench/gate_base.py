@@ -1,0 +1,96 @@
+"""The gate's measurements of a base on the demo's held-out suite, and the thresholds derived from
+them (training/gate/defaults.py): entropy per token at two seeds, the length spread, the invented-name
+share, the collapse figures, the KL budget, length bound, median floor and log-prob tolerance.
+
+    .venv/bin/python bench/gate_base.py                       # the demo base (bootstrap_policy's cache)
+    .venv/bin/python bench/gate_base.py --steps 200 --json    # pretrain a base of that many steps first
+    .venv/bin/python bench/gate_base.py --folder PATH         # any local HF folder
+
+The base is the demo's (`bootstrap_policy --steps N`: the default dense shape pretrained N steps on
+the stdlib sources), read from var/policies/pretrained/dense-<N>steps/ when the demo cached it, else
+built there. The suite is the demo's: 160 held-out stdlib line starts, 4 samples of 16 tokens. The
+known names are the suite's and the language's (the gate adds the project's trajectories' prompts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from inference.engines import make_engine  # noqa: E402
+from training.gate.config import SuiteSpec  # noqa: E402
+from training.gate.defaults import base_measure  # noqa: E402
+from training.gate.runner import suite_sample  # noqa: E402
+from training.pretrain import PolicyConfig, build_policy, pretrain, sample_lines, stdlib_corpus  # noqa: E402
+from training.rewards.usefulness import known_names  # noqa: E402
+
+
+def demo_suite(prompts: int, samples: int) -> SuiteSpec:
+    """The demo's held-out suite (webapp/demo `_demo_suite_prompts`: the same lines, seed 7)."""
+    lines = [line.strip() for line in stdlib_corpus()[-20_000:]]
+    held_out = sample_lines([line for line in lines if len(line) >= 12], prompts, seed=7)
+    return SuiteSpec.from_json([{"id": f"stdlib-{i}", "prompt": line[:20]} for i, line in enumerate(held_out)],
+                               n_samples=samples, max_tokens=16)
+
+
+def base_folder(args: argparse.Namespace) -> Path:
+    if args.folder:
+        return Path(args.folder)
+    var = Path(os.environ.get("FLYWHEEL_VAR_DIR", ROOT / "var"))
+    cached = var / "policies" / "pretrained" / f"dense-{args.steps}steps"
+    if not (cached / "pretrain.json").exists():
+        print(f"pretraining the demo base for {args.steps} steps into {cached}", file=sys.stderr)
+        building = cached.with_name(cached.name + ".gate-bench")
+        shutil.rmtree(building, ignore_errors=True)
+        corpus = stdlib_corpus()
+        build_policy(building, PolicyConfig(kind="dense"), corpus[:60_000])
+        stats = pretrain(building, corpus, float("inf"), max_steps=args.steps)
+        (building / "pretrain.json").write_text(json.dumps(stats))
+        building.rename(cached)
+    return cached
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=1000, help="the demo base's pretraining steps")
+    parser.add_argument("--folder", default=None, help="measure this HF folder instead")
+    parser.add_argument("--prompts", type=int, default=160)
+    parser.add_argument("--samples", type=int, default=4)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    folder, spec = base_folder(args), demo_suite(args.prompts, args.samples)
+    engine = make_engine("torch", folder, version=1)
+    start = time.monotonic()
+    try:
+        sets = [suite_sample(spec, engine, seed) for seed in (0, 1)]
+    finally:
+        engine.close()
+    prompts = {p.id: p.prompt for p in spec.prompts}
+    measure = base_measure(sets, (0, 1), prompts, known_names(prompts.values())).as_dict()
+    rows = [("entropy per token (seed 0, 1)", " / ".join(f"{h:.3f}" for h in measure["entropy_by_seed"])),
+            ("mean log-prob per token of its own samples", f"{-measure['entropy']:.3f}"),
+            ("tokens: mean / p25 / p75", f"{measure['tokens_mean']:.2f} / {measure['tokens_p25']:g} / "
+                                         f"{measure['tokens_p75']:g}"),
+            ("shown characters: p25 / median", f"{measure['chars_p25']:g} / {measure['chars_median']:g}"),
+            ("invented-name share", f"{measure['invented_share']:.3f}"),
+            ("most common suggestion's share", f"{measure['top_share']:.3f}"),
+            ("distinct-suggestion rate", f"{measure['distinct_rate']:.3f}"),
+            *((f"derived {k}", f"{v:g}") for k, v in measure["derived"].items()),
+            ("sampling seconds (2 seeds)", f"{time.monotonic() - start:.1f}")]
+    print(f"base {folder} on {len(spec.prompts)} prompts x {spec.n_samples} samples x {spec.max_tokens} tokens")
+    for name, value in rows:
+        print(f"  {name:<44} {value}")
+    if args.json:
+        print(json.dumps({"folder": str(folder), **measure}))
+
+
+if __name__ == "__main__":
+    main()
