@@ -45,7 +45,7 @@ class MidtrainApi(APIView):
         kind = serializers.CharField()
         state = serializers.CharField()
         base_version = serializers.IntegerField(source="base_version.number")
-        config = serializers.JSONField()
+        settings = serializers.JSONField()
 
     @extend_schema(request=InputSerializer, responses={202: OutputSerializer})
     def post(self, request) -> Response:
