@@ -53,7 +53,7 @@ def base_policy(steps: int) -> Path:
 
 def code_base(root: Path) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
     """(training, held-out) (path, text) of the *.py files under `root`, split by the product's rule."""
-    from training.corpora.services import DEFAULT_HELDOUT_PERCENT, heldout_paths
+    from training.corpora.lines import heldout_paths
 
     files = []
     for path in sorted(root.rglob("*.py")):
@@ -61,7 +61,7 @@ def code_base(root: Path) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]
             files.append((path.relative_to(root).as_posix(), path.read_text(encoding="utf-8")))
         except (OSError, UnicodeDecodeError):
             continue
-    held = heldout_paths([p for p, _ in files], DEFAULT_HELDOUT_PERCENT)
+    held = heldout_paths([p for p, _ in files], 10)  # the product's default share (corpora.services)
     return [f for f in files if f[0] not in held], [f for f in files if f[0] in held]
 
 

@@ -5,6 +5,7 @@ exact-continuation row, replay rollouts and the corpus's eval suite all cut line
 
 from __future__ import annotations
 
+import hashlib
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -28,3 +29,21 @@ def continuation_prompts(texts: Sequence[tuple[str, str]], n: int = 64, seed: in
         cut = rng.randint(min(min_prefix, len(line) // 2), max(min_prefix, len(line) // 2))
         out.append(Continuation(line[:cut], line[cut:]))
     return out
+
+
+def heldout_bucket(path: str) -> int:
+    """0..99 from the path's SHA-256: the same file is held out in every corpus that has it."""
+    return int.from_bytes(hashlib.sha256(path.encode()).digest()[:4], "big") % 100
+
+
+def heldout_paths(paths: Sequence[str], percent: int) -> set[str]:
+    """The held-out slice: files whose bucket is below `percent`; with two files or more, at least
+    one held out and one kept for training (the lowest and highest buckets decide)."""
+    held = {p for p in paths if heldout_bucket(p) < percent}
+    ranked = sorted(paths, key=lambda p: (heldout_bucket(p), p))
+    if len(paths) >= 2 and percent > 0:
+        if not held:
+            held = {ranked[0]}
+        if len(held) == len(paths):
+            held.discard(ranked[-1])
+    return held

@@ -7,7 +7,6 @@ the held-out slice fixed by each path's hash, file and token counts.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 from typing import IO, Any
 
@@ -18,7 +17,7 @@ from core.errors import ApplicationError, BadRequest, PayloadTooLarge
 from feedback.models import Project
 from training.corpora import files as corpus_files
 from training.corpora.files import Collected, CorpusRefused, Limits, TextFile
-from training.corpora.lines import continuation_prompts
+from training.corpora.lines import continuation_prompts, heldout_bucket, heldout_paths  # noqa: F401 - re-exported
 from training.corpora.selectors import corpus_texts
 from training.corpora.store import blob_put
 from training.models import Corpus, CorpusFile, EvalSuite
@@ -38,24 +37,6 @@ def corpus_limits() -> Limits:
 def refused(exc: CorpusRefused) -> ApplicationError:
     """The one error path's form of a refusal (413 for a bound, 400 otherwise)."""
     return (PayloadTooLarge if exc.status == 413 else BadRequest)(exc.message, exc.fix)
-
-
-def heldout_bucket(path: str) -> int:
-    """0..99 from the path's SHA-256: the same file is held out in every corpus that has it."""
-    return int.from_bytes(hashlib.sha256(path.encode()).digest()[:4], "big") % 100
-
-
-def heldout_paths(paths: Sequence[str], percent: int) -> set[str]:
-    """The held-out slice: files whose bucket is below `percent`; with two files or more, at least
-    one held out and one kept for training (the lowest and highest buckets decide)."""
-    held = {p for p in paths if heldout_bucket(p) < percent}
-    ranked = sorted(paths, key=lambda p: (heldout_bucket(p), p))
-    if len(paths) >= 2 and percent > 0:
-        if not held:
-            held = {ranked[0]}
-        if len(held) == len(paths):
-            held.discard(ranked[-1])
-    return held
 
 
 def corpus_create(project: Project, collected: Collected, *, name: str, created_by: Any = None,
