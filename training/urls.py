@@ -5,6 +5,7 @@ from django.urls import path
 from training import apis
 from training.corpora.apis import CorpusApi
 from training.lineage import apis as lineage_apis
+from training.runs.apis import MidtrainApi
 
 urlpatterns = [
     path("versions", apis.VersionListApi.as_view(), name="api-versions"),
@@ -15,4 +16,5 @@ urlpatterns = [
     path("corpora", CorpusApi.as_view(), name="api-corpora"),
     path("lineage", lineage_apis.LineageApi.as_view(), name="api-lineage"),
     path("erasures", lineage_apis.ErasureApi.as_view(), name="api-erasures"),
+    path("midtrain", MidtrainApi.as_view(), name="api-midtrain"),
 ]

@@ -7,7 +7,6 @@ the held-out slice fixed by each path's hash, file and token counts.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 from typing import IO, Any
 
@@ -18,8 +17,10 @@ from core.errors import ApplicationError, BadRequest, PayloadTooLarge
 from feedback.models import Project
 from training.corpora import files as corpus_files
 from training.corpora.files import Collected, CorpusRefused, Limits, TextFile
+from training.corpora.lines import continuation_prompts, heldout_bucket, heldout_paths  # noqa: F401 - re-exported
+from training.corpora.selectors import corpus_texts
 from training.corpora.store import blob_put
-from training.models import Corpus, CorpusFile
+from training.models import Corpus, CorpusFile, EvalSuite
 from training.versions.selectors import policy_production
 from training.versions.services import policy_folder
 
@@ -36,24 +37,6 @@ def corpus_limits() -> Limits:
 def refused(exc: CorpusRefused) -> ApplicationError:
     """The one error path's form of a refusal (413 for a bound, 400 otherwise)."""
     return (PayloadTooLarge if exc.status == 413 else BadRequest)(exc.message, exc.fix)
-
-
-def heldout_bucket(path: str) -> int:
-    """0..99 from the path's SHA-256: the same file is held out in every corpus that has it."""
-    return int.from_bytes(hashlib.sha256(path.encode()).digest()[:4], "big") % 100
-
-
-def heldout_paths(paths: Sequence[str], percent: int) -> set[str]:
-    """The held-out slice: files whose bucket is below `percent`; with two files or more, at least
-    one held out and one kept for training (the lowest and highest buckets decide)."""
-    held = {p for p in paths if heldout_bucket(p) < percent}
-    ranked = sorted(paths, key=lambda p: (heldout_bucket(p), p))
-    if len(paths) >= 2 and percent > 0:
-        if not held:
-            held = {ranked[0]}
-        if len(held) == len(paths):
-            held.discard(ranked[-1])
-    return held
 
 
 def corpus_create(project: Project, collected: Collected, *, name: str, created_by: Any = None,
@@ -120,3 +103,19 @@ def corpus_add_upload(project: Project, *, archive: IO[bytes] | None = None,
     except CorpusRefused as exc:
         raise refused(exc) from None
     return corpus_create(project, collected, name=name, created_by=created_by, heldout_percent=heldout_percent)
+
+
+def eval_suite_from_corpus(corpus: Corpus, prompts: int = 64, seed: int = 0) -> EvalSuite:
+    """A new version of the project's default eval suite: `prompts` line prefixes of the corpus's
+    held-out files (a few characters to half the line, the gate's cut), for a project that has no
+    suite of its own yet. No checks or judge: the gate's reward rows then compare nothing but its
+    detectors, naturalness and corpus rows do the judging."""
+    held = continuation_prompts(corpus_texts(corpus, heldout=True), n=prompts, seed=seed)
+    if not held:
+        raise BadRequest(f"corpus {corpus.pk} has no held-out line to make a suite of",
+                         "Add a corpus of more files (a tenth of them is held out).")
+    last = EvalSuite.objects.filter(project=corpus.project, name="default").order_by("-version").first()
+    return EvalSuite.objects.create(
+        project=corpus.project, name="default", version=(last.version if last else 0) + 1,
+        prompts=[{"id": f"corpus-{corpus.pk}-{i}", "prompt": p.prompt, "context": {"prefix": p.prompt}}
+                 for i, p in enumerate(held)], n_samples=2, max_tokens=16)

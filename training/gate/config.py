@@ -49,6 +49,15 @@ class GateThresholds:
     # fall below production's by more than this (interval lower bound), as an aspect.
     agent_G: int = 2
     agent_tolerance: float | None = None
+    # The project's corpus (training/gate/corpus_rows.py): held-out next-token loss may rise by at
+    # most corpus_loss_tolerance nats, the greedy accepted characters on held-out line prefixes fall
+    # by at most corpus_accept_tolerance (None: informational; a mid-trained candidate must lower the
+    # loss and may lose at most 0.5 characters). A mid-trained candidate's users' reward may fall by
+    # at most midtrain_reward_tolerance; its KL to production is checked only with midtrain_kl_budget.
+    corpus_loss_tolerance: float | None = None
+    corpus_accept_tolerance: float | None = None
+    midtrain_reward_tolerance: float = 0.05
+    midtrain_kl_budget: float | None = None
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any] | None) -> GateThresholds:

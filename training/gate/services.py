@@ -19,7 +19,9 @@ from django.utils import timezone
 from core.errors import Conflict
 from core.workers import WorkerRef
 from feedback.models import Project
+from training.corpora.selectors import corpus_heldout_texts
 from training.gate.config import GateThresholds, SuiteSpec
+from training.gate.corpus_rows import corpus_rows, midtrain_adjusted
 from training.gate.defaults import BaseMeasure, base_measure
 from training.gate.runner import (
     CheckRow,
@@ -126,6 +128,7 @@ def _gate_rows(version: PolicyVersion, baseline: PolicyVersion | None, policy: G
     spec = suite.as_spec()
     thresholds = GateThresholds.from_json(policy.thresholds)
     tasks = agent_tasks(version.project)
+    midtrain = (version.config or {}).get("kind") == "midtrain"
     reference = gate_reference(version.project) or baseline
     reference = baseline if reference.id == version.id else reference
     known = gate_known_names(version.project, spec)
@@ -136,6 +139,8 @@ def _gate_rows(version: PolicyVersion, baseline: PolicyVersion | None, policy: G
         samples = suite_collect(spec, engines[0], engines[1], reference=engines[2] if len(engines) > 2 else None)
         base = _base_measured(version.project, reference, suite, spec, samples, engines[-1], known)
         shares = agent_collect(tasks, engines[0], engines[1], thresholds.agent_G, thresholds.seed) if tasks else None
+        heldout = corpus_heldout_texts(version.project)
+        on_corpus = (corpus_rows(engines[0], engines[1], heldout, thresholds, midtrain) if heldout else None)
     finally:
         for engine in engines:
             getattr(engine, "close", lambda: None)()
@@ -144,6 +149,11 @@ def _gate_rows(version: PolicyVersion, baseline: PolicyVersion | None, policy: G
     derived = BaseMeasure.from_dict(base["measure"]).derived()
     base["thresholds"] = {name: derived[name] for name in thresholds.automatic}
     rows = evaluate(samples, thresholds.resolved(derived), known)
+    if midtrain:  # its users' reward must not regress; distance from the old base is the point
+        rows = midtrain_adjusted(rows, thresholds.resolved(derived))
+    if on_corpus is not None:  # the project's corpus: held-out loss and exact continuations
+        rows += on_corpus[0]
+        info["corpus"] = on_corpus[1]
     if shares is not None:  # the project's agent tasks: candidate vs production tests pass share
         rows.append(agent_row(*shares, thresholds))
         info["agent"] = {"tasks": len(tasks), "G": thresholds.agent_G,

@@ -25,6 +25,7 @@ from feedback.models import Step, Trajectory
 from feedback.selectors import trainable
 from feedback.services import quarantine_record
 from inference.engines import SamplingParams, make_engine
+from training.corpora.config import ReplayConfig
 from training.gate.config import SuiteSpec
 from training.gate.services import eval_suite_active
 from training.gate.stats import kl_estimate
@@ -37,6 +38,7 @@ from training.rl.advantages import RunningBaseline
 from training.rl.config import RLConfig
 from training.rl.loss import k3
 from training.rl.trainer import Batch, Sample, chunked_logprobs, filter_stale, pi_old, prepare_batch
+from training.runs.replay import ReplayRollouts, replay_prompt_count, with_replay
 from training.runs.selectors import training_run_last
 from training.runs.settings import RunSettings
 from training.runs.trust_region import TrustRegion
@@ -73,6 +75,7 @@ def run(run: TrainingRun, folder: Path, on_step: StepCallback) -> dict[str, Any]
     model = setup_model(base_dir)
     data = setup_data(run, settings, model, base_dir, tokenizer)
     rollouts, not_sampled = GroupRollouts.setup(run, settings, base_dir, data.rewards, tokenizer)
+    rollouts = with_replay(rollouts, ReplayRollouts.setup(run, settings, base_dir))  # prompts cut from the corpus
     try:
         report = train(run, settings, model, data, rollouts, on_step)
     finally:
@@ -91,7 +94,7 @@ def setup_data(run: TrainingRun, settings: RunSettings, model: PreTrainedModel, 
     samples, rewards = setup_samples(run, settings, tokenizer, limits)
     agent, agent_report = agent_samples(run, settings, base_dir, tokenizer, limits)
     samples += agent
-    if not samples:
+    if not samples and not settings.replay:
         raise ValueError("nothing to train on: no rewarded trajectory and no agent rollout with an assistant turn")
     recorded = [s for s in samples if s.behaviour_logprobs is not None]  # mu as served, not recomputed
     unknown_mu = fill_behaviour_logprobs(run, samples, model, settings.rl, pad_id)
@@ -225,7 +228,7 @@ def setup_samples(run: TrainingRun, settings: RunSettings, tokenizer: Any, limit
             continue
         samples += turns
         kept.append(r)
-    if not samples and not settings.agent:
+    if not samples and not settings.agent and not settings.replay:  # rollouts of its own: clicks optional
         raise ValueError(f"no rewarded trajectories with an assistant turn to train on ({len(rewards)} rewarded)")
     return samples, kept
 
@@ -318,7 +321,9 @@ class GroupRollouts:
         self.run, self.spec, self.reward_model, self.prompts = run, spec, model, prompts
         self.keys = list(prompts)
         group = settings.group or {}
-        self.G, self.rounds, self.per_round = int(group["G"]), settings.rounds, int(group["prompts"])
+        # of a round's group.prompts, those not cut from the corpus (replay rollouts) are the users'
+        self.G, self.rounds = int(group["G"]), settings.rounds
+        self.per_round = int(group["prompts"]) - replay_prompt_count(group, ReplayConfig.from_dict(settings.replay))
         self.max_tokens = int(group.get("max_tokens", 16))
         self.seed = settings.seed * 1_000_003 + run.pk
         # The sampler's own log-probs (no scoring forward): they are this round's pi_old and mu.
@@ -335,7 +340,8 @@ class GroupRollouts:
     def setup(cls, run: TrainingRun, settings: RunSettings, base_dir: Path, rewards: Sequence[Reward],
               tokenizer: Any) -> tuple[GroupRollouts | None, dict[str, Any]]:
         group = settings.group or {}
-        if int(group.get("prompts", 0)) < 1 or int(group.get("G", 0)) < 2:
+        users = int(group.get("prompts", 0)) - replay_prompt_count(group, ReplayConfig.from_dict(settings.replay))
+        if users < 1 or int(group.get("G", 0)) < 2:  # none left to the users' prompts: all replay
             return None, {}
         spec = _spec(run)
         labelled = labelled_suggestions(run.project, spec)

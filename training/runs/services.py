@@ -13,6 +13,7 @@ import logging
 import shutil
 import tempfile
 import threading
+from collections.abc import Callable
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -27,14 +28,16 @@ from core.tasks import enqueue_after_commit
 from core.workers import WorkerRef
 from feedback.models import Project
 from feedback.services import service_account_get
+from training.corpora.config import MidtrainConfig
+from training.corpora.selectors import corpus_get
 from training.gate.tasks import gate_run_enqueue
 from training.lineage.services import lineage_record
 from training.models import AgentTask, PolicyVersion, RunState, TrainingRun, TrainingStep, VersionState
 from training.rewards.selectors import rewarded_trajectories_since
 from training.rewards.services import reward_spec_current
-from training.runs import job, selectors
+from training.runs import job, midtrain, selectors
 from training.runs.settings import RunSettings, Schedule
-from training.versions.selectors import policy_production
+from training.versions.selectors import policy_get, policy_production
 from training.versions.services import policy_register
 
 log = logging.getLogger(__name__)
@@ -92,13 +95,9 @@ def training_run_start(
     if started_by is None:
         started_by = service_account_get(SCHEDULER_ACCOUNT)
     with transaction.atomic():
-        Project.objects.select_for_update().get(pk=project.pk)
-        active = selectors.training_run_active(project)
+        active = _lineage_claim(project)
         if active is not None:
-            reason = training_run_lost_reason(active)
-            if reason is None:
-                return active, False
-            training_run_fail(active.pk, f"worker lost: {reason}")
+            return active, False
         base = selectors.training_head(project, settings.rl.max_staleness)
         if base is None:
             raise Conflict(f"project {project.slug!r} has no production policy to train from",
@@ -116,10 +115,59 @@ def training_run_start(
 
 
 def run_settings_check(project: Project, settings: RunSettings) -> None:
-    """What the settings alone cannot know: agent rollouts need the project's agent tasks."""
+    """What the settings alone cannot know: agent rollouts need the project's agent tasks, replay
+    rollouts its corpus."""
     if settings.agent and not AgentTask.objects.filter(project=project).exists():
         raise BadRequest(f"project {project.slug!r} has no agent tasks to roll out",
                          "Register some: manage.py agent_tasks --project SLUG --add DIR (docs/agents.md).")
+    if settings.replay:
+        corpus_get(project, settings.replay.get("corpus"))  # a 404 that says how to add one
+
+
+def _lineage_claim(project: Project) -> TrainingRun | None:
+    """Inside a transaction: locks the project row and returns its live active run, if any (one
+    whose worker died is marked failed first, so the caller may start the next)."""
+    Project.objects.select_for_update().get(pk=project.pk)
+    active = selectors.training_run_active(project)
+    if active is None:
+        return None
+    reason = training_run_lost_reason(active)
+    if reason is None:
+        return active
+    training_run_fail(active.pk, f"worker lost: {reason}")
+    return None
+
+
+def midtrain_start(project: Project, *, corpus: int | None = None, steps: int | None = None,
+                   minutes: float | None = None, from_version: int | None = None, started_by: Any = None,
+                   enqueue: bool = True, **options: Any) -> tuple[TrainingRun, bool]:
+    """A mid-training run (kind "midtrain") of production, or of version `from_version`, on the
+    project's corpus `corpus` (its newest when None): (new run, True), or (the active run, False).
+    `options`: the rest of MidtrainConfig (seq_len, batch_size, lr, warmup, seed). Its settings
+    are {"midtrain": MidtrainConfig.to_dict()}."""
+    chosen = corpus_get(project, corpus)
+    try:
+        cfg = MidtrainConfig.from_dict({"corpus": chosen.pk, "steps": steps, "minutes": minutes, **options})
+    except (TypeError, ValueError) as exc:
+        raise BadRequest(str(exc), 'E.g. {"minutes": 5} or {"steps": 3000, "lr": 0.001}.') from exc
+    if started_by is None:
+        started_by = service_account_get(SCHEDULER_ACCOUNT)
+    with transaction.atomic():
+        active = _lineage_claim(project)
+        if active is not None:
+            return active, False
+        base = policy_production(project) if from_version is None else policy_get(project, from_version)
+        if base is None:
+            what = "production policy" if from_version is None else f"version {from_version}"
+            raise Conflict(f"project {project.slug!r} has no {what} to mid-train",
+                           "Run `manage.py bootstrap_policy --project SLUG` first, or name a version that exists "
+                           "(--from-version N).")
+        run = TrainingRun.objects.create(project=project, base_version=base, state=RunState.QUEUED, kind="midtrain",
+                                         started_by=started_by, settings={"midtrain": cfg.to_dict()})
+        if enqueue:
+            enqueue_after_commit("training.tasks.train_policy", run.pk)
+    project_event(project.pk, {"type": "training_queued", "run": run.pk, "base": base.number, "kind": "midtrain"})
+    return run, True
 
 
 def _run_claim(run_id: int, worker: WorkerRef) -> TrainingRun | None:
@@ -131,9 +179,12 @@ def _run_claim(run_id: int, worker: WorkerRef) -> TrainingRun | None:
     return TrainingRun.objects.select_related("project", "base_version").get(pk=run_id) if claimed else None
 
 
-def train_policy(run_id: int, worker: WorkerRef | None = None) -> TrainingRun:
-    """Executes a queued run: samples from the rewarded trajectories, N rl_steps, one TrainingStep
-    row per step, the candidate registered. Any exception fails the run and registers nothing."""
+def train_policy(run_id: int, worker: WorkerRef | None = None,
+                 on_step: Callable[[TrainingRun, int, dict[str, Any]], None] | None = None) -> TrainingRun:
+    """Executes a queued run: samples from the rewarded trajectories, N rl_steps (or, of kind
+    midtrain, packed next-token steps on a corpus), one TrainingStep row per step, the candidate
+    registered. Any exception fails the run and registers nothing. `on_step(run, step, metrics)`
+    after each step's row (a command's progress bar)."""
     run = _run_claim(run_id, worker or WorkerRef.here())
     if run is None:
         log.info("training run %s is not queued any more; leaving it", run_id)
@@ -142,8 +193,13 @@ def train_policy(run_id: int, worker: WorkerRef | None = None) -> TrainingRun:
     folder = staging_dir(run)
     beating = training_run_heartbeat_start(run.pk)
     try:
-        result = job.run(run, folder, on_step=lambda step, planned, metrics: training_step_record(
-            run, step, metrics, planned))
+
+        def record(step: int, planned: int, metrics: dict[str, Any]) -> None:
+            training_step_record(run, step, metrics, planned)
+            if on_step is not None:
+                on_step(run, step, metrics)
+
+        result = (midtrain.run if run.kind == "midtrain" else job.run)(run, folder, on_step=record)
         training_run_finish(run, folder, result)
     except Exception as exc:  # noqa: BLE001 - every failure must end the run, with its reason
         log.exception("training run %s failed", run_id)
@@ -183,7 +239,7 @@ def training_step_record(run: TrainingRun, step: int, metrics: dict[str, Any], s
         run=run, step=step, **{k: float(metrics[k]) for k in STEP_METRICS}, **drifts,
         dropped_stale=int(metrics["dropped_stale"]),
     )
-    progress = (step + 1) / steps_total
+    progress = float(metrics.get("progress", (step + 1) / steps_total))  # a run bounded by minutes says it
     TrainingRun.objects.filter(pk=run.pk).update(progress=progress)
     project_event(run.project_id, {"type": "training_step", "run": run.pk, "step": step, "progress": progress,
                                    **{k: metrics[k] for k in STEP_METRICS}, **drifts})
@@ -225,7 +281,8 @@ def training_run_finish(run: TrainingRun, folder: Path, result: dict[str, Any]) 
             raise RunLost(f"run {run.pk} is no longer running here; its candidate is discarded")
         candidate = policy_register(
             run.project, folder, parent=run.base_version, state=VersionState.CANDIDATE,
-            config={"run": run.pk, "rl": run.settings["rl"], "base": run.base_version.number},
+            config={"run": run.pk, "kind": run.kind, "base": run.base_version.number,
+                    **{k: run.settings[k] for k in ("rl", "midtrain") if k in run.settings}},
         )
         flag = mismatch_flag(result) or region_flag(result)
         TrainingRun.objects.filter(pk=run.pk).update(

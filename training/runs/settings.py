@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from core.errors import BadRequest
+from training.corpora.config import ReplayConfig
 from training.rl.config import RLConfig, agent_config, group_config
 
 # How to fix each setting, for the error a refused one gets.
@@ -30,6 +31,7 @@ FIXES = {
     "rl": "Use RLConfig field names and valid values (training/rl/config.py).",
     "group": 'E.g. {"prompts": 64, "G": 8, "max_tokens": 16}.',
     "agent": 'E.g. {"tasks": 8, "G": 4, "max_turns": 6}.',
+    "replay": 'E.g. {"share": 0.5} with group rollouts (the corpus: the project\'s newest unless "corpus": ID).',
     "trajectory_ids": "Give a list of trajectory ids (or leave it out: the run's data window).",
     "min_new": "Give the number of new rewarded trajectories that starts a run, e.g. 64.",
     "every_minutes": "Give the minutes after which any new data starts a run, e.g. 60.",
@@ -76,6 +78,9 @@ class RunSettings:
     rl: RLConfig = field(default_factory=RLConfig)
     group: dict[str, int] | None = None
     agent: dict[str, Any] | None = None
+    # Replay rollouts (training/runs/replay.py, ReplayConfig): this share of the group rollouts'
+    # prompts cut from the corpus's training lines; needs `group`. None: off.
+    replay: dict[str, Any] | None = None
     max_samples: int = 4096  # the newest rewarded trajectories a run reads
     trajectory_ids: tuple[int, ...] | None = None
 
@@ -86,6 +91,8 @@ class RunSettings:
         # Completed by their own checks (agent_config fills in its defaults): one form stored.
         object.__setattr__(self, "group", group_config(self.group))
         object.__setattr__(self, "agent", agent_config(self.agent))
+        replay = ReplayConfig.from_dict(self.replay)
+        object.__setattr__(self, "replay", replay.to_dict() if replay else None)
         if self.epochs is not None:
             object.__setattr__(self, "epochs", float(self.epochs))
 
@@ -135,7 +142,8 @@ class RunSettings:
         return cls(**kw)
 
 
-_ORDER = ["keys", "steps", "batch_size", "seed", "max_samples", "epochs", "rl", "group", "agent", "trajectory_ids"]
+_ORDER = ["keys", "steps", "batch_size", "seed", "max_samples", "epochs", "rl", "group", "agent", "replay",
+          "trajectory_ids"]
 
 
 def _run_problems(values: Mapping[str, Any], skip: Collection[str] = ()) -> list[tuple[str, str]]:
@@ -148,12 +156,14 @@ def _run_problems(values: Mapping[str, Any], skip: Collection[str] = ()) -> list
         ("rl", isinstance(values["rl"], RLConfig), "rl must be an RLConfig"),
     ]
     out = [(name, message) for name, ok, message in checks if not ok and name not in skip]
-    for name, check in (("group", group_config), ("agent", agent_config)):
+    for name, check in (("group", group_config), ("agent", agent_config), ("replay", ReplayConfig.from_dict)):
         try:
             if name not in skip:
                 check(values[name])
-        except ValueError as exc:
+        except (TypeError, ValueError) as exc:
             out.append((name, str(exc)))
+    if values.get("replay") and not values.get("group") and "replay" not in skip:
+        out.append(("replay", "replay rollouts need group rollouts (how many prompts per round, G completions each)"))
     return out
 
 
@@ -170,6 +180,11 @@ def _parsed(data: Mapping[str, Any], problems: list[tuple[str, str]]) -> dict[st
             kw[name] = check(data.get(name))
         except ValueError as exc:
             problems.append((name, str(exc)))
+    try:
+        replay = ReplayConfig.from_dict(data.get("replay"))
+        kw["replay"] = replay.to_dict() if replay else None
+    except (TypeError, ValueError) as exc:
+        problems.append(("replay", str(exc)))
     ids = data.get("trajectory_ids")
     if ids is not None:
         if isinstance(ids, list | tuple) and all(isinstance(i, int) and not isinstance(i, bool) for i in ids):

@@ -33,6 +33,10 @@ class Command(BaseCommand):
         parser.add_argument("--timeout", type=float, default=3600.0)
         parser.add_argument("--agent", default=None, metavar="JSON",
                             help='agent rollouts of the project\'s agent tasks, e.g. \'{"tasks": 8, "G": 4}\'')
+        parser.add_argument("--group", default=None, metavar="JSON",
+                            help='group rollouts, e.g. \'{"prompts": 32, "G": 8, "max_tokens": 16}\'')
+        parser.add_argument("--replay", default=None, metavar="JSON",
+                            help='replay rollouts from the corpus (needs --group), e.g. \'{"share": 0.5}\'')
         parser.add_argument("--as", dest="as_user", default=None, metavar="USERNAME",
                             help="who starts the run (recorded: under the two-person rule they cannot approve "
                                  "its candidate); default the scheduler's service account")
@@ -48,10 +52,11 @@ class Command(BaseCommand):
             if starter is None:
                 raise CommandError(f"no active account {opts['as_user']!r}")
         try:
-            agent = json.loads(opts["agent"]) if opts["agent"] else None
+            agent, group, replay = (json.loads(opts[k]) if opts[k] else None for k in ("agent", "group", "replay"))
         except ValueError as exc:
-            raise CommandError(f"--agent is not JSON: {exc}") from exc
-        given = {"steps": opts["steps"], "batch_size": opts["batch_size"], "agent": agent,
+            raise CommandError(f"--agent, --group or --replay is not JSON: {exc}") from exc
+        given = {"steps": opts["steps"], "batch_size": opts["batch_size"], "agent": agent, "group": group,
+                 "replay": replay,
                  "rl": {"lr": opts["lr"]} if opts["lr"] is not None else None}
         try:
             settings = RunSettings.from_dict({k: v for k, v in given.items() if v is not None})
