@@ -89,7 +89,11 @@ class Stack:
         assert self.own.redis_up() == self.redis_url  # the same port: clients reconnect by themselves
 
     def worker_lines(self, needle: str) -> list[str]:
-        return [line for line in self.worker_log.read_text(errors="replace").splitlines() if needle in line]
+        return _lines(self.worker_log, needle)
+
+
+def _lines(log: Path, needle: str) -> list[str]:
+    return [line for line in log.read_text(errors="replace").splitlines() if needle in line]
 
 
 def wait_until(check: Callable[[], Any], *, timeout: float = 60, what: str) -> Any:
@@ -206,6 +210,10 @@ def stack(django_db_setup, django_db_blocker, tmp_path_factory) -> Iterator[Stac
                              {**env, "DB_CONN_MAX_AGE": "600"}, cleanup, stdout=log, stderr=subprocess.STDOUT)
         web = f"http://127.0.0.1:{port}"
         wait_http(web + "/healthz", web_proc, 300)
+        # Beat reads its schedule from the database once, as it starts: a test that stops PostgreSQL
+        # before then leaves beat dead for the module. Tests start once beat has run a round.
+        wait_until(lambda: _lines(worker_log, "core.tasks.outbox_deliver") and _lines(worker_log, "succeeded"),
+                   timeout=300, what="the worker and its beat to start")
         creds = seed["creds"]
         yield Stack(own=own, pg_url=pg_url, redis_url=redis_url, web=web, web_proc=web_proc,
                     worker_proc=worker_proc, worker_log=worker_log, slug=creds.project.slug, api_key=creds.api_key,
