@@ -104,6 +104,12 @@ def _users(loop: dict, creds, stop: threading.Event) -> list[threading.Thread]:
 
 
 def test_users_feedback_trains_a_version_that_is_gated_approved_served_and_better(loop, creds):
+    """Users → rewards → a run → a candidate → the gate. A candidate the gate passes is approved,
+    served and better on held-out prompts (below); one it refuses is never served. (Since the gate's
+    collapse rows, the `compiles` users' candidates within this budget are often refused: they
+    answer a quarter to a third of the suite with one suggestion. Then the refusal is asserted.)"""
+    from training.models import GateReport
+
     v1 = policy_production(creds.project)
     stop = threading.Event()
     threads = _users(loop, creds, stop)
@@ -112,8 +118,9 @@ def test_users_feedback_trains_a_version_that_is_gated_approved_served_and_bette
     try:
         deadline = time.monotonic() + DEADLINE_S
         while time.monotonic() < deadline:
-            production = policy_production(creds.project)
-            if production.number != v1.number:
+            if policy_production(creds.project).number != v1.number:
+                break
+            if GateReport.objects.filter(version__project=creds.project, passed=False).exists():
                 break
             time.sleep(5)
     finally:
@@ -121,7 +128,18 @@ def test_users_feedback_trains_a_version_that_is_gated_approved_served_and_bette
         for t in threads:
             t.join(120)
     new = policy_production(creds.project)
-    assert new.number != v1.number, _why_not(creds.project)
+    reports = GateReport.objects.filter(version__project=creds.project).select_related("version")
+    assert reports.exists() or new.number != v1.number, _why_not(creds.project)
+    if new.number == v1.number:
+        refused = reports.filter(passed=False).first()
+        assert refused is not None, _why_not(creds.project)
+        names = {c["name"] for c in refused.checks}
+        assert {"collapse_top_share", "naturalness_logprob", "invented_names"} <= names, names
+        assert [c["name"] for c in refused.checks if not c["passed"]], "a refusal names the rows that failed"
+        body = httpx.post(loop["serving"] + "/v1/completions", timeout=120, headers=_serve_key(creds),
+                          json={"model": creds.project.slug, "prompt": "total = (a", "max_tokens": 8}).json()
+        assert body["model"].endswith(f"v{v1.number}"), body["model"]  # the refused candidate is not served
+        return
 
     # approved through the versions API by the service account, audited, after the gate passed it
     approve = AuditLog.objects.get(project=creds.project, action="approve", after__number=new.number)
