@@ -17,7 +17,7 @@ from training.models import (
     TrainingRun,
     TrainingStep,
 )
-from training.project_admin import ProjectAdminRequired
+from training.project_admin import ProjectAdminRequired, ReadOnlyInline
 from training.promotion.services import gate_policy_update, membership_grant
 from training.rewards.services import SPEC_FIELDS, reward_spec_update
 
@@ -77,18 +77,8 @@ class PolicyVersionAdmin(ReadOnlyAdmin):
     list_filter = ("project", "state")
 
 
-class TrainingStepInline(admin.TabularInline):
+class TrainingStepInline(ReadOnlyInline):
     model = TrainingStep
-    extra = 0
-
-    def has_add_permission(self, request, obj=None) -> bool:
-        return False
-
-    def has_change_permission(self, request, obj=None) -> bool:
-        return False
-
-    def has_delete_permission(self, request, obj=None) -> bool:
-        return False
 
 
 @admin.register(TrainingRun)

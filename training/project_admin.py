@@ -169,7 +169,7 @@ class WebhookSecretAdmin(ProjectAdminRequired):
         return response
 
 
-class _ReadOnlyInline(admin.TabularInline):
+class ReadOnlyInline(admin.TabularInline):
     """What was served and what was said about it: shown with its trajectory, changed only as a
     row of its own (audited)."""
 
@@ -185,12 +185,12 @@ class _ReadOnlyInline(admin.TabularInline):
         return False
 
 
-class StepInline(_ReadOnlyInline):
+class StepInline(ReadOnlyInline):
     model = Step
     fields = ("index", "role", "content", "token_ids", "logprobs", "reward")
 
 
-class FeedbackInline(_ReadOnlyInline):
+class FeedbackInline(ReadOnlyInline):
     model = FeedbackEvent
     fields = ("event_id", "signal", "value", "step", "occurred_at")
 
