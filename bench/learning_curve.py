@@ -1,7 +1,7 @@
 """Does the loop make the model better for its users? The demo deployment, headless, for a budget.
 
     .venv/bin/python bench/learning_curve.py [--minutes 10] [--seed 0] [--taste intent]
-        [--corpus DIR] [--pretrain-steps 1000] [--held-out 200] [--quick] [--json]
+        [--corpus DIR] [--pretrain-steps 1000] [--midtrain-minutes 5] [--held-out 200] [--quick] [--json]
 
 Runs the processes `make demo AUTO_APPROVE=1` runs (uvicorn, a Celery worker, beat, the serving
 process, simulated users who approve what passes the gate) on a database of its own, then every
@@ -14,6 +14,11 @@ The population (`--taste`): `intent` (default) types real lines of a code base t
 (django's source, or --corpus) and accepts what it was about to type, partly when only a prefix is
 right; `compiles`, `one-statement` and the gameable `short-compiles` judge statement starts of the
 standard library (or --corpus).
+
+`--midtrain-minutes M` onboards as the README says a new project does, before the clock starts:
+the code base registered as a corpus (its held-out slice is the files the users never send, by the
+same path rule), `manage.py midtrain` for M minutes in this process, its candidate gated; the
+users' approver approves it when the stack starts if it passed (the report says what the gate did).
 
 Per version: accepted characters per request (the utility), accept rate, silence, the share of
 shown suggestions that invent a name (against the code base's names and Python's), the share of
@@ -29,9 +34,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -80,7 +87,7 @@ def main() -> int:
                 p.wait(20)
             except subprocess.TimeoutExpired:
                 p.kill()
-    return _report(args, rows, evaluations, loop)
+    return _report(args, rows, evaluations, loop, state)
 
 
 def _args() -> argparse.Namespace:
@@ -93,6 +100,8 @@ def _args() -> argparse.Namespace:
     parser.add_argument("--corpus", default=None,
                         help="the users' code base (*.py under DIR); default django's source (intent) or the stdlib")
     parser.add_argument("--pretrain-steps", type=int, default=1000)
+    parser.add_argument("--midtrain-minutes", type=float, default=0,
+                        help="mid-train on the code base this long before the clock starts (0: none)")
     parser.add_argument("--held-out", type=int, default=200, help="held-out prompts per version")
     parser.add_argument("--quick", action="store_true",
                         help="a minute, a base pretrained 10 steps, 40 held-out prompts: the bench runs end to end")
@@ -172,7 +181,43 @@ def _prepare(args: argparse.Namespace) -> dict:
     os.environ["FLYWHEEL_APPROVER_KEY"] = state["approver_key"]
     _demo_loop_config(Project.objects.get(slug="demo"))
     call_command("bootstrap_policy", "--project", "demo", "--steps", str(args.pretrain_steps))
+    if args.midtrain_minutes:
+        state["midtrain"] = _midtrain(args)
     return state
+
+
+def _midtrain(args: argparse.Namespace) -> dict:
+    """The code base's *.py files as a corpus, mid-trained on for `--midtrain-minutes`, gated here."""
+    from feedback.models import Project
+    from training.corpora.services import corpus_add_paths
+    from training.gate.services import gate_run
+    from training.runs.services import midtrain_start, train_policy
+
+    project = Project.objects.get(slug="demo")
+    # a copy outside this checkout: the code base in .venv/ is .gitignore'd here, and a corpus
+    # leaves ignored files out (as it should in a user's repository)
+    root = Path(_corpus(args))
+    copy = Path(tempfile.mkdtemp(prefix="flywheel-codebase-"))
+    for path in root.rglob("*.py"):
+        (copy / path.relative_to(root)).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(path, copy / path.relative_to(root))
+    corpus = corpus_add_paths(project, [str(copy / "**" / "*.py")], name="the users' code base")
+    shutil.rmtree(copy)
+    run, _ = midtrain_start(project, corpus=corpus.pk, minutes=args.midtrain_minutes, enqueue=False)
+    started = time.monotonic()
+    run = train_policy(run.pk)
+    took = time.monotonic() - started
+    if run.state != "succeeded":
+        raise SystemExit(f"mid-training run {run.pk} {run.state}: {run.error}")
+    report = gate_run(run.candidate.id, actor="system:bench")
+    failed = [c["name"] for c in report.checks if not c.get("passed")]
+    out = {"version": run.candidate.number, "seconds": round(took, 1), "steps": run.result["steps"],
+           "loss_first": run.result["midtrain_loss_first"], "loss_last": run.result["midtrain_loss_last"],
+           "tokens_per_s": run.result["midtrain_tokens_per_s"], "corpus_files": corpus.files_count,
+           "gate_passed": report.passed, "gate_failed": failed}
+    print(f"mid-training: v{out['version']} {out['steps']} steps in {took:.0f} s, loss {out['loss_first']:.2f} -> "
+          f"{out['loss_last']:.2f}; gate {'passed' if report.passed else 'refused: ' + ', '.join(failed)}", flush=True)
+    return out
 
 
 def _corpus(args: argparse.Namespace):
@@ -197,10 +242,13 @@ def _observe(args: argparse.Namespace, held_out: tuple) -> tuple[list[dict], dic
     from django.utils import timezone
 
     from feedback.models import Project
+    from training.models import PolicyVersion
     from training.versions.selectors import policy_production
 
     project = Project.objects.get(slug="demo")
-    evaluations: dict[int, dict] = {}
+    # the base first: a mid-trained candidate may be production before the first minute's reading
+    evaluations: dict[int, dict] = {1: _evaluate(PolicyVersion.objects.get(project=project, number=1), held_out,
+                                                 args.taste)}
     rows: list[dict] = []
     start, started_at = time.monotonic(), timezone.now()
     minutes = max(int(round(args.minutes)), 1)
@@ -363,7 +411,8 @@ def _print_row(row: dict, evaluations: dict[int, dict]) -> None:
           flush=True)
 
 
-def _report(args: argparse.Namespace, rows: list[dict], evaluations: dict[int, dict], loop: dict) -> int:
+def _report(args: argparse.Namespace, rows: list[dict], evaluations: dict[int, dict], loop: dict,
+            state: dict) -> int:
     base = evaluations.get(1, {})
     final = evaluations.get(rows[-1]["production"] or -1, {})
     promoted = rows[-1]["promoted"]
@@ -386,7 +435,7 @@ def _report(args: argparse.Namespace, rows: list[dict], evaluations: dict[int, d
         "minutes": args.minutes, "versions_promoted": promoted, "first_promotion_minutes": first,
         "silent_rate": final.get("silent_rate"), "median_suggestion_chars": final.get("median_chars"),
         "seed": args.seed, "taste": args.taste, "corpus": str(_corpus(args)), "held_out_prompts": args.held_out,
-        "pretrain_steps": args.pretrain_steps, "quick": args.quick,
+        "pretrain_steps": args.pretrain_steps, "quick": args.quick, "midtrain": state.get("midtrain"),
         "per_minute": [{k: r[k] for k in ("minute", "production", "live_accept_rate", "live_accepted_chars")}
                        for r in rows],
         "per_version": {f"v{n}": e for n, e in sorted(evaluations.items())}, **loop,

@@ -9,7 +9,8 @@ only a prefix is right (`accept` with `value` = the characters kept), and reject
 (training.rewards.usefulness.intent_reaction). The line tastes in TASTES (`compiles`,
 `one-statement`, the gameable `short-compiles`) judge a statement's start with no context. An
 empty suggestion is not shown to a user, so it gets no click (silence). Held-out files (fixed by
-a hash of their path) are never sent by users: they are what the learning bench evaluates on.
+a hash of their path, the corpora's rule) are never sent by users: they are what the learning bench
+evaluates on, and what a corpus of the same folder holds out of mid-training.
 Now and then a user says happy/sad, labels the suggestion's aspects, or sends a dissatisfied
 follow-up. Feedback goes through the signed webhook like a real product's; the completions
 through the OpenAI-compatible endpoint. No Django import.
@@ -17,7 +18,6 @@ through the OpenAI-compatible endpoint. No Django import.
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import random
 import sysconfig
@@ -34,6 +34,7 @@ from typing import Any
 import httpx
 
 from feedback.client import FlywheelClient
+from training.corpora.lines import heldout_paths
 from training.gate.naturalness import inventing_share, top_share
 from training.rewards.usefulness import accepted_chars, intent_reaction, known_names
 
@@ -131,12 +132,17 @@ class CodeBase:
 
     root: str
     files: tuple[CodeFile, ...]
-    held_out_share: float = 0.1
+    held_out_percent: int = 10
+
+    @cached_property
+    def held_out(self) -> frozenset[str]:
+        """The corpora's own rule (training.corpora.lines.heldout_paths, by path hash): a corpus of
+        this folder holds out the same files, so mid-training on it never sees what users are
+        evaluated on."""
+        return frozenset(heldout_paths([f.path for f in self.files], self.held_out_percent))
 
     def is_held_out(self, path: str) -> bool:
-        """Fixed by the path alone (the same on every machine and run)."""
-        digest = int(hashlib.sha256(path.encode()).hexdigest()[:8], 16)
-        return digest / 0xFFFFFFFF < self.held_out_share
+        return path in self.held_out
 
     def users_files(self) -> list[CodeFile]:
         return [f for f in self.files if not self.is_held_out(f.path)]
@@ -163,7 +169,7 @@ def stdlib_source() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
 
 
-def code_base(folder: str | Path, held_out_share: float = 0.1) -> CodeBase:
+def code_base(folder: str | Path, held_out_percent: int = 10) -> CodeBase:
     """The *.py files under `folder` (tests and site-packages skipped for the standard library),
     in a fixed (sorted) order."""
     root = Path(folder)
@@ -180,7 +186,7 @@ def code_base(folder: str | Path, held_out_share: float = 0.1) -> CodeBase:
             files.append(CodeFile(rel.as_posix(), tuple(text.splitlines())))
     if not files:
         raise ValueError(f"no Python files under {folder}: pass a folder of *.py files")
-    return CodeBase(str(root), tuple(files), held_out_share)
+    return CodeBase(str(root), tuple(files), held_out_percent)
 
 
 CONTEXT_LINES = 6  # a tab-completion prompt carries the file's preceding lines ...
