@@ -96,3 +96,21 @@ def test_onboarding_a_project_without_a_suite_gates_its_mid_trained_candidate_fr
     text = out.getvalue()
     assert "corpus_loss" in text and "corpus_continuation" in text and "v2: " in text
     assert PolicyVersion.objects.get(number=2).state in ("awaiting_approval", "rejected")
+
+
+def test_a_mid_trained_candidate_is_not_held_to_the_old_bases_length_or_its_judge_but_to_its_detectors():
+    # Measured: 5 minutes on a code base the base never saw made suggestions 2.2x the base's length
+    # and its judge Δ +0.095 against the checks' -0.025; its held-out loss fell from 5.27 to 1.16.
+    from training.gate.config import GateThresholds
+    from training.gate.corpus_rows import midtrain_adjusted
+    from training.gate.samples import CheckRow
+
+    rows = [CheckRow("length_drift", 2.23, [0.5, 2.0], None, False, "mean completion length"),
+            CheckRow("judge_verifiable_divergence", 0.12, 0.1, None, False, "judge Δ +0.095 vs verifiable Δ -0.025"),
+            CheckRow("median_chars", 3.0, 6.0, None, False, "median characters"),
+            CheckRow("invented_names", 0.2, 0.0, [0.1, 0.3], False, "share of invented names"),
+            CheckRow("collapse_top_share", 0.5, 0.11, None, False, "the most common suggestion's share")]
+    out = {r.name: r for r in midtrain_adjusted(rows, GateThresholds())}
+    assert out["length_drift"].passed and "informational for a mid-trained candidate" in out["length_drift"].detail
+    assert out["judge_verifiable_divergence"].passed
+    assert not any(out[n].passed for n in ("median_chars", "invented_names", "collapse_top_share"))

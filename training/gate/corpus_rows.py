@@ -129,17 +129,26 @@ def midtrain_kl_row(row: CheckRow, t: GateThresholds) -> CheckRow:
 
 def midtrain_adjusted(rows: Sequence[CheckRow], t: GateThresholds) -> list[CheckRow]:
     """A mid-trained candidate's suite rows: its users' reward must not regress (instead of
-    improve), and the rows that measure distance from the old base (KL, log-prob under it) are
-    informational, since moving towards the project's code is the point; the corpus rows judge that.
-    The invented-name, collapse and other detector rows stand as they are."""
+    improve), and the rows that measure distance from the old base (KL, log-prob under it, its
+    mean length) are informational, since moving towards the project's code is the point; the
+    corpus rows judge that. So is the judge-vs-checks divergence: it catches a candidate optimised
+    against its reward that pleases the judge, and a mid-trained one never saw the reward. The
+    invented-name, collapse, silence, repetition and median-length rows stand as they are."""
     out = []
     for row in rows:
         if row.name == "reward_improvement":
             row = midtrain_reward_row(row, t)
         elif row.name == "kl":
             row = midtrain_kl_row(row, t)
-        elif row.name == "naturalness_logprob":
+        elif row.name in MIDTRAIN_INFORMATIONAL:
             row = CheckRow(row.name, row.value, row.threshold, row.interval, True,
-                           f"{row.detail}; informational for a mid-trained candidate (the reference is the old base)")
+                           f"{row.detail}; informational for a mid-trained candidate ({MIDTRAIN_INFORMATIONAL[row.name]})")
         out.append(row)
     return out
+
+
+MIDTRAIN_INFORMATIONAL = {
+    "naturalness_logprob": "the reference is the old base",
+    "length_drift": "the old base's length on code it never saw; the median-length floor and silence still stand",
+    "judge_verifiable_divergence": "it never trained against the reward the judge is part of",
+}
