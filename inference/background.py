@@ -170,10 +170,12 @@ class BackgroundEngine(TorchEngine):
         return super()._generator(prompt_index + self.prompt_offset, sample_index, sampling)
 
     def sample_chunk(self, prompts: list[list[int]], offset: int, n: int, sampling: SamplingParams,
-                     gate: Callable[[], None]) -> list[Completion]:
-        """n samples of each prompt, indexed from `offset` (prompt_index is the job's)."""
+                     gate: Callable[[], None], first: int = 0) -> list[Completion]:
+        """n samples of each prompt, indexed from `offset` in the job (prompt_index is the job's);
+        their RNG streams are those of indices from `first + offset` (the job's prompts being the
+        run's from `first` on)."""
         with self._lock:
-            self.prompt_offset, self.gate = offset, gate
+            self.prompt_offset, self.gate = first + offset, gate
             try:
                 out = self._generate(self._encode(prompts), n, sampling)
             finally:
@@ -197,6 +199,7 @@ class RolloutJob:
     n: int
     sampling: SamplingParams
     deadline: float  # monotonic: prompts not sampled by then are returned
+    first: int = 0  # the index of the job's first prompt among the run's (its rows' RNG streams)
     done: list[Completion] = field(default_factory=list)
     returned: list[int] = field(default_factory=list)
     future: Future = field(default_factory=Future)
@@ -306,7 +309,7 @@ class BackgroundRollouts:
                 raise GaveBack
 
         start = time.monotonic()
-        out = engine.sample_chunk(job.prompts[offset: offset + count], offset, job.n, job.sampling, gate)
+        out = engine.sample_chunk(job.prompts[offset: offset + count], offset, job.n, job.sampling, gate, job.first)
         spent = time.monotonic() - start - paused[0]
         job.sampled_s += spent
         self._busy_s += spent

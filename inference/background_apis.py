@@ -2,7 +2,7 @@
 
     PUT  /internal/rollouts/weights?id=ID&version=N   body: safetensors of the run's weights
     POST /internal/rollouts   {"weights": ID, "prompts": [[token ids]...], "n": G, "sampling": {...},
-                               "deadline_s": 60}  -> when done: completions with their log-probs,
+                               "deadline_s": 60, "first_index": 0}  -> when done: completions with their log-probs,
                                the weights id and version they came from, and the prompts returned
     GET  /internal/rollouts   what this replica holds and has sampled
 
@@ -121,4 +121,5 @@ def _job(body: dict[str, Any], worker: background.BackgroundRollouts) -> backgro
         top_k=_number(sampling, "top_k", 0, 0, 1 << 20, integer=True), seed=seed)
     n = _number(body, "n", 1, 1, MAX_N, integer=True)
     deadline_s = float(_number(body, "deadline_s", 60.0, 0.0, MAX_DEADLINE_S))
-    return background.RolloutJob(weights, prompts, n, params, deadline=time.monotonic() + deadline_s)
+    first = _number(body, "first_index", 0, 0, 1 << 30, integer=True)
+    return background.RolloutJob(weights, prompts, n, params, deadline=time.monotonic() + deadline_s, first=first)
