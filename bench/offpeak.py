@@ -1,7 +1,7 @@
 """Rollouts on idle serving capacity: what background rollouts cost the users, and what they yield.
 
     nice -n 15 .venv/bin/python bench/offpeak.py [--engine torch|vllm] [--rate 4] [--seconds 20]
-        [--rounds 3] [--slots 16] [--prompts 8] [--G 8] [--hidden 256] [--layers 4] [--json] [--quick]
+        [--rounds 3] [--slots 64] [--prompts 8] [--G 8] [--hidden 256] [--layers 4] [--json] [--quick]
 
 On a database of its own: a tiny policy in production and one real `manage.py serve_policy
 --background-rollouts K` replica (it registers itself, background capacity K). This process plays
@@ -58,7 +58,8 @@ def _args() -> argparse.Namespace:
     parser.add_argument("--rate", type=float, default=4.0, help="live requests per second")
     parser.add_argument("--seconds", type=float, default=20.0, help="each window")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--slots", type=int, default=16, help="the replica's K: background sequences at once")
+    parser.add_argument("--slots", type=int, default=64,
+                        help="the replica's K: background sequences at once (64: a call of 8 prompts x G 8 is one chunk)")
     parser.add_argument("--prompts", type=int, default=8, help="prompts per rollout call")
     parser.add_argument("--G", type=int, default=8, help="completions per prompt")
     parser.add_argument("--max-tokens", type=int, default=16, help="per rollout completion")
