@@ -52,7 +52,6 @@ from django.core.management.base import BaseCommand, CommandError
 from django.db import InterfaceError, OperationalError, close_old_connections
 
 from core.db import keep_connections
-from core.env import env_int
 from core.errors import NotFound
 from feedback.models import Project
 from feedback.services import feedback_ingest, quarantine_record
@@ -94,7 +93,7 @@ class Command(BaseCommand):
                             help="tokens (prompt + max_tokens) past which a conversation is summarized before the "
                                  "turn is answered (default: 3/4 of --max-model-len; 0: never)")
         parser.add_argument("--background-rollouts", type=int,
-                            default=env_int("FLYWHEEL_BACKGROUND_ROLLOUTS", 0), metavar="K",
+                            default=settings.FLYWHEEL_BACKGROUND_ROLLOUTS, metavar="K",
                             help="take training runs' group rollouts in the room users leave, at most K sequences "
                                  "at once (inference/background.py; default FLYWHEEL_BACKGROUND_ROLLOUTS or 0: off)")
         parser.add_argument("--serial", action="store_true",
