@@ -88,7 +88,8 @@ async def rollouts(request: HttpRequest) -> JsonResponse:
         return JsonResponse(worker.status())
     job = _job(_json_body(request), worker)
     try:
-        future = worker.submit(job)
+        # Weights pushed by another run after this job was queued fail it the same way.
+        return JsonResponse(await asyncio.wrap_future(worker.submit(job)))
     except background.UnknownWeights:
         raise ServingError(409, f"this replica does not hold weights {job.weights[:80]!r} (it holds "
                            f"{str(worker.weights)[:80]!r})", "PUT them to /internal/rollouts/weights first.") from None
@@ -96,7 +97,6 @@ async def rollouts(request: HttpRequest) -> JsonResponse:
         raise ServingError(503, "this replica's background queue is full",
                            "Sample these prompts elsewhere (the run's own engine) or retry later.",
                            {"Retry-After": "5"}) from None
-    return JsonResponse(await asyncio.wrap_future(future))
 
 
 def _job(body: dict[str, Any], worker: background.BackgroundRollouts) -> background.RolloutJob:
