@@ -70,6 +70,8 @@ def test_a_runs_rounds_are_sampled_on_the_replica_from_the_weights_the_run_reach
     rewards_compute_pending(creds.project, now=timezone.now() + timedelta(seconds=1))
     settings = RunSettings(steps=1, batch_size=16, epochs=1, rl=RLConfig(lr=1e-3),
                            group={"prompts": 4, "G": 4, "max_tokens": 6, "rounds": 2})
+    # the replica's heartbeat, as its agent beats (the set-up above can outlast FLYWHEEL_REPLICA_STALE_S)
+    ServingReplica.objects.filter(background_slots__gt=0).update(heartbeat_at=timezone.now())
     run, _ = training_run_start(creds.project, settings, enqueue=False)
     run = train_policy(run.pk)
     assert run.state == "succeeded", run.error
