@@ -41,6 +41,7 @@ PUBLIC_URLS = "inference.urls"
 INTERNAL_URLS = "inference.internal_urls"
 MIDDLEWARE = (
     "core.metrics.RequestMetricsMiddleware",
+    "inference.background_apis.LiveRequestsMiddleware",  # live requests first: background rollouts wait
     "inference.listeners.SecurityMiddleware",
     "inference.listeners.CommonMiddleware",
 )

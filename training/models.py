@@ -337,6 +337,13 @@ class ServingReplica(models.Model):
     acked_at = models.DateTimeField(null=True, blank=True)  # when it last acknowledged a push
     pushed_bytes = models.BigIntegerField(default=0)  # bytes of the last push it acknowledged
     error = models.TextField(blank=True, default="")  # why the last push failed ("" after an ack)
+    # Background rollouts (inference/background.py): at most this many sequences of training runs'
+    # group rollouts at once in the room its users leave (0: takes none; serve_policy
+    # --background-rollouts); the share of its wall time spent on them between its last two
+    # heartbeats, and the rollouts sampled since it started.
+    background_slots = models.PositiveIntegerField(default=0)
+    background_share = models.FloatField(default=0.0)
+    background_rollouts = models.BigIntegerField(default=0)
 
     class Meta:
         constraints = [models.UniqueConstraint(fields=["project", "address"], name="uniq_replica_address")]

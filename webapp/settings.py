@@ -363,6 +363,10 @@ FLYWHEEL_REPLICA_TOKEN = env_str("FLYWHEEL_REPLICA_TOKEN", "")
 # for FLYWHEEL_REPLICA_STALE_S counts as down (a promotion skips it; it catches up when it returns).
 FLYWHEEL_REPLICA_HEARTBEAT_S = env_float("FLYWHEEL_REPLICA_HEARTBEAT_S", 5.0)
 FLYWHEEL_REPLICA_STALE_S = env_float("FLYWHEEL_REPLICA_STALE_S", 30.0)
+# A serving replica's background rollouts (inference/background.py): at most this many sequences
+# of training runs' group rollouts at once, in the room its users leave; 0: it takes none
+# (serve_policy --background-rollouts K overrides it). Runs find the replicas that take them.
+FLYWHEEL_BACKGROUND_ROLLOUTS = env_int("FLYWHEEL_BACKGROUND_ROLLOUTS", 0)
 # Who may read /metrics (web app and serving process): bearers of this token; unset, loopback only.
 FLYWHEEL_METRICS_TOKEN = env_str("FLYWHEEL_METRICS_TOKEN", "")
 # Train/inference agreement: on data sampled by the very weights being trained, the behaviour and

@@ -18,7 +18,7 @@ from tests.processes import subprocess_env
 
 ROOT = Path(__file__).resolve().parents[2]
 # The benches with a quick mode (bench/dashboard.py failed unseen for weeks before it had one).
-QUICK = ["dashboard.py"]
+QUICK = ["dashboard.py", "offpeak.py"]
 
 
 @pytest.mark.django_db

@@ -41,7 +41,7 @@ from inference.serving import PolicyServer, ServingError
 from kernels.delta import CheckpointCorrupt, checkpoint_hash
 from training.models import PolicyVersion
 from training.replicas import push
-from training.replicas.services import replica_heartbeat, replica_register, replica_stop
+from training.replicas.services import BackgroundBeat, replica_heartbeat, replica_register, replica_stop
 from training.versions.selectors import policy_get, serving_target
 
 log = logging.getLogger(__name__)
@@ -105,6 +105,8 @@ class ReplicaAgent:
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
         self._behind_since: float | None = None
+        # The process's background rollouts, reported with each beat (serve_policy sets it when on).
+        self.background: Callable[[], BackgroundBeat] = BackgroundBeat
         # A push's canary share is the database's (the push carries it for the replica's log).
         server.canary_share_of = partial(servable_canary_share, project)
 
@@ -215,7 +217,7 @@ class ReplicaAgent:
     def register(self) -> None:
         close_old_connections()
         row = replica_register(self.project, self.address, hostname=socket.gethostname(), pid=os.getpid(),
-                               engine=self.engine, **self.served())
+                               engine=self.engine, background=self.background(), **self.served())
         self.replica_id = row.id
 
     def start(self) -> None:
@@ -225,7 +227,8 @@ class ReplicaAgent:
 
     def beat(self) -> None:
         close_old_connections()
-        if self.replica_id is None or not replica_heartbeat(self.replica_id, **self.served()):
+        if self.replica_id is None or not replica_heartbeat(self.replica_id, background=self.background(),
+                                                            **self.served()):
             self.register()
         self.catch_up()
 

@@ -32,24 +32,39 @@ PUSH_PATH = "/internal/push"
 PUSH_TIMEOUT_S = 300.0
 
 
+@dataclass(frozen=True)
+class BackgroundBeat:
+    """A replica's background rollouts as its heartbeat reports them (inference/background.py):
+    its capacity K (0: off), the share of wall time they took since the last beat, the total."""
+
+    slots: int = 0
+    share: float = 0.0
+    rollouts: int = 0
+
+    def fields(self) -> dict[str, Any]:
+        return {"background_slots": self.slots, "background_share": max(0.0, min(1.0, self.share)),
+                "background_rollouts": self.rollouts}
+
+
 def replica_register(project: Project, address: str, *, version: int | None, canary: int | None = None,
                      canary_share: float = 0.0, hostname: str = "", pid: int | None = None,
-                     engine: str = "") -> ServingReplica:
+                     engine: str = "", background: BackgroundBeat = BackgroundBeat()) -> ServingReplica:
     """A serving process (re)registers: one row per project and address, live from now."""
     now = timezone.now()
     replica, _ = ServingReplica.objects.update_or_create(
         project=project, address=address,
         defaults={"hostname": hostname[:255], "pid": pid, "engine": engine, "state": "serving",
                   "version": version, "canary": canary, "canary_share": canary_share,
-                  "registered_at": now, "heartbeat_at": now, "error": ""})
+                  "registered_at": now, "heartbeat_at": now, "error": "", **background.fields()})
     return replica
 
 
-def replica_heartbeat(replica_id: int, *, version: int | None, canary: int | None, canary_share: float) -> bool:
+def replica_heartbeat(replica_id: int, *, version: int | None, canary: int | None, canary_share: float,
+                      background: BackgroundBeat = BackgroundBeat()) -> bool:
     """The replica is alive and serves these versions; False if its row is gone (re-register)."""
     return ServingReplica.objects.filter(id=replica_id).update(
         heartbeat_at=timezone.now(), state=ReplicaState.SERVING, version=version, canary=canary,
-        canary_share=canary_share) == 1
+        canary_share=canary_share, **background.fields()) == 1
 
 
 def replica_stop(replica_id: int) -> None:

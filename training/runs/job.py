@@ -30,6 +30,7 @@ from training.gate.config import SuiteSpec
 from training.gate.services import eval_suite_active
 from training.gate.stats import kl_estimate
 from training.models import Reward, RewardSpec, TrainingRun
+from training.replicas.background import ReplicaSampler
 from training.rewards.agents import run_agent_rollouts
 from training.rewards.reward_model import CONTEXT_MIN_LABELS, Labelled, UsersModel, fit_users_model
 from training.rewards.selectors import agent_tasks, labelled_suggestions, rewarded_trajectories_since
@@ -328,6 +329,9 @@ class GroupRollouts:
         self.seed = settings.seed * 1_000_003 + run.pk
         # The sampler's own log-probs (no scoring forward): they are this round's pi_old and mu.
         self.engine = make_engine("torch", base_dir, version=run.base_version.number, seed=self.seed, exact=False)
+        # The project's replicas with background rollouts on sample the rounds first (this engine
+        # what they give back): training.replicas.background.
+        self.replicas = ReplicaSampler.setup(run.project_id, self.engine)
         self.rewards_per_round: list[float] = []
         self.mean_tokens: dict[int, float] = {}
         self.suite: SuiteSpec | None = None
@@ -374,8 +378,7 @@ class GroupRollouts:
         self.holds_reference = False
         seed = self.seed + 7919 * r
         keys = self.round_prompts(r)
-        every = self.engine.generate([list(k) for k in keys], n=self.G,
-                                     sampling=SamplingParams(max_tokens=self.max_tokens, seed=seed))
+        every = self._sample(r, keys, SamplingParams(max_tokens=self.max_tokens, seed=seed))
         self.mean_tokens[r] = sum(len(c.token_ids) for c in every) / max(1, len(every))
         completions = [c for c in every if c.token_ids]
         scored = suggestions_reward(self.spec, [(self.prompts[keys[c.prompt_index]], c.text, c.token_ids,
@@ -389,6 +392,15 @@ class GroupRollouts:
                    group=f"rollout-{self.run.pk}-{r}-{c.prompt_index}", task="rollout")
             for c, (total, _) in zip(completions, scored, strict=True)
         ]
+
+    def _sample(self, r: int, keys: list[tuple[int, ...]], sampling: SamplingParams) -> list[Any]:
+        """Round r's G completions per prompt from the engine's weights (the round's): on the
+        replicas taking background rollouts, pushed as this round's weights, else here."""
+        prompts = [list(k) for k in keys]
+        if self.replicas is None:
+            return self.engine.generate(prompts, n=self.G, sampling=sampling)
+        return self.replicas.generate(prompts, self.G, sampling, weights=f"run-{self.run.pk}-round-{r}",
+                                      state=self.engine.model.state_dict(), version=self.run.base_version.number)
 
     def length_ratio(self, r: int, reference: PreTrainedModel) -> float:
         """Round r's mean completion length over the reference's on round r's prompts (tokens,
@@ -453,7 +465,8 @@ class GroupRollouts:
                 "rollout_prompts": len(self.keys),
                 "rollout_rounds": len(self.rewards_per_round),
                 "rollout_reward_mean": self.rewards_per_round[0] if self.rewards_per_round else None,
-                "rollout_reward_by_round": [round(x, 4) for x in self.rewards_per_round]}
+                "rollout_reward_by_round": [round(x, 4) for x in self.rewards_per_round],
+                **(self.replicas.report() if self.replicas is not None else {})}
 
     def close(self) -> None:
         self.engine.close()

@@ -13,6 +13,7 @@ from feedback.models import Project, Trajectory
 from feedback.services import feedback_ingest
 from inference.engines import SamplingParams, make_engine
 from training.models import TrainingRun
+from training.replicas.background import ReplicaSampler
 from training.rewards.services import reward_spec_current, rewards_compute
 from training.runs.services import train_policy, training_run_start
 from training.runs.settings import RunSettings
@@ -52,6 +53,18 @@ def _rollout_events(prompts: list[RolloutPrompt], completions: list[Any], G: int
     return events
 
 
+def _sample(project: Project, engine: Any, texts: list[str], G: int, sampling: SamplingParams) -> list[Any]:
+    """G completions per prompt from the engine's weights: on the project's replicas taking
+    background rollouts when there are any (training.replicas.background; the engine samples what
+    they give back), else on the engine. A torch engine's weights can be pushed; another's cannot."""
+    replicas = ReplicaSampler.setup(project.pk, engine) if hasattr(engine, "model") else None
+    if replicas is None:
+        return engine.generate(texts, n=G, sampling=sampling)
+    prompts = [engine.encode(t) for t in texts]
+    return replicas.generate(prompts, G, sampling, weights=f"v{engine.version}-{engine.model_dir.name}",
+                             state=engine.model.state_dict(), version=engine.version)
+
+
 def rollout_and_train(
     project: Project, prompts: Sequence[str | dict[str, Any] | RolloutPrompt], G: int = 16, *,
     settings: RunSettings | None = None, max_tokens: int = 24, seed: int = 0, engine: Any = None, inline: bool = True,
@@ -68,7 +81,7 @@ def rollout_and_train(
     own = engine is None
     engine = engine or make_engine("torch", policy_folder(base), version=base.number, seed=seed)
     try:
-        completions = engine.generate([p.text for p in pool], n=G, sampling=SamplingParams(max_tokens=max_tokens, seed=seed))
+        completions = _sample(project, engine, [p.text for p in pool], G, SamplingParams(max_tokens=max_tokens, seed=seed))
     finally:
         if own:
             engine.close()

@@ -1,5 +1,6 @@
 """python manage.py serve_policy --project SLUG [--port 8001] [--internal-port 8002] [--engine vllm|torch]
     [--internal-host 127.0.0.1] [--advertise URL] [--model-dir DIR] [--serial] [--summary-budget TOKENS]
+    [--background-rollouts K]
 
 With --engine vllm, requests run on vLLM's async engine: concurrent requests share its batches
 (continuous batching) and a weight swap waits for the requests in flight. --serial runs them one
@@ -25,6 +26,11 @@ listener's address, this host's name when it binds all interfaces), what it serv
 every FLYWHEEL_REPLICA_HEARTBEAT_S. A promotion pushes it the deltas it lacks (/internal/push);
 on (re)start it loads what the database says, so a replica that was down catches up.
 
+With --background-rollouts K (FLYWHEEL_BACKGROUND_ROLLOUTS) the replica also samples training
+runs' group rollouts in the room its users leave (inference/background.py: live requests first, at
+most K background sequences at once, on the weights the run pushes); its row says so and shows the
+share of its time they took.
+
 It lives in `training` because it knows both sides: the versions (which weights, verified from
 the checkpoint store) and the serving process (`inference.serving`), which is handed folders and
 never reads versions itself.
@@ -49,13 +55,15 @@ from core.db import keep_connections
 from core.errors import NotFound
 from feedback.models import Project
 from feedback.services import feedback_ingest, quarantine_record
-from inference import apis, metrics, replica, serving
+from inference import apis, background, metrics, replica, serving
+from inference.background import BackgroundRollouts
 from inference.engines import EngineFactory, new_event_loop
 from inference.listeners import serve_both
 from inference.serving import PolicyServer, Recorder, ServingError
 from inference.tokens import replica_token
 from kernels.delta import CheckpointCorrupt
 from training.replicas.agent import ReplicaAgent, servable_canary_share, servable_version
+from training.replicas.services import BackgroundBeat
 from training.versions.selectors import policy_get, serving_target
 from training.versions.services import policy_folder
 
@@ -84,6 +92,10 @@ class Command(BaseCommand):
         parser.add_argument("--summary-budget", type=int, default=None,
                             help="tokens (prompt + max_tokens) past which a conversation is summarized before the "
                                  "turn is answered (default: 3/4 of --max-model-len; 0: never)")
+        parser.add_argument("--background-rollouts", type=int,
+                            default=settings.FLYWHEEL_BACKGROUND_ROLLOUTS, metavar="K",
+                            help="take training runs' group rollouts in the room users leave, at most K sequences "
+                                 "at once (inference/background.py; default FLYWHEEL_BACKGROUND_ROLLOUTS or 0: off)")
         parser.add_argument("--serial", action="store_true",
                             help="vllm: one request at a time on the in-process engine (no batching across requests)")
 
@@ -93,12 +105,16 @@ class Command(BaseCommand):
         if internal_host not in LOOPBACK and not (settings.FLYWHEEL_INTERNAL_TOKEN or settings.FLYWHEEL_REPLICA_TOKEN):
             raise CommandError(f"--internal-host {internal_host} exposes /internal/* beyond this machine: set "
                                "FLYWHEEL_INTERNAL_TOKEN (the web app sends the same) or keep it on 127.0.0.1")
+        if type(opts["background_rollouts"]) is not int or opts["background_rollouts"] < 0:
+            raise CommandError("--background-rollouts must be 0 (off) or the most background sequences at once, "
+                               f"e.g. 16; got {opts['background_rollouts']!r}")
         server = self._server(opts)
         serving.SERVER = server
+        worker = background_start(server, opts["background_rollouts"], opts["max_model_len"])
         agent = None
         if opts["model_dir"] is None and opts["policy_version"] is None:
             address = opts["advertise"] or advertised_address(internal_host, internal_port)
-            agent = _agent(server, opts, address)
+            agent = _agent(server, opts, address, worker)
             apis.REPLICA_TOKEN = settings.FLYWHEEL_REPLICA_TOKEN or (
                 replica_token(settings.FLYWHEEL_INTERNAL_TOKEN, agent.address) if settings.FLYWHEEL_INTERNAL_TOKEN else "")
             replica.RECEIVER = agent.receive
@@ -116,6 +132,9 @@ class Command(BaseCommand):
             if agent is not None:
                 replica.RECEIVER = None
                 agent.stop()
+            if worker is not None:
+                background.WORKER = None
+                worker.close()
             server.close()
             serving.SERVER = None
 
@@ -207,11 +226,29 @@ def advertised_address(host: str, port: int) -> str:
     return f"http://{f'[{host}]' if ':' in host else host}:{port}"
 
 
-def _agent(server: PolicyServer, opts: dict[str, Any], address: str) -> ReplicaAgent:
+def background_start(server: PolicyServer, slots: int, max_model_len: int) -> BackgroundRollouts | None:
+    """With K > 0: the process's background rollouts (a second engine, built from the served
+    folder's config and tokenizer when a run first pushes its weights), running."""
+    if slots <= 0:
+        return None
+    worker = BackgroundRollouts(server.engine.model_dir, slots, max_model_len=max_model_len)
+    worker.start()
+    background.WORKER = worker
+    return worker
+
+
+def _background_beat(worker: BackgroundRollouts) -> BackgroundBeat:
+    return BackgroundBeat(worker.slots, worker.window_share(), worker.rollouts)
+
+
+def _agent(server: PolicyServer, opts: dict[str, Any], address: str,
+           worker: BackgroundRollouts | None = None) -> ReplicaAgent:
     """Registers the process as a replica holding what it loaded at start, heartbeat running."""
     project = Project.objects.get(slug=opts["project"])
     work_dir = Path(settings.VAR_DIR) / "replicas" / f"{socket.gethostname()}-{opts['port']}"
     agent = ReplicaAgent(project, server, address, _resolver(project), work_dir, engine=opts["engine"])
+    if worker is not None:
+        agent.background = partial(_background_beat, worker)
     for engine in (server.engine, server.canary):
         version = policy_get(project, engine.version) if engine is not None else None
         if version is not None:

@@ -1,0 +1,164 @@
+"""A training run's group rollouts on its project's serving replicas (off-peak rollouts).
+
+`ReplicaSampler.generate(prompts, n, sampling, weights=..., state=...)` is `Engine.generate` for a
+run: the prompts are split among the live replicas that take background rollouts (their row's
+`background_slots` > 0: `serve_policy --background-rollouts K`), each is sent the weights the run
+wants sampled (PUT /internal/rollouts/weights, once per replica and weights id, safetensors of the
+whole state dict: a registered version or a round's in-progress weights alike) and its share of
+the prompts (POST /internal/rollouts, with a deadline). What a replica gives back (its users kept
+it busy past the deadline), or could not take (down, full, refused), is sampled by the run's own
+engine, so a run never waits on a busy replica. The replicas' sampling is live-first and
+admission-bounded (inference/background.py).
+
+A replica's rows draw from the RNG stream of their index in the whole call, as the run's own
+engine would: on the same weights, the same tokens (the log-probs within float rounding).
+
+    .venv/bin/python -m pytest tests/training/test_background_rollouts.py -q
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import torch
+from django.conf import settings
+
+from inference.engines import Completion, Engine, SamplingParams
+from inference.tokens import replica_token
+from training.models import ServingReplica
+from training.replicas.selectors import replicas_live
+
+log = logging.getLogger(__name__)
+
+ROLLOUTS_PATH = "/internal/rollouts"
+WEIGHTS_PATH = "/internal/rollouts/weights"
+DEADLINE_S = 120.0  # what a replica has for its share before the rest comes back to the run
+
+
+def replicas_taking_rollouts(project_id: int) -> list[ServingReplica]:
+    """Live replicas of the project whose background rollouts are on."""
+    return list(replicas_live(project_id).filter(background_slots__gt=0))
+
+
+@dataclass
+class Share:
+    replica: ServingReplica
+    indices: list[int]  # the call's prompt indices sent to it
+    completions: list[Completion] = field(default_factory=list)
+    back: list[int] = field(default_factory=list)  # returned, or never taken
+    error: str = ""
+
+
+class ReplicaSampler:
+    """Samples on replicas first, on `local` (the run's own engine) for what they give back."""
+
+    def __init__(self, replicas: Sequence[ServingReplica], local: Engine, token: str,
+                 deadline_s: float = DEADLINE_S, timeout_s: float = 600.0) -> None:
+        self.replicas, self.local, self.token = list(replicas), local, token
+        self.deadline_s, self.timeout_s = deadline_s, timeout_s
+        self.pushed: dict[int, str] = {}  # replica id -> the weights id it holds from us
+        self.on_replicas = 0  # rollouts the replicas sampled
+        self.given_back = 0  # rollouts the run's own engine sampled instead
+        self.errors: list[str] = []
+
+    @classmethod
+    def setup(cls, project_id: int, local: Engine) -> ReplicaSampler | None:
+        """A sampler over the project's replicas taking rollouts; None when there is none (or no
+        internal token to reach them)."""
+        replicas = replicas_taking_rollouts(project_id)
+        if not replicas or not settings.FLYWHEEL_INTERNAL_TOKEN:
+            return None
+        return cls(replicas, local, settings.FLYWHEEL_INTERNAL_TOKEN)
+
+    def generate(self, prompts: Sequence[Sequence[int]], n: int, sampling: SamplingParams, *, weights: str,
+                 state: Mapping[str, torch.Tensor], version: int) -> list[Completion]:
+        """n completions per prompt (grouped by prompt, as Engine.generate) from `state`, whose id
+        is `weights`; `local` must hold the same weights (it samples what comes back)."""
+        from safetensors.torch import save
+
+        prompts = [list(p) for p in prompts]
+        data: list[bytes] = []  # built once, when a replica first needs these weights
+        shares = [Share(r, list(part)) for r, part in zip(self.replicas, _slices(len(prompts), len(self.replicas)),
+                                                            strict=True) if part]
+
+        def body() -> bytes:
+            if not data:
+                data.append(save({k: v.detach().contiguous() for k, v in state.items()}))
+            return data[0]
+
+        with ThreadPoolExecutor(max_workers=len(shares)) as pool:
+            list(pool.map(lambda s: self._send(s, prompts, n, sampling, weights, version, body), shares))
+        out = [c for s in shares for c in s.completions]
+        back = sorted(i for s in shares for i in s.back)
+        self.errors += [f"{s.replica.address}: {s.error}" for s in shares if s.error]
+        self.on_replicas += len(out)
+        if back:
+            local = self.local.generate([prompts[i] for i in back], n=n, sampling=sampling)
+            for c in local:
+                c.prompt_index = back[c.prompt_index]
+            self.given_back += len(local)
+            out += local
+        return sorted(out, key=lambda c: c.prompt_index)
+
+    def _send(self, share: Share, prompts: list[list[int]], n: int, sampling: SamplingParams, weights: str,
+              version: int, body: Any) -> None:
+        replica = share.replica
+        headers = {"Authorization": f"Bearer {replica_token(self.token, replica.address)}"}
+        base = replica.address.rstrip("/")
+        sent = [prompts[i] for i in share.indices]
+        try:
+            with httpx.Client(timeout=self.timeout_s, headers=headers) as http:
+                if self.pushed.get(replica.id) != weights:
+                    _ok(http.put(base + WEIGHTS_PATH, params={"id": weights, "version": version}, content=body()))
+                    self.pushed[replica.id] = weights
+                answer = _ok(http.post(base + ROLLOUTS_PATH, json={
+                    "weights": weights, "prompts": sent, "n": n, "deadline_s": self.deadline_s,
+                    "first_index": share.indices[0],
+                    "sampling": {"max_tokens": sampling.max_tokens, "temperature": sampling.temperature,
+                                 "top_p": sampling.top_p, "top_k": sampling.top_k, "seed": sampling.seed}})).json()
+        except (httpx.HTTPError, ReplicaRefused) as exc:
+            log.warning("background rollouts on %s failed: %s", replica.address, exc)
+            share.back, share.error = list(share.indices), f"{type(exc).__name__}: {exc}"[:500]
+            self.pushed.pop(replica.id, None)
+            return
+        share.completions = [_completion(c, share.indices, sent, int(answer["version"])) for c in answer["completions"]]
+        share.back = [share.indices[i] for i in answer["returned"]]
+
+    def report(self) -> dict[str, Any]:
+        return {"rollouts_on_replicas": self.on_replicas, "rollouts_given_back": self.given_back,
+                "rollout_replicas": [r.address for r in self.replicas], "rollout_replica_errors": self.errors[:10]}
+
+
+class ReplicaRefused(Exception):
+    """A replica answered with an error (its message and fix)."""
+
+
+def _ok(response: httpx.Response) -> httpx.Response:
+    if response.status_code != 200:
+        try:
+            error = response.json()["error"]
+            reason = f"{error['message']}. {error.get('fix', '')}"
+        except (ValueError, KeyError, TypeError):
+            reason = response.text[:300]
+        raise ReplicaRefused(f"{response.status_code}: {reason}")
+    return response
+
+
+def _slices(count: int, parts: int) -> list[range]:
+    """`count` indices cut into `parts` contiguous slices of near-equal size (a replica's rows keep
+    their index in the call: the RNG streams the run's own engine would give them)."""
+    size, extra = divmod(count, parts)
+    bounds = [k * size + min(k, extra) for k in range(parts + 1)]
+    return [range(bounds[k], bounds[k + 1]) for k in range(parts)]
+
+
+def _completion(c: dict[str, Any], indices: list[int], sent: list[list[int]], version: int) -> Completion:
+    """A replica's answer row as the run's Completion (prompt index back in the run's numbering)."""
+    local = int(c["prompt_index"])
+    return Completion(indices[local], list(sent[local]), list(c["token_ids"]), [float(x) for x in c["logprobs"]],
+                      "stop" if c["finish_reason"] == "stop" else "length", str(c["text"]), version)
