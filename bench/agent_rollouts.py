@@ -16,6 +16,7 @@ concision, weighted 0.1 each, on the code the rollout changed); without it, the 
     .venv/bin/python bench/agent_rollouts.py            # table
     .venv/bin/python bench/agent_rollouts.py --json     # table, then one JSON line last
     .venv/bin/python bench/agent_rollouts.py --judge --json
+    .venv/bin/python bench/agent_rollouts.py --quick   # G 1, short turns, a policy on 2,000 lines: that it runs
 """
 
 from __future__ import annotations
@@ -34,11 +35,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-def build(folder: Path) -> Path:
+def build(folder: Path, lines: int = 20_000) -> Path:
     from training.pretrain import PolicyConfig, build_policy, stdlib_corpus
 
     if not (folder / "config.json").exists():
-        build_policy(folder, PolicyConfig(kind="dense", max_position=1024), stdlib_corpus(20_000))
+        build_policy(folder, PolicyConfig(kind="dense", max_position=1024), stdlib_corpus(lines))
     return folder
 
 
@@ -63,7 +64,10 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--G", type=int, default=4)
     parser.add_argument("--judge", action="store_true", help="reward: the tests + the default spec's rule judge")
+    parser.add_argument("--quick", action="store_true", help="G 1, 16-token turns, a policy on 2,000 lines: that it runs")
     args = parser.parse_args()
+    if args.quick:
+        args.G = 1
     import torch
 
     torch.set_num_threads(1)
@@ -74,17 +78,18 @@ def main() -> None:
 
     reward = AgentReward(judge=make_judge({"kind": "rule", "aspects": ["style", "concision"]}),
                          aspects=(("style", 0.1), ("concision", 0.1))) if args.judge else None
-    folder = build(ROOT / "var" / "bench-agent-policy")
+    folder = build(ROOT / "var" / ("bench-agent-policy-quick" if args.quick else "bench-agent-policy"),
+                   2_000 if args.quick else 20_000)
     tiny = make_engine("torch", folder, version=1, max_model_len=1024, seed=0)
     rows = {"scripted": measure(ScriptedEngine(tiny, scripted_agent), args.G, 96, 4096, reward),
-            "tiny policy": measure(tiny, args.G, 48, 768, reward)}
+            "tiny policy": measure(tiny, args.G, 16 if args.quick else 48, 768, reward)}
     tiny.close()
     keys = list(next(iter(rows.values())))
     print(f"{'policy':<12} " + " ".join(f"{k:>18}" for k in keys))
     for name, row in rows.items():
         print(f"{name:<12} " + " ".join(f"{row[k]!s:>18}" for k in keys))
     if args.json:
-        print(json.dumps({"bench": "agent_rollouts", "G": args.G, "tasks": 2, "judge": args.judge,
+        print(json.dumps({"bench": "agent_rollouts", "G": args.G, "tasks": 2, "judge": args.judge, "quick": args.quick,
                           **{name.replace(" ", "_"): row for name, row in rows.items()}}))
 
 

@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/broadcast.py [--replicas 4] [--changed 0.01] [--engine torch|vllm]
         [--hidden 512] [--layers 4] [--vocab 4096] [--json]
+    .venv/bin/python bench/broadcast.py --quick    # one replica of a 64-wide policy, 20 canary requests
 
 On a database of its own (loopback): registers a policy v1 in production and a candidate v2 whose
 weights differ from v1's in `--changed` of the elements of every tensor (a small RL step), starts
@@ -89,8 +90,13 @@ def _args() -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--canary-share", type=float, default=0.25)
     parser.add_argument("--canary-requests", type=int, default=400)
+    parser.add_argument("--quick", action="store_true",
+                        help="one replica of a one-layer 64-wide policy, 20 canary requests: that the bench runs")
     parser.add_argument("--json", action="store_true")
-    return parser.parse_args()
+    args = parser.parse_args()
+    if args.quick:
+        args.replicas, args.hidden, args.layers, args.vocab, args.canary_requests = 1, 64, 1, 512, 20
+    return args
 
 
 def _environment() -> dict[str, str]:
@@ -148,7 +154,7 @@ def _prepare(args: argparse.Namespace) -> dict:
     cfg = PolicyConfig(vocab_size=args.vocab, hidden_size=args.hidden, num_layers=args.layers,
                        num_heads=max(args.hidden // 64, 1), num_kv_heads=max(args.hidden // 128, 1),
                        intermediate_size=3 * args.hidden, seed=args.seed, tokenizer_lines=20_000)
-    v1_dir = build_policy(VAR / "v1", cfg, stdlib_corpus(20_000))
+    v1_dir = build_policy(VAR / "v1", cfg, stdlib_corpus(2_000 if args.quick else 20_000))
     changed = sparse_child(v1_dir, VAR / "v2", args.changed, args.seed + 1)
     v1 = policy_register(creds.project, v1_dir, state="production")
     v2 = policy_register(creds.project, VAR / "v2", parent=v1, state="awaiting_approval")
@@ -272,7 +278,7 @@ def _figures(args, state, urls, answers, rows, start, done, number) -> dict:
     bytes_delta = sum(r.pushed_bytes for r in rows.values())
     bytes_full = state["full_bytes"] * args.replicas
     return {
-        "replicas": args.replicas, "engine": args.engine, "changed_fraction": round(state["changed"], 5),
+        "replicas": args.replicas, "engine": args.engine, "quick": args.quick, "changed_fraction": round(state["changed"], 5),
         "broadcast_s": round(done - start, 3), "bytes_delta": bytes_delta, "bytes_full": bytes_full,
         "ratio": round(bytes_full / max(bytes_delta, 1), 1), "stale_responses": stale,
         "checked_after_ack": checked, "responses": sum(len(a) for a in answers.values()),

@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/demo_base.py [--shape tiny|mid|small] [--steps 1000] [--held-out 200]
         [--time-steps 5] [--json]
+    .venv/bin/python bench/demo_base.py --quick    # 3 steps on 5,000 lines, 8 prompts, in a temp folder
 
 Builds a policy of the shape (the demo's `tiny` 0.6M default, a `mid` one, or the 25M `small`
 shape bench/rl_step.py builds), pretrains it on the standard library for `--steps` optimiser steps
@@ -29,6 +30,7 @@ import os
 import shutil
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -40,16 +42,19 @@ MID = {"hidden_size": 256, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2, "
 SMALL = {"hidden_size": 512, "num_layers": 8, "num_heads": 8, "num_kv_heads": 4, "intermediate_size": 1408}
 SHAPES = {"tiny": TINY, "mid": MID, "small": SMALL}
 EVAL_SEED = 1234
+QUICK_PACKAGES = {"stdlib": "email", "django": "utils"}
 
 
 def main() -> int:
     args = _args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    folder, stats = _pretrained(args)
-    result = {"shape": args.shape, "steps": args.steps, **stats}
-    if folder is not None:
-        result.update(_measure(folder, args.held_out))
+    with tempfile.TemporaryDirectory() as tmp:
+        args.cache = Path(tmp) if args.quick else None  # a quick base is never cached for the demo
+        folder, stats = _pretrained(args)
+        result = {"shape": args.shape, "steps": args.steps, "quick": args.quick, **stats}
+        if folder is not None:
+            result.update(_measure(folder, args.held_out, args.quick))
     _print(result)
     if args.json:
         print(json.dumps(result))
@@ -62,12 +67,17 @@ def _args() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--time-steps", type=int, default=5, help="with --steps 0: steps to time")
     parser.add_argument("--held-out", type=int, default=200)
+    parser.add_argument("--quick", action="store_true",
+                        help="3 steps on 5,000 lines, 8 held-out prompts, in a temp folder: that the bench runs")
     parser.add_argument("--json", action="store_true")
-    return parser.parse_args()
+    args = parser.parse_args()
+    if args.quick:
+        args.steps, args.held_out = 3, 8
+    return args
 
 
 def _cache(args: argparse.Namespace) -> Path:
-    var = Path(os.environ.get("FLYWHEEL_VAR_DIR", ROOT / "var")) / "policies" / "pretrained"
+    var = args.cache or Path(os.environ.get("FLYWHEEL_VAR_DIR", ROOT / "var")) / "policies" / "pretrained"
     name = f"dense-{args.steps}steps" if args.shape == "tiny" else f"dense-{args.shape}-{args.steps}steps"
     return var / name
 
@@ -80,7 +90,7 @@ def _pretrained(args: argparse.Namespace) -> tuple[Path | None, dict]:
     if args.steps and (cached / "pretrain.json").exists():
         stats = json.loads((cached / "pretrain.json").read_text())
         return cached, {"pretrain_seconds": stats.get("elapsed"), "loss": stats.get("loss"), "cached": True}
-    corpus = stdlib_corpus()
+    corpus = stdlib_corpus(5_000 if args.quick else None)
     folder = cached.with_name(cached.name + ".building")
     shutil.rmtree(folder, ignore_errors=True)
     started = time.monotonic()
@@ -123,8 +133,9 @@ def _bar(steps: int):
     return show
 
 
-def _measure(folder: Path, n: int) -> dict:
-    """The real-name share and accepted characters of the base on stdlib and django held-out prompts."""
+def _measure(folder: Path, n: int, quick: bool = False) -> dict:
+    """The real-name share and accepted characters of the base on stdlib and django held-out prompts
+    (quick: on one package of each, `email` and `django.utils`)."""
     from webapp.demo.simulator import (
         INTENT,
         code_base,
@@ -136,7 +147,7 @@ def _measure(folder: Path, n: int) -> dict:
 
     out = {}
     for name, source, taste in (("stdlib", stdlib_source(), "compiles"), ("django", django_source(), INTENT)):
-        code = code_base(source)
+        code = code_base(source / QUICK_PACKAGES[name] if quick else source)
         requests = held_out_prompts(code, taste, n)
         texts = _complete(folder, [r.prompt for r in requests])
         m = population_metrics(taste, requests, texts, code.known)

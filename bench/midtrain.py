@@ -3,6 +3,7 @@ before and after, and the training loop's throughput beside a plain torch loop a
 SFTTrainer (packing) on the same model, packed data and cores.
 
     .venv/bin/python bench/midtrain.py [--corpus DIR] [--seconds 60] [--pretrain-steps 600] [--json]
+    .venv/bin/python bench/midtrain.py --quick    # 2 s on django.utils, TRL left out, in a temp folder
 
 The base is the demo's tiny dense policy (training/pretrain.py, pretrained on the standard library;
 cached in var/bench-midtrain/). The code base defaults to Django's sources in this venv, split into
@@ -37,14 +38,14 @@ OUT = ROOT / "var" / "bench-midtrain"
 WARMUP = 2
 
 
-def base_policy(steps: int) -> Path:
+def base_policy(steps: int, out: Path = OUT, lines: int | None = None) -> Path:
     """The demo's dense base pretrained `steps` steps on the standard library (cached)."""
     from training.pretrain import PolicyConfig, build_policy, pretrain, stdlib_corpus
 
-    folder = OUT / f"base-{steps}"
+    folder = out / f"base-{steps}"
     if (folder / "done").exists():
         return folder
-    corpus = stdlib_corpus()
+    corpus = stdlib_corpus(lines)
     build_policy(folder, PolicyConfig(), corpus[:60_000])
     stats = pretrain(folder, corpus, float("inf"), max_steps=steps)
     (folder / "done").write_text(json.dumps(stats))
@@ -170,9 +171,19 @@ def main() -> None:
     parser.add_argument("--compare-steps", type=int, default=12)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-trl", action="store_true")
+    parser.add_argument("--quick", action="store_true",
+                        help="a 2-step base, 2 s of mid-training on django.utils, TRL left out: that the bench runs")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    result = run(args)
+    with tempfile.TemporaryDirectory() as tmp:
+        args.out, args.base_lines = OUT, None
+        if args.quick:
+            args.out, args.base_lines, args.no_trl = Path(tmp), 5_000, True
+            args.pretrain_steps, args.seconds, args.prompts, args.compare_steps = 2, 2.0, 10, WARMUP + 1
+            args.corpus, args.batch_size, args.seq_len = str(Path(args.corpus) / "utils"), 4, 64
+            print("TRL: left out (--quick)")
+        result = run(args)
+    result["quick"] = args.quick
     print(f"{'':28}{'greedy':>10}{'sampled':>10}")
     for when in ("before", "after"):
         g, s = result[f"heldout_accept_{when}"], result[f"heldout_accept_{when}_sampled"]
@@ -192,7 +203,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from training.corpora.packing import pack_rows, train_rows
 
     started = time.monotonic()
-    base = base_policy(args.pretrain_steps)
+    base = base_policy(args.pretrain_steps, args.out, args.base_lines)
     train, held = code_base(Path(args.corpus))
     prompts = continuation_prompts(held, n=args.prompts, seed=args.seed)
     before = {t: accepts(base, prompts, t, args.seed) for t in (0.0, 1.0)}
@@ -202,7 +213,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     torch.manual_seed(args.seed)
     model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
     trained = train_rows(model, rows, lr=args.lr, batch_size=args.batch_size, seed=args.seed, seconds=args.seconds)
-    after_dir = OUT / "after"
+    after_dir = args.out / "after"
     model.save_pretrained(after_dir)
     tokenizer.save_pretrained(after_dir)
     after = {t: accepts(after_dir, prompts, t, args.seed) for t in (0.0, 1.0)}

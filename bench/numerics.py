@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/numerics.py            # tables
     .venv/bin/python bench/numerics.py --json     # tables, then one JSON line last
+    .venv/bin/python bench/numerics.py --quick    # the smallest model, one repeat: that the bench runs
 
 Models: tiny random-init Qwen2s (seeded) at the tiny-model shapes (hidden 64-256, vocab 2-8k).
 - slowdown: forward + selective log-softmax of a training batch (64 x T) with
@@ -68,9 +69,9 @@ def paired_best(a: Callable[[], Any], b: Callable[[], Any], repeat: int) -> tupl
     return min(ta), min(tb)
 
 
-def model_rows(dtype: torch.dtype, batch: int, t: int, repeat: int) -> list[dict[str, Any]]:
+def model_rows(dtype: torch.dtype, batch: int, t: int, repeat: int, models: list = MODELS) -> list[dict[str, Any]]:
     rows = []
-    for hidden, inter, vocab in MODELS:
+    for hidden, inter, vocab in models:
         model = tiny_qwen2(hidden, inter, vocab, dtype)
         ids = torch.randint(0, vocab, (batch, t), generator=torch.Generator().manual_seed(1))
 
@@ -110,19 +111,19 @@ def _ops_for(dtype: torch.dtype, m: int, repeat: int) -> list[dict[str, Any]]:
     return rows
 
 
-def op_rows(repeat: int) -> list[dict[str, Any]]:
-    return [r for dtype in (torch.float32, torch.bfloat16) for r in _ops_for(dtype, 64 * 32, repeat)]
+def op_rows(repeat: int, rows: int = 64 * 32) -> list[dict[str, Any]]:
+    return [r for dtype in (torch.float32, torch.bfloat16) for r in _ops_for(dtype, rows, repeat)]
 
 
-def drift(dtype: torch.dtype, t: int, invariant: bool) -> float:
-    """max |log p alone - log p in a batch of 64| over all sequences of the batch and models."""
+def drift(dtype: torch.dtype, t: int, invariant: bool, models: list = MODELS, batch: int = 64) -> float:
+    """max |log p alone - log p in a batch of `batch`| over all sequences of the batch and models."""
     worst = 0.0
-    for hidden, inter, vocab in MODELS:
+    for hidden, inter, vocab in models:
         model = tiny_qwen2(hidden, inter, vocab, dtype)
-        ids = torch.randint(0, vocab, (64, t), generator=torch.Generator().manual_seed(2))
+        ids = torch.randint(0, vocab, (batch, t), generator=torch.Generator().manual_seed(2))
         with torch.no_grad(), bi.batch_invariant_mode(model) if invariant else torch.no_grad():
-            full = seq_logprobs(model, ids)  # (64, T-1)
-            for i in range(64):
+            full = seq_logprobs(model, ids)  # (B, T-1)
+            for i in range(batch):
                 alone = seq_logprobs(model, ids[i : i + 1])  # (1, T-1)
                 worst = max(worst, (alone - full[i : i + 1]).abs().max().item())
     return worst
@@ -143,27 +144,33 @@ def main() -> None:
     parser.add_argument("--row-tile", type=int, default=bi.ROW_TILE, help="try another kernels.batch_invariant.ROW_TILE")
     parser.add_argument("--threads", type=int, default=1, help="timing threads (1: stable on a shared machine)")
     parser.add_argument("--models-only", action="store_true", help="only the model slowdown table")
+    parser.add_argument("--quick", action="store_true",
+                        help="the smallest model, one repeat, drift over 8 sequences: that the bench runs")
     args = parser.parse_args()
+    models, batch, drift_batch, lengths = (MODELS[:1], 8, 8, (6,)) if args.quick else (MODELS, 64, 64, (6, 32))
+    if args.quick:
+        args.repeat = 1
     bi.ROW_TILE = args.row_tile
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, ROW_TILE={bi.ROW_TILE}\n")
 
-    train = model_rows(torch.float32, 64, 32, args.repeat) + model_rows(torch.bfloat16, 64, 32, args.repeat)
-    single = model_rows(torch.float32, 1, 32, args.repeat) + model_rows(torch.bfloat16, 1, 32, args.repeat)
+    train = [r for dtype in (torch.float32, torch.bfloat16) for r in model_rows(dtype, batch, 32, args.repeat, models)]
+    single = [r for dtype in (torch.float32, torch.bfloat16) for r in model_rows(dtype, 1, 32, args.repeat, models)]
     print("model forward + selective log-softmax, invariant vs default")
     print_table(train + single)
     if args.models_only:
         return
-    ops = op_rows(args.repeat)
-    print(f"ops on {64 * 32} rows (batch 64 x T 32)")
+    ops = op_rows(args.repeat, batch * 32)
+    print(f"ops on {batch * 32} rows (batch {batch} x T 32)")
     print_table(ops)
 
     drifts = []
     for dtype in (torch.float32, torch.bfloat16):
-        for t in (6, 32):
+        for t in lengths:
             drifts.append({"dtype": str(dtype).removeprefix("torch."), "T": t,
-                           "default": drift(dtype, t, False), "invariant": drift(dtype, t, True)})  # fmt: skip
-    print("max |log p(batch 1) - log p(batch 64)| over 64 sequences x 3 models")
+                           "default": drift(dtype, t, False, models, drift_batch),
+                           "invariant": drift(dtype, t, True, models, drift_batch)})  # fmt: skip
+    print(f"max |log p(batch 1) - log p(batch {drift_batch})| over {drift_batch} sequences x {len(models)} models")
     print_table(drifts)
 
     logits = torch.randn(64, 32, 8192).to(torch.bfloat16)  # (B, T, V)
@@ -183,7 +190,7 @@ def main() -> None:
             "max_abs_diff_default": max(d["default"] for d in drifts),
             "selective_peak_mib": round(mem_ours / 2**20, 2),
             "reference_peak_mib": round(mem_ref / 2**20, 2),
-            "row_tile": bi.ROW_TILE,
+            "row_tile": bi.ROW_TILE, "quick": args.quick,
         }))  # fmt: skip
 
 

@@ -2,6 +2,7 @@
 
     nice -n 19 .venv/bin/python bench/serving.py [--model-dir DIR] [--seconds 6] [--json]
         [--no-serial] [--baseline CHECKOUT]
+    .venv/bin/python bench/serving.py --quick    # ours on the torch engine, 1 and 2 clients, 1 s: that it runs
 
 The same tiny policy (the dense one the tests build, fp32, max_model_len 512, eager, 1 GiB of KV
 cache) is served three ways, all up at once and driven in turn (interleaved, the order rotating
@@ -24,7 +25,8 @@ time) and p50/p95 request latency, and where the CPU went per output token (the 
 vLLM's engine processes, PostgreSQL). With --json the last line is one JSON object with
 ours_tokens_per_s_C, vllm_serve_tokens_per_s_C, serial_tokens_per_s_C, *_p50_s_C, *_p95_s_C,
 and at 16 clients ratio_16 (ours / vllm throughput) and p95_ratio_16 (ours / vllm p95) (and
-baseline_ratio_16, baseline_p95_ratio_16 for the baseline checkout).
+baseline_ratio_16, baseline_p95_ratio_16 for the baseline checkout). `--quick` serves ours alone
+on the torch engine (vLLM and its server are left out, and it says so), 1 and 2 clients, 1 s each.
 """
 
 from __future__ import annotations
@@ -116,11 +118,11 @@ def _env() -> dict[str, str]:
 
 
 def start_ours(model_dir: Path, project: str, logs: Path, serial: bool,
-               checkout: Path = ROOT) -> tuple[subprocess.Popen, str]:
+               checkout: Path = ROOT, engine: str = "vllm") -> tuple[subprocess.Popen, str]:
     port = _free_port()
     name = "baseline" if checkout != ROOT else "serial" if serial else "ours"
     cmd = [sys.executable, "manage.py", "serve_policy", "--project", project, "--model-dir", str(model_dir),
-           "--policy-version", "1", "--engine", "vllm", "--port", str(port), "--internal-port", str(_free_port()),
+           "--policy-version", "1", "--engine", engine, "--port", str(port), "--internal-port", str(_free_port()),
            "--max-model-len", str(MAX_MODEL_LEN)] + (["--serial"] if serial else [])
     log = open(logs / f"serve-{name}.log", "wb")
     proc = subprocess.Popen(cmd, cwd=checkout, env=_env(), stdout=log, stderr=subprocess.STDOUT)
@@ -241,24 +243,26 @@ def prepare_project() -> tuple[str, str]:
 
 
 def run(model_dir: Path, seconds: float, rounds: int, logs: Path, systems: tuple[str, ...],
-        baseline: Path | None = None) -> dict[str, dict[int, Run]]:
+        baseline: Path | None = None, levels: tuple[int, ...] = LEVELS,
+        engine: str = "vllm") -> dict[str, dict[int, Run]]:
     setup_django(BENCH_DB)
 
     project, key = prepare_project()
-    servers = {"ours": start_ours(model_dir, project, logs, serial=False),
-               "vllm_serve": start_vllm_serve(model_dir, logs)}
+    servers = {"ours": start_ours(model_dir, project, logs, serial=False, engine=engine)}
+    if "vllm_serve" in systems:
+        servers["vllm_serve"] = start_vllm_serve(model_dir, logs)
     if "serial" in systems:
         servers["serial"] = start_ours(model_dir, project, logs, serial=True)
     if baseline is not None:
         servers["baseline"] = start_ours(model_dir, project, logs, serial=False, checkout=baseline)
     models = {"ours": project, "serial": project, "baseline": project, "vllm_serve": "tiny"}
-    results: dict[str, dict[int, Run]] = {s: {c: Run() for c in LEVELS} for s in systems}
+    results: dict[str, dict[int, Run]] = {s: {c: Run() for c in levels} for s in systems}
     try:
         for name, (proc, base) in servers.items():
             _wait(base + ("/health" if name == "vllm_serve" else "/healthz"), proc)
         for name, (_, base) in servers.items():  # warm-up: first requests build caches
             asyncio.run(drive(base, key, models[name], 2, 1.0, seed=99))
-        for clients in LEVELS:
+        for clients in levels:
             for r in range(rounds):
                 order = systems[r % len(systems):] + systems[:r % len(systems)]
                 for name in order:
@@ -292,6 +296,8 @@ def summary(results: dict[str, dict[int, Run]]) -> dict[str, float]:
             out[f"{prefix}_requests_{clients}"] = len(r.latencies)
             for part in ("frontend", "engine", "db"):
                 out[f"{prefix}_{part}_cpu_ms_per_token_{clients}"] = round(r.cpu_ms_per_token(part), 3)
+    if "vllm_serve" not in results:
+        return out
     ours, theirs = results["ours"][16], results["vllm_serve"][16]
     out["ratio_16"] = round(ours.tokens_per_s() / max(theirs.tokens_per_s(), 1e-9), 3)
     out["p95_ratio_16"] = round(ours.quantile(0.95) / max(theirs.quantile(0.95), 1e-9), 3)
@@ -303,24 +309,25 @@ def summary(results: dict[str, dict[int, Run]]) -> dict[str, float]:
 
 
 def print_table(results: dict[str, dict[int, Run]]) -> None:
-    systems = list(results)
+    systems, levels = list(results), list(results["ours"])
+    vs_vllm = "vllm_serve" in results
     print(f"{'clients':>7} | " + " | ".join(f"{TITLES[name]:>10} {'p50':>6} {'p95':>6}" for name in systems)
-          + f" | {'ours/vllm':>9}" + (f" | {'base/vllm':>9}" if "baseline" in results else ""))
-    for c in LEVELS:
+          + (f" | {'ours/vllm':>9}" if vs_vllm else "") + (f" | {'base/vllm':>9}" if "baseline" in results else ""))
+    for c in levels:
         cells = []
         for name in systems:
             r = results[name][c]
             cells.append(f"{r.tokens_per_s():>10.1f} {r.quantile(0.5):6.3f} {r.quantile(0.95):6.3f}")
-        vllm = max(results["vllm_serve"][c].tokens_per_s(), 1e-9)
-        ratios = [results["ours"][c].tokens_per_s() / vllm]
-        if "baseline" in results:
-            ratios.append(results["baseline"][c].tokens_per_s() / vllm)
+        vllm = max(results["vllm_serve"][c].tokens_per_s(), 1e-9) if vs_vllm else None
+        ratios = [results[name][c].tokens_per_s() / vllm for name in ("ours", "baseline") if vllm and name in results]
         print(f"{c:>7} | " + " | ".join(cells) + "".join(f" | {ratio:9.2f}" for ratio in ratios))
+    if not vs_vllm:
+        print("vllm serve: left out (--quick: ours on the torch engine alone)")
     print("\nCPU ms per output token (where the time goes): frontend = the HTTP server process (API, engine")
     print("frontend, recording), engine = vLLM's engine core and workers, db = PostgreSQL (recorded writes)")
     print(f"{'clients':>7} | " + " | ".join(f"{name:>22}" for name in systems))
     print(f"{'':>7} | " + " | ".join(f"{'front engine     db':>22}" for _ in systems))
-    for c in LEVELS:
+    for c in levels:
         cells = [" ".join(f"{results[name][c].cpu_ms_per_token(part):6.2f}" for part in ("frontend", "engine", "db"))
                  for name in systems]
         print(f"{c:>7} | " + " | ".join(f"{cell:>22}" for cell in cells))
@@ -337,8 +344,13 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--no-serial", action="store_true", help="leave out the serialised reference")
     parser.add_argument("--baseline", type=Path, help="another checkout whose serve_policy is driven alike")
+    parser.add_argument("--quick", action="store_true",
+                        help="ours alone on the torch engine (no vLLM), 1 and 2 clients, 1 s: that the bench runs")
     args = parser.parse_args()
     systems = tuple(s for s in SYSTEMS if not (args.no_serial and s == "serial"))
+    levels, engine = LEVELS, "vllm"
+    if args.quick:
+        systems, levels, engine, args.seconds, args.rounds = ("ours",), (1, 2), "torch", 1.0, 1
     if args.baseline is not None:
         systems += ("baseline",)
     with tempfile.TemporaryDirectory() as tmp:
@@ -346,13 +358,14 @@ def main() -> None:
         if folder is None:
             from training.pretrain import PolicyConfig, build_policy, stdlib_corpus
 
-            folder = build_policy(Path(tmp) / "policy", PolicyConfig(kind="dense"), stdlib_corpus(20_000))
+            lines = stdlib_corpus(2_000 if args.quick else 20_000)
+            folder = build_policy(Path(tmp) / "policy", PolicyConfig(kind="dense"), lines)
         logs = ROOT / "var" / "bench-serving"
         logs.mkdir(parents=True, exist_ok=True)
-        results = run(folder, args.seconds, args.rounds, logs, systems, args.baseline)
+        results = run(folder, args.seconds, args.rounds, logs, systems, args.baseline, levels, engine)
     print_table(results)
     if args.json:
-        print(json.dumps(summary(results)))
+        print(json.dumps({**summary(results), "quick": args.quick}))
 
 
 if __name__ == "__main__":

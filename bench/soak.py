@@ -1,6 +1,7 @@
 """Soak under kills: nothing acknowledged is lost, nothing is stored twice.
 
     nice -n 19 .venv/bin/python bench/soak.py [--duration 300] [--senders 4] [--json]
+    nice -n 19 .venv/bin/python bench/soak.py --quick    # 20 s, one sender, one kill of each: that it runs
 
 On loopback only, against a PostgreSQL and Redis of its own (embedded, under --var-dir, durable:
 fsync, full-page writes and synchronous commit on), it runs the real processes: the ASGI web
@@ -339,7 +340,8 @@ def setup(var_dir: Path) -> dict[str, str]:
     return dict(os.environ)
 
 
-def create_project() -> dict[str, str]:
+def create_project(base: Path | None = None) -> dict[str, str]:
+    """A fresh project, its base policy pretrained one step (or registered from the folder `base`)."""
     from django.core.management import call_command
 
     from feedback.services import api_key_create, project_create
@@ -348,7 +350,8 @@ def create_project() -> dict[str, str]:
 
     creds = project_create("Soak", f"soak-{uuid.uuid4().hex[:8]}")
     key = api_key_create(creds.project, ["serve"], "soak-completer")
-    call_command("bootstrap_policy", "--project", creds.project.slug, "--steps", "1", verbosity=0)
+    source = ["--from", str(base)] if base is not None else ["--steps", "1"]
+    call_command("bootstrap_policy", "--project", creds.project.slug, *source, verbosity=0)
     # Beat gives the worker real work (rewards, the outbox, the sweeper); training never starts.
     training_schedule_install([creds.project], Schedule(min_new=10**9, every_minutes=10**6), rewards_every_s=5,
                               outbox_every_s=5, sweep_every_s=30)
@@ -449,8 +452,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--completion-pause", type=float, default=0.2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--var-dir", type=Path, default=ROOT / "var" / "soak")
+    parser.add_argument("--quick", action="store_true",
+                        help="20 s, one sender, one kill of each, a base built on 2,000 lines: that the bench runs")
     parser.add_argument("--json", action="store_true")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.duration, args.grace, args.senders, args.batch, args.pause = 20, 60, 1, 10, 0.2
+        args.web_kills, args.worker_kills, args.outage = 1, 1, 1.0
+        if args.var_dir == ROOT / "var" / "soak":
+            args.var_dir = ROOT / "var" / "soak-quick"
+    return args
+
+
+def quick_base(var_dir: Path) -> Path:
+    """A tiny untrained base (the standard library's first 2,000 lines for its tokenizer): pretraining
+    reads the whole standard library, which a quick run has no time for."""
+    from training.pretrain import PolicyConfig, build_policy, stdlib_corpus
+
+    folder = var_dir / "quick-base"
+    if not (folder / "config.json").exists():
+        build_policy(folder, PolicyConfig(), stdlib_corpus(2_000))
+    return folder
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -459,7 +481,7 @@ def main(argv: list[str] | None = None) -> int:
     log_dir = var_dir / "soak-logs" / time.strftime("%Y%m%d-%H%M%S")
     log_dir.mkdir(parents=True, exist_ok=True)
     env = setup(var_dir)
-    project = create_project()
+    project = create_project(quick_base(var_dir) if args.quick else None)
     procs = processes(env, project["slug"], log_dir)
     try:
         for proc in procs.values():
@@ -520,7 +542,7 @@ def report(args, verdict: Verdict, elapsed: float, kills: list[str]) -> None:
             "events_per_s": round(rate, 1), "kills": sum(1 for k in kills if "kill" in k),
             "restarts": sum(1 for k in kills if "kill" not in k), "served": verdict.served,
             "served_lost": verdict.served_lost, "duration_s": round(elapsed, 1), "senders": args.senders,
-            "cores": os.cpu_count(),
+            "cores": os.cpu_count(), "quick": args.quick,
         }))
 
 
