@@ -134,8 +134,12 @@ def test_the_base_passes_against_itself_with_its_figures_measured_once_at_fixed_
     assert rows["naturalness_logprob"]["value"] == 0.0 and rows["invented_names"]["value"] == 0.0  # the same samples
     measure = base["measure"]
     assert measure["seeds"] == [0, 1] and measure["samples"] == 2 * 16 * 3
-    assert measure["entropy_by_seed"] == pytest.approx([3.2657, 3.229], abs=1e-3)
-    assert measure["derived"] == pytest.approx({"kl_budget": 3.2474, "logprob_tolerance": 1.6237,
+    # measured 3.2657 and 3.229 on one machine and 3.2471 for the first seed on another: the
+    # sampled figures are held to 0.05, the derivation from them exactly
+    entropies = measure["entropy_by_seed"]
+    assert entropies == pytest.approx([3.2657, 3.229], abs=0.05)
+    kl_budget = sum(entropies) / len(entropies)
+    assert measure["derived"] == pytest.approx({"kl_budget": kl_budget, "logprob_tolerance": kl_budget / 2,
                                                 "length_ratio_max": 1.5, "min_median_chars": 11.0}, abs=1e-3)
     # a 120-step base invents about half its names; one suggestion per prompt its own
     assert measure["invented_share"] == pytest.approx(0.5515, abs=1e-3)
