@@ -179,7 +179,7 @@ def _prepare(args: argparse.Namespace) -> dict:
     os.environ["FLYWHEEL_DEMO_SECRET"] = state["webhook_secret"]
     os.environ["FLYWHEEL_SERVE_KEY"] = state["serve_key"]
     os.environ["FLYWHEEL_APPROVER_KEY"] = state["approver_key"]
-    _demo_loop_config(Project.objects.get(slug="demo"))
+    _demo_loop_config(Project.objects.get(slug="demo"), taste=args.taste, corpus=str(_corpus(args)))
     call_command("bootstrap_policy", "--project", "demo", "--steps", str(args.pretrain_steps))
     if args.midtrain_minutes:
         state["midtrain"] = _midtrain(args)
@@ -233,8 +233,9 @@ def _held_out_prompts(args: argparse.Namespace):
     from webapp.demo.simulator import code_base, held_out_prompts
 
     code = code_base(_corpus(args))
-    gate = {p["prompt"] for p in _demo_suite_prompts()}
-    requests = [r for r in held_out_prompts(code, args.taste, args.held_out + 50) if r.prompt[:20] not in gate]
+    gate = {p["prompt"] for p in _demo_suite_prompts(args.taste, str(_corpus(args)))}
+    requests = [r for r in held_out_prompts(code, args.taste, args.held_out + 50)
+                if r.prompt not in gate and r.prompt[:20] not in gate]
     return requests[: args.held_out], code.known
 
 

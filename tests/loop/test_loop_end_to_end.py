@@ -46,7 +46,7 @@ def loop(creds, tmp_path, monkeypatch):
     from webapp.demo import _demo_loop_config, demo_processes
 
     call_command("bootstrap_policy", "--project", creds.project.slug, "--steps", PRETRAIN_STEPS)
-    _demo_loop_config(creds.project)
+    _demo_loop_config(creds.project, taste=TASTE)
     web, serving, internal = free_port(), free_port(), free_port()
     env = subprocess_env(
         FLYWHEEL_INFERENCE_URL=f"http://127.0.0.1:{serving}", FLYWHEEL_INTERNAL_TOKEN=uuid.uuid4().hex,
@@ -189,7 +189,7 @@ def _held_out_accept(version: PolicyVersion) -> float:
     from webapp.demo import _demo_suite_prompts
     from webapp.demo.simulator import likes
 
-    gate = {p["prompt"] for p in _demo_suite_prompts()}
+    gate = {p["prompt"] for p in _demo_suite_prompts(TASTE)}
     pool = [line.strip() for line in stdlib_corpus()[-20_000:] if len(line.strip()) >= 12]
     prompts = [line[: 8 + (i * 7) % 17] for i, line in
                enumerate(sample_lines([p for p in pool if p[:20] not in gate], HELD_OUT, seed=11))]

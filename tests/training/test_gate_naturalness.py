@@ -35,8 +35,12 @@ def _code_base() -> list[str]:
     return [line for line in lines if len(line) >= 16][:600]
 
 
+def _lines(code: list[str]) -> list[str]:
+    return random.Random(1).sample(code, 16)
+
+
 def _prompts(code: list[str]) -> list[str]:
-    return [line[:14] for line in random.Random(1).sample(code, 16)]
+    return [line[:14] for line in _lines(code)]
 
 
 def _gibberish(rng: random.Random) -> str:
@@ -79,7 +83,8 @@ def project(creds):
     feedback_ingest(creds.project, [trajectory(f"t-{i}", prompt=[{"role": "user", "content": text}], steps=[])
                                     for i, text in enumerate(files)])
     EvalSuite.objects.create(project=creds.project, version=1, n_samples=3, max_tokens=12,
-                             prompts=[{"id": f"p{i}", "prompt": p} for i, p in enumerate(_prompts(code))])
+                             prompts=[{"id": f"p{i}", "prompt": line[:14], "context": {"rest": line[14:]}}
+                                      for i, line in enumerate(_lines(code))])
     gate_policy_update(creds.project, "system:test", "no reward to improve on here", thresholds={"margin": -0.01})
     return creds.project
 
@@ -132,6 +137,7 @@ def test_the_base_passes_against_itself_with_its_figures_measured_once_at_fixed_
     assert set(base["thresholds"]) == {"kl_budget", "length_ratio_max", "min_median_chars", "logprob_tolerance"}
     assert rows["kl"]["threshold"] == base["thresholds"]["kl_budget"] == base["measure"]["entropy"]
     assert rows["naturalness_logprob"]["value"] == 0.0 and rows["invented_names"]["value"] == 0.0  # the same samples
+    assert rows["matched_chars"]["value"] == 0.0 and rows["matched_chars"]["passed"]
     measure = base["measure"]
     assert measure["seeds"] == [0, 1] and measure["samples"] == 2 * 16 * 3
     # measured 3.2657 and 3.229 on one machine and 3.2471 for the first seed on another: the
@@ -161,6 +167,10 @@ def test_a_candidate_of_compilable_gibberish_is_refused_by_the_invented_name_row
     assert not report.passed
     assert not rows["invented_names"]["passed"] and rows["invented_names"]["interval"][0] > 0.1, rows["invented_names"]
     assert not rows["naturalness_logprob"]["passed"]  # under the base, gibberish costs nats on every token
+    # it writes none of what was typed next; the 120-step base writes little more (0.23 characters
+    # a request), so on 16 prompts the row cannot show it fewer, and leaves the refusal to the others
+    matched = rows["matched_chars"]
+    assert "candidate 0.000, base" in matched["detail"] and matched["value"] < 0 and matched["passed"]
 
 
 @pytest.mark.django_db

@@ -36,6 +36,11 @@ class GateThresholds:
     # Collapse: the most common suggestion's share of the suite's prompts may exceed the base's by
     # at most this, and the distinct-suggestion rate fall below the base's by at most that.
     top_share_jump_max: float | None = 0.1
+    # Usefulness: on the suite's prompts cut from real lines (context["rest"]), the characters of
+    # the candidate's suggestions that match what the user was about to type may not be shown
+    # fewer than the base's by more than this per request (the interval's upper bound decides, as
+    # for invented names: noise alone never refuses). None: not checked.
+    matched_chars_tolerance: float | None = 0.0
     distinct_drop_max: float | None = 0.2
     repeated_ngram_jump_max: float = 0.05
     ngram: int = 4
@@ -79,7 +84,8 @@ class GateThresholds:
     def problems(self) -> list[str]:
         """What is wrong with these thresholds (empty when nothing), each saying how to fix it."""
         out = []
-        for name in (*DERIVED, "invented_jump_max", "top_share_jump_max", "distinct_drop_max"):
+        for name in (*DERIVED, "invented_jump_max", "top_share_jump_max", "distinct_drop_max",
+                     "matched_chars_tolerance"):
             value, floor = getattr(self, name), 1 if name == "length_ratio_max" else 0
             if (name in DERIVED and value == AUTO) or (value is None and floor == 0):
                 continue

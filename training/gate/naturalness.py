@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from training.gate import stats
 from training.gate.config import GateThresholds
 from training.gate.samples import CheckRow, Sample, SuiteSamples, by_prompt
-from training.rewards.usefulness import first_line, invented_names, known_names, written_names
+from training.rewards.usefulness import accepted_chars, first_line, invented_names, known_names, written_names
 
 
 def shown(text: str) -> str:
@@ -101,7 +101,8 @@ def naturalness_rows(samples: SuiteSamples, t: GateThresholds, known: frozenset[
     known = known if known is not None else known_names(samples.prompts.values())
     return [_logprob_row(samples, cand, base, shared, t, boot),
             _invented_row(samples.prompts, cand, base, shared, known, t, boot),
-            *_collapse_rows(cand, base, shared, t)]
+            *_collapse_rows(cand, base, shared, t),
+            _matched_row(samples.intended, cand, base, shared, t, boot)]
 
 
 def _on_reference(s: Sample, production_is_reference: bool) -> list[float] | None:
@@ -170,3 +171,28 @@ def _collapse_rows(cand: dict[str, list[Sample]], base: dict[str, list[Sample]],
                              f"distinct suggestions over the prompts answered; the base's "
                              f"{distinct_rate(b_groups):.3f} − {t.distinct_drop_max:g}"))
     return rows
+
+
+def _matched_row(intended: dict[str, str], cand: dict[str, list[Sample]], base: dict[str, list[Sample]],
+                 shared: list[str], t: GateThresholds, boot: dict) -> CheckRow:
+    """Characters matching what the user was about to type, per request, candidate − base, on the
+    prompts whose rest of the line is known: a candidate that pleases a checker (compiles, is long
+    enough) while writing less of what people type is refused here."""
+    name = "matched_chars"
+    known = [p for p in shared if p in intended]
+    if t.matched_chars_tolerance is None:
+        return CheckRow(name, None, None, None, True, "not checked (no matched_chars_tolerance in the gate policy)")
+    if not known:
+        return CheckRow(name, None, None, None, True,
+                        "not measured: no suite prompt says what the user was about to type (context['rest'])")
+
+    def per_prompt(groups: dict[str, list[Sample]]) -> list[float]:
+        return [sum(accepted_chars(s.text, intended[p]) for s in groups[p]) / len(groups[p]) for p in known]
+
+    c, b = per_prompt(cand), per_prompt(base)
+    ci = stats.paired_bootstrap(c, b, **boot)
+    limit = -float(t.matched_chars_tolerance)
+    return CheckRow(name, ci.mean, limit, ci.as_list(), ci.high >= limit,
+                    f"characters matching what the user was about to type, per request: candidate "
+                    f"{sum(c) / len(c):.3f}, base {sum(b) / len(b):.3f} over {ci.n} prompts cut from real lines; "
+                    "refused when the interval's upper bound falls below the threshold (shown fewer)")

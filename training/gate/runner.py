@@ -95,6 +95,8 @@ def suite_collect(spec: SuiteSpec, candidate: Policy, production: Policy, scorer
         production=[_sample(spec, s, c, None) for c, s in zip(prod, scores[len(cand):], strict=True)],
         reference=None if reference is None else suite_sample(spec, reference),
         prompts={p.id: p.prompt for p in spec.prompts},
+        intended={p.id: p.context["rest"] for p in spec.prompts if isinstance(p.context.get("rest"), str)
+                  and p.context["rest"].strip()},
     )
 
 

@@ -33,6 +33,9 @@ class SuiteSamples:
     # The reference's own samples (unscored) when it is not production; None: production is it.
     reference: list[Sample] | None = None
     prompts: dict[str, str] = field(default_factory=dict)  # prompt id -> text
+    # prompt id -> what the user was about to type (the suite prompt's context["rest"]), for the
+    # prompts cut from real lines: the matched-characters row reads it
+    intended: dict[str, str] = field(default_factory=dict)
 
     @property
     def base(self) -> list[Sample]:

@@ -56,6 +56,7 @@ from training.rewards.sandbox import (
     read_until_eof,
     spawn,
 )
+from training.rewards.usefulness import MIN_ACCEPT_CHARS, accepted_chars, first_line
 
 __all__ = ["CHECKS", "Check", "CheckConfigError", "CheckResult", "SandboxLimits", "SandboxUnavailable",
            "make_check", "register_check", "run_sandboxed"]
@@ -301,3 +302,28 @@ class PythonTests(_SandboxCheck):
             raise CheckConfigError("python_tests needs a test snippet (it is missing or blank, and would "
                                    "pass any code): pass tests= or context['tests'] with asserts")
         return run_sandboxed(self.source(completion, ctx), str(tests), "exec", self.limits)
+
+
+@register_check("intent_match")
+class IntentMatch(Check):
+    """What a tab-completion user kept: the characters of the suggestion's first line that match
+    what they were about to type (`context["rest"]`, the rest of the real line), over that rest's
+    length, in [0, 1] (training/rewards/usefulness.py `accepted_chars`, the rule the simulated
+    users, replay rollouts and the gate's matched-characters row apply). Pure string work: nothing
+    runs, so no sandbox."""
+
+    def __init__(self, min_chars: int | None = None) -> None:
+        self.min_chars = MIN_ACCEPT_CHARS if min_chars is None else int(min_chars)
+        if self.min_chars < 1:
+            raise CheckConfigError(f"intent_match's min_chars must be at least 1, got {min_chars!r}")
+
+    def run(self, completion: str, context: Mapping[str, Any] | None = None) -> CheckResult:
+        rest = (context or {}).get("rest")
+        if not isinstance(rest, str) or not first_line(rest):
+            raise CheckConfigError("intent_match needs context['rest']: the rest of the line the user was about to "
+                                   "type (a non-empty string) for every prompt it scores")
+        if not completion.strip():
+            return NOTHING_SUGGESTED
+        target = first_line(rest)
+        kept = accepted_chars(completion, rest, self.min_chars)
+        return CheckResult(kept / len(target), f"{kept} of {len(target)} characters of the line kept")

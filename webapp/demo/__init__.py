@@ -162,16 +162,10 @@ def _demo_state() -> dict:
 # with bench/learning_curve.py (docs/learning.md, "The demo's recipe"). The train check runs
 # every 20 s, so a run starts as soon as the last one ended and data came.
 DEMO_TRAIN_CHECK_EVERY_S = 20
-# The gate's drift bounds for the demo. KL: a run of 8 rounds moves the tiny policy 1.2-2.0
-# nats/token from its base (measured), and production lags the lineage by up to a run, so the
-# library default (0.5) would refuse every real improvement; 4.0 admits two runs' move. Length:
-# the base runs to the 16-token limit (it rarely ends a statement); learning to end one shortens
-# the mean to 0.70-0.72 of it (measured), at the edge of the default bound [1/1.5, 1.5]; [1/2, 2]
-# admits it. Shrinking is caught by the median's floor: the users see suggestions of at least
-# 6 characters (measured: the gameable population's candidate passed a [1/2.5, 2.5] length bound
-# at ratio 0.44 with a median of 4 characters). Silence, repetition and the concision aspect
-# still stand between gaming and production.
-DEMO_GATE_THRESHOLDS = {"kl_budget": 4.0, "length_ratio_max": 2.0, "min_median_chars": 6}
+# The gate's drift bounds (KL budget, length ratio, median floor, log-prob tolerance) are not set
+# here: they are derived from the project's own base at the gate's first run (training/gate/
+# defaults.py), as for any new project. docs/learning.md keeps the hand-opened bounds this demo
+# once had and why they were dropped.
 # The demo's reward spec: a tab completion is code, so "prefix + completion compiles" is a
 # verifiable check next to the users' clicks and the judged aspects.
 DEMO_CHECKS = [{"name": "python_compiles", "weight": 0.25, "prompt_is_prefix": True}]
@@ -180,26 +174,69 @@ DEMO_CHECKS = [{"name": "python_compiles", "weight": 0.25, "prompt_is_prefix": T
 # a weak policy learns to go quiet: measured, candidates whose suggestions shrank to half their
 # length, mostly empty (the gate's concision aspect and length drift refused all six).
 DEMO_SIGNAL_REWARDS = {"silent": -0.25}
-# Held-out suite: enough prompts and samples that a real change in compile rate shows in the
-# gate's paired interval (12 prompts x 4 samples could not tell one apart from noise).
+# Held-out suite: enough prompts and samples that a real change shows in the gate's paired
+# interval (12 prompts x 4 samples could not tell one apart from noise).
 DEMO_SUITE_PROMPTS = 160
 DEMO_SUITE_SAMPLES = 4
+DEMO_SUITE_SEED = 7  # the suite's draw from the held-out files (the learning bench draws with 11)
 
 
-def _demo_suite_prompts() -> list[dict]:
-    """Statement starts from held-out stdlib lines (the tail of the corpus the users never see),
-    indentation dropped like the simulated users' prompts."""
+def demo_population() -> tuple[str, str | None]:
+    """The simulated users' taste and code base, as `simulate_users` reads them (environment)."""
+    # after django.setup() (see _environment)
+    from webapp.demo.simulator import INTENT
+
+    return os.environ.get("FLYWHEEL_DEMO_TASTE") or INTENT, os.environ.get("FLYWHEEL_DEMO_CORPUS") or None
+
+
+def _demo_suite_prompts(taste: str | None = None, corpus: str | None = None) -> list[dict]:
+    """The gate's suite is made of the users' own kind of request, on files they never send:
+    for the intent population (the default), lines of the held-out files of their code base in
+    their file's context, with what was written next (`rest`, scored by `intent_match`); for the
+    line tastes, statement starts of held-out stdlib lines, indentation dropped. Every prompt
+    carries `rest`, so the gate's matched-characters row reads what people were about to type."""
+    # after django.setup() (see _environment)
+    from webapp.demo.simulator import INTENT, code_base, django_source, held_out_prompts, stdlib_source
+
+    env_taste, env_corpus = demo_population()
+    taste, corpus = taste or env_taste, corpus or env_corpus
+    if taste == INTENT:
+        code = code_base(corpus or django_source())
+        requests = held_out_prompts(code, INTENT, DEMO_SUITE_PROMPTS, seed=DEMO_SUITE_SEED)
+        return [{"id": f"intent-{i}", "prompt": r.prompt, "context": {"rest": r.intended}}
+                for i, r in enumerate(requests)]
+    lines = _line_taste_lines(corpus or stdlib_source())
+    return [{"id": f"stdlib-{i}", "prompt": line[:20],
+             "context": {"prefix": line[:20], **({"rest": line[20:]} if line[20:] else {})}}
+            for i, line in enumerate(lines)]
+
+
+def _line_taste_lines(corpus: str | Path) -> list[str]:
+    """Statement starts for the line tastes: the tail of the standard library's lines (which the
+    users never see), or the held-out files of another code base."""
     # after django.setup() (see _environment)
     from training.pretrain import sample_lines, stdlib_corpus
+    from webapp.demo.simulator import code_base, stdlib_source
 
-    lines = [line.strip() for line in stdlib_corpus()[-20_000:]]
-    held_out = sample_lines([line for line in lines if len(line) >= 12], DEMO_SUITE_PROMPTS, seed=7)
-    return [{"id": f"stdlib-{i}", "prompt": line[:20], "context": {"prefix": line[:20]}}
-            for i, line in enumerate(held_out)]
+    if Path(corpus) == Path(stdlib_source()):
+        lines = [line.strip() for line in stdlib_corpus()[-20_000:]]
+    else:
+        lines = [line.strip() for f in code_base(corpus).held_out_files() for line in f.lines]
+    return sample_lines([line for line in lines if len(line) >= 12], DEMO_SUITE_PROMPTS, seed=DEMO_SUITE_SEED)
 
 
-def _demo_loop_config(project) -> None:
-    """The demo's held-out suite, reward spec and beat schedule (idempotent)."""
+def _demo_suite_checks(taste: str) -> list[dict]:
+    """The intent suite is scored by what the user kept; the line tastes' by compiling (their
+    taste), next to which the gate's matched-characters row guards what people type."""
+    # after django.setup() (see _environment)
+    from webapp.demo.simulator import INTENT
+
+    return [{"name": "intent_match" if taste == INTENT else "python_compiles", "weight": 1.0}]
+
+
+def _demo_loop_config(project, taste: str | None = None, corpus: str | None = None) -> None:
+    """The demo's held-out suite, reward spec and beat schedule (idempotent); `taste` and
+    `corpus`: the simulated users' (default: the environment `simulate_users` reads)."""
     # after django.setup() (see _environment)
     from training.models import EvalSuite
     from training.promotion.selectors import gate_policy_active
@@ -208,11 +245,13 @@ def _demo_loop_config(project) -> None:
     from training.runs.settings import PRESETS
     from training.schedule import training_schedule_install
 
-    prompts = _demo_suite_prompts()
+    taste = taste or demo_population()[0]
+    prompts, checks = _demo_suite_prompts(taste, corpus), _demo_suite_checks(taste)
     current = EvalSuite.objects.filter(project=project, name="default").order_by("-version").first()
-    if current is None or current.prompts != prompts or current.n_samples != DEMO_SUITE_SAMPLES:
+    if (current is None or current.prompts != prompts or current.checks != checks
+            or current.n_samples != DEMO_SUITE_SAMPLES):
         EvalSuite.objects.create(project=project, version=(current.version + 1) if current else 1, prompts=prompts,
-                                 checks=[{"name": "python_compiles", "weight": 1.0}],
+                                 checks=checks,
                                  judge={"kind": "rule_rubric", "aspects": ["style", "concision"]},
                                  aspects=[{"name": "style", "weight": 0.1}, {"name": "concision", "weight": 0.1}],
                                  n_samples=DEMO_SUITE_SAMPLES, max_tokens=16)
@@ -222,12 +261,16 @@ def _demo_loop_config(project) -> None:
         reward_spec_update(project, settle_seconds=10, checks=DEMO_CHECKS, signal_rewards=signals)
     training_schedule_install([project], PRESETS["demo"], train_check_every_s=DEMO_TRAIN_CHECK_EVERY_S)
     gate = gate_policy_active(project)
-    if any(gate.thresholds.get(k) != v for k, v in DEMO_GATE_THRESHOLDS.items()) or not gate.two_person_rule:
+    # a demo set up before the bounds were derived holds the ones it opened by hand: give them back
+    thresholds = {k: v for k, v in gate.thresholds.items() if _HAND_OPENED.get(k) != v}
+    if not gate.two_person_rule or thresholds != gate.thresholds:
         # Two people: the scheduler's service account starts the runs, a person (or the
         # auto-approver's service account) approves them.
-        gate_policy_update(project, "system:demo", "the demo's drift bounds (webapp/demo DEMO_GATE_THRESHOLDS); "
-                           "the two-person rule", thresholds={**gate.thresholds, **DEMO_GATE_THRESHOLDS},
-                           two_person_rule=True)
+        gate_policy_update(project, "system:demo", "the two-person rule; drift bounds derived from the base",
+                           thresholds=thresholds, two_person_rule=True)
+
+
+_HAND_OPENED = {"kl_budget": 4.0, "length_ratio_max": 2.0, "min_median_chars": 6}  # the demo's bounds until 2026-12
 
 
 def demo_processes(port: int, state: dict, simulate: bool) -> list[tuple[str, list[str]]]:
