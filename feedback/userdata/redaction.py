@@ -144,7 +144,6 @@ BUILTIN: dict[str, tuple[Pattern, ...]] = {
     "ipv6": (Pattern("ipv6", _atoms(("[0-9A-Fa-f:.]", 3, 45)), _ipv6_ok, boundary="[0-9A-Za-z:.]",
                      needles=(":",), prefilter="::|[0-9A-Fa-f]:[0-9A-Fa-f]"),),
 }
-DEFAULT_REDACTORS = ("email", "api_key")
 
 
 # --- a project's own patterns: parsed into atoms, or refused with the reason ----------------------
