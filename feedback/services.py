@@ -159,6 +159,15 @@ def user_hash_key(project: Project) -> str:
     return hmac.new(pepper, f"project:{project.pk}".encode(), hashlib.sha256).hexdigest()
 
 
+def user_audit_ref(project: Project, user: str | int) -> str:
+    """What the audit log names a user by (an opt-out, an opt-in): a peppered HMAC of their stored
+    hash, so it is neither their id nor the hash their rows carry. The audit log cannot be changed,
+    and an erasure must leave no row with the user's hash; whoever is given the id (and holds the
+    pepper) can still find the user's consent history."""
+    return hmac.new(user_hash_key(project).encode(), f"audit:{user_hash_of(project, user)}".encode(),
+                    hashlib.sha256).hexdigest()
+
+
 def data_policy_of(project: Project) -> DataPolicy:
     """The project's data policy; an unsaved row with the defaults when it has none."""
     return DataPolicy.objects.filter(project=project).first() or DataPolicy(project=project)

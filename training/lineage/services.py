@@ -1,5 +1,7 @@
-"""Writes of the training lineage of data: what a run trained on (recorded when it finishes), and
-the erasure of one user's data with the report of the versions that learned from it.
+"""Writes of the training lineage of data: what a run trained on (recorded when it finishes), the
+erasure of one user's data with the report of the versions that learned from it, and the audited
+changes of a project's data policy and opt-out list (their rows are the feedback app's, the audit
+log is ours: imports only point down).
 
     .venv/bin/python -m pytest tests/training/test_lineage.py -q
 """
@@ -12,9 +14,10 @@ from typing import Any
 
 from django.db import connection, transaction
 
-from feedback.models import Project
-from feedback.services import data_policy_of
-from feedback.userdata.services import user_rows_erase
+from feedback.models import DataPolicy, Project
+from feedback.services import data_policy_of, user_audit_ref
+from feedback.userdata.selectors import data_policy_json
+from feedback.userdata.services import consent_opt_out_set, data_policy_set, user_rows_erase
 from training.lineage.selectors import Learned, lineage_of
 from training.models import AuditLog, Erasure, TrainingRun
 from training.versions.services import Actor, actor_name
@@ -76,3 +79,37 @@ def user_erase(project: Project, user: str, actor: Actor) -> ErasureReport:
             after={"policy": policy, "removed": rows.counts, "export_files_rewritten": len(rows.export_files),
                    "versions": [v.number for v in learned]})
     return ErasureReport(erasure.pk, policy, rows.counts, rows.export_files, learned)
+
+
+def data_policy_update(project: Project, actor: Actor, reason: str = "", **fields: Any) -> DataPolicy:
+    """Changes the project's data policy (feedback.userdata.services.data_policy_set checks every
+    value) and writes one AuditLog row with the fields that changed, before and after. A change
+    that changes nothing writes no row."""
+    with transaction.atomic():
+        Project.objects.select_for_update().get(pk=project.pk)  # the `before` is the row this one replaces
+        before = data_policy_json(project)
+        policy = data_policy_set(project, **fields)
+        after = data_policy_json(project)
+        changed = sorted(name for name in after if after[name] != before[name])
+        if changed:
+            AuditLog.objects.create(project=project, actor=actor_name(actor), action="data_policy_update",
+                                    target=f"data_policy:{project.slug}"[:200],
+                                    before={name: before[name] for name in changed},
+                                    after={name: after[name] for name in changed}, reason=reason)
+    return policy
+
+
+def consent_opt_out_update(project: Project, user: str, opted_out: bool, actor: Actor) -> bool:
+    """Puts the user on (or off) the project's opt-out list and, when that changed anything, writes
+    one AuditLog row naming the user by `user_audit_ref` (never their id, nor the hash their rows
+    carry: the row outlives an erasure). Returns whether they were on the list. Takes no free-text
+    reason, which could name the user."""
+    with transaction.atomic():
+        Project.objects.select_for_update().get(pk=project.pk)  # two concurrent calls: one audit row
+        before = consent_opt_out_set(project, user, opted_out)
+        if before != opted_out:
+            AuditLog.objects.create(project=project, actor=actor_name(actor),
+                                    action="consent_opt_out" if opted_out else "consent_opt_in",
+                                    target=f"user_ref:{user_audit_ref(project, user)}",
+                                    before={"opted_out": before}, after={"opted_out": opted_out})
+    return before
