@@ -6,11 +6,13 @@ overlapping matches, and work that stays linear on hostile inputs (counted, not 
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 
 from core.errors import BadRequest
-from feedback.models import RedactionTally, Step, Trajectory
-from feedback.services import feedback_ingest
+from feedback.models import DEFAULT_REDACTORS, DataPolicy, RedactionTally, Step, Trajectory
+from feedback.services import data_policy_of, feedback_ingest
 from feedback.userdata.redaction import BUILTIN, atoms_of, redactor_for, reference_scan
 from feedback.userdata.services import data_policy_set
 from tests.factories import trajectory
@@ -102,7 +104,32 @@ def test_ingest_stores_redacted_text_without_the_token_ids_that_encode_it_and_ta
     assert f'flywheel_redactions_total{{project="{creds.project.slug}",redactor="email"}} 2.0' in text
 
 
-def test_a_project_without_redactors_stores_text_as_sent(creds):
+def test_a_new_project_redacts_every_built_in_kind_by_default(creds):
+    assert not DataPolicy.objects.exists()  # no policy row: the defaults
+    feedback_ingest(creds.project, [trajectory("t-1", prompt=f"mail bob@example.com, key {KEY}, from 10.1.2.3")])
+    assert Trajectory.objects.get().prompt[0]["content"] == (
+        "mail [redacted:email], key [redacted:api_key], from [redacted:ipv4]")
+    assert sorted(DEFAULT_REDACTORS) == sorted(BUILTIN)
+
+
+def test_a_project_that_turned_redaction_off_stores_text_as_sent(creds):
+    data_policy_set(creds.project, redactors=[])
     feedback_ingest(creds.project, [trajectory("t-1", prompt="mail bob@example.com")])
     assert Trajectory.objects.get().prompt[0]["content"] == "mail bob@example.com"
     assert not RedactionTally.objects.exists()
+
+
+def test_projects_that_existed_before_the_default_keep_redaction_off_and_their_own_policy(creds):
+    from django.apps import apps
+
+    from feedback.services import project_create
+
+    migration = importlib.import_module("feedback.migrations.0006_redaction_on_by_default")
+    own = project_create("Own policy", "own").project
+    data_policy_set(own, redactors=["email"], retention_days=30)
+    migration.keep_existing_projects_setting(apps, None)
+    assert DataPolicy.objects.get(project=creds.project).redactors == []  # had none: the old default, kept
+    assert (DataPolicy.objects.get(project=own).redactors, DataPolicy.objects.get(project=own).retention_days) == (
+        ["email"], 30)
+    later = project_create("Later", "later").project
+    assert data_policy_of(later).redactors == list(DEFAULT_REDACTORS)
