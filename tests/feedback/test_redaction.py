@@ -6,14 +6,17 @@ overlapping matches, and work that stays linear on hostile inputs (counted, not 
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from core.errors import BadRequest
 from feedback.models import DEFAULT_REDACTORS, DataPolicy, RedactionTally, Step, Trajectory
 from feedback.services import data_policy_of, feedback_ingest
-from feedback.userdata.redaction import BUILTIN, atoms_of, redactor_for, reference_scan
+from feedback.userdata.redaction import BUILTIN, Redactor, atoms_of, redactor_for, reference_scan
 from feedback.userdata.services import data_policy_set
 from tests.factories import trajectory
 
@@ -133,3 +136,20 @@ def test_projects_that_existed_before_the_default_keep_redaction_off_and_their_o
         ["email"], 30)
     later = project_create("Later", "later").project
     assert data_policy_of(later).redactors == list(DEFAULT_REDACTORS)
+
+
+_PIECES = st.sampled_from(["1.2", "10.0.0.1", "255.255.255.255", "0.5", "::1", "fe80::1%", "2001:db8::7", "a@b.co",
+                           "x.y@mail.example.org", KEY, "AKIAIOSFODNN7EXAMPLE", JWT, "v1.2.3", " ", "-", "_", ".", ":",
+                           "sk_", "eyJ", "192.168.1", ".1.2.3.4.", "1.2.3.4"])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.one_of(_PIECES, st.text(max_size=6)), max_size=12))
+def test_the_one_search_that_lets_most_text_through_never_skips_a_text_some_pattern_matches(parts):
+    text = "".join(parts)
+    gated = redactor_for(EVERY)
+    # The reference: every pattern scanned on every text, no prefilter and no gate.
+    plain = Redactor(tuple(dataclasses.replace(p, prefilter=None, needles=()) for p in gated.patterns))
+    object.__setattr__(plain, "gate", None)
+    assert gated.gate is not None
+    assert gated.redact(text, {}) == plain.redact(text, {})
