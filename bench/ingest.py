@@ -11,7 +11,9 @@ durable commit). The two are measured in interleaved pairs: a fresh batch into o
 one into the other, the order swapped every pair (AB BA AB ...), and each pair gives a ratio
 on/off. Load that comes and goes (2 cores shared with other work) then hits both sides of a pair
 alike; the line reports the median of the per-pair ratios with its quartiles and range, not a
-ratio of two medians taken at different moments. `--redaction-only` runs this column alone.
+ratio of two medians taken at different moments. The same pairs are then sent through the
+endpoint (uvicorn, one sequential client). `--redaction-only` runs this column alone; `--quick`
+runs the in-process pairs at batch 50.
 
 (b) runs uvicorn serving webapp.asgi (a separate process) on a bench database of the embedded
 PostgreSQL (or DATABASE_URL's server), with concurrent signed clients (feedback/client.py).
@@ -172,6 +174,43 @@ def bench_inprocess(batch: int = 1000, pairs: int = 15) -> dict[str, float]:
             "ratio_min": min(ratios), "ratio_max": max(ratios)}
 
 
+def bench_endpoint_pairs(base: str, batch: int = 1000, pairs: int = 15) -> dict[str, float]:
+    """The same interleaved pairs through the endpoint (HTTP + ASGI, one sequential client, as a
+    sender sees it: the client's encoding and signature are on both sides): seconds a batch
+    with redaction off and on, and the per-pair ratios."""
+    import statistics
+
+    from feedback.client import FlywheelClient
+    from feedback.services import project_create
+    from training.lineage.services import data_policy_update
+
+    sides = []
+    for redactors in ([], REDACTORS):
+        creds = project_create(f"pairs {uuid.uuid4().hex[:8]}")
+        data_policy_update(creds.project, "bench:ingest", redactors=redactors)
+        sides.append((creds.project.pk, FlywheelClient(base, creds.webhook_secret, project=creds.project.slug)))
+
+    def once(side, tag: str) -> float:
+        events = make_events(f"h{tag}-{side[0]}", batch)
+        start = time.perf_counter()
+        if side[1].send(events).accepted != len(events):
+            raise RuntimeError("the endpoint refused events of the pairs bench")
+        return time.perf_counter() - start
+
+    once(sides[0], "warm"), once(sides[1], "warm")
+    off, on, ratios = [], [], []
+    for k in range(pairs):
+        order = sides if k % 2 == 0 else sides[::-1]
+        took = {side[0]: once(side, str(k)) for side in order}
+        off.append(took[sides[0][0]] * 1000)
+        on.append(took[sides[1][0]] * 1000)
+        ratios.append(took[sides[1][0]] / took[sides[0][0]])
+    q1, _, q3 = statistics.quantiles(ratios, n=4, method="inclusive")
+    return {"pairs": pairs, "off_ms": statistics.median(off), "on_ms": statistics.median(on),
+            "ratio": statistics.median(ratios), "ratio_q1": q1, "ratio_q3": q3,
+            "ratio_min": min(ratios), "ratio_max": max(ratios)}
+
+
 def bench_redact_only(batch: int = 1000, repeat: int = 15) -> float:
     """Milliseconds the redaction of one batch takes by itself (median): the part of a redacted
     ingest that the plain one does not do, measured without the database's noise."""
@@ -189,24 +228,34 @@ def bench_redact_only(batch: int = 1000, repeat: int = 15) -> float:
     return statistics.median(times) * 1000
 
 
-def redaction_summary(batch: int, pairs: int) -> tuple[str, dict[str, object]]:
+def _pairs_line(where: str, batch: int, paired: dict[str, float]) -> str:
+    return (f"redaction at batch {batch}, {where}, {paired['pairs']} interleaved pairs: off "
+            f"{paired['off_ms']:.0f} ms, on {paired['on_ms']:.0f} ms a batch (medians); per-pair ratio on/off "
+            f"median {paired['ratio']:.3f} ({paired['ratio'] - 1:+.1%}), quartiles {paired['ratio_q1']:.3f}-"
+            f"{paired['ratio_q3']:.3f}, range {paired['ratio_min']:.3f}-{paired['ratio_max']:.3f}")
+
+
+def _pairs_json(paired: dict[str, float]) -> dict[str, object]:
+    return {"ms_off_on": [round(paired["off_ms"], 1), round(paired["on_ms"], 1)],
+            "ratio_median": round(paired["ratio"], 4), "overhead_median": round(paired["ratio"] - 1, 4),
+            "ratio_quartiles": [round(paired["ratio_q1"], 4), round(paired["ratio_q3"], 4)],
+            "ratio_range": [round(paired["ratio_min"], 4), round(paired["ratio_max"], 4)]}
+
+
+def redaction_summary(batch: int, pairs: int, base: str | None = None) -> tuple[list[str], dict[str, object]]:
+    """The redaction column: interleaved pairs in process (and through the endpoint at `base`)."""
     paired = bench_inprocess(batch, pairs)
     alone = bench_redact_only(batch)
-    line = (f"redaction at batch {batch}, in process (parse + durable commit), {paired['pairs']} interleaved "
-            f"pairs: off {paired['off_ms']:.0f} ms, on {paired['on_ms']:.0f} ms a batch (medians); per-pair "
-            f"ratio on/off median {paired['ratio']:.3f} ({paired['ratio'] - 1:+.1%}), quartiles "
-            f"{paired['ratio_q1']:.3f}-{paired['ratio_q3']:.3f}, range {paired['ratio_min']:.3f}-"
-            f"{paired['ratio_max']:.3f}; the redaction alone {alone:.1f} ms ({alone / paired['off_ms']:.1%} of "
-            f"the plain batch)")
-    return line, {
-        "batch": batch, "pairs": paired["pairs"], "order": "interleaved, swapped every pair",
-        "inprocess_ms_off_on": [round(paired["off_ms"], 1), round(paired["on_ms"], 1)],
-        "redaction_ratio_median": round(paired["ratio"], 4),
-        "redaction_overhead_median": round(paired["ratio"] - 1, 4),
-        "ratio_quartiles": [round(paired["ratio_q1"], 4), round(paired["ratio_q3"], 4)],
-        "ratio_range": [round(paired["ratio_min"], 4), round(paired["ratio_max"], 4)],
-        "redaction_alone_ms": round(alone, 2), "redaction_alone_share": round(alone / paired["off_ms"], 4),
-        "load_1m": round(os.getloadavg()[0], 2), "cores": os.cpu_count()}
+    lines = [_pairs_line("in process (parse + durable commit)", batch, paired)
+             + f"; the redaction alone {alone:.1f} ms ({alone / paired['off_ms']:.1%} of the plain batch)"]
+    out: dict[str, object] = {"batch": batch, "pairs": pairs, "order": "interleaved, swapped every pair",
+                              "inprocess": _pairs_json(paired), "redaction_alone_ms": round(alone, 2),
+                              "redaction_alone_share": round(alone / paired["off_ms"], 4)}
+    if base is not None:
+        http = bench_endpoint_pairs(base, batch, pairs)
+        lines.append(_pairs_line("through the endpoint (HTTP + ASGI, 1 client)", batch, http))
+        out["endpoint"] = _pairs_json(http)
+    return lines, {**out, "load_1m": round(os.getloadavg()[0], 2), "cores": os.cpu_count()}
 
 
 def main() -> None:
@@ -224,17 +273,21 @@ def main() -> None:
         parser.error("--pairs must be at least 7: fewer pairs give no spread worth reading")
 
     url = setup_django(BENCH_DB)
-    if args.quick:
-        args.redaction_only, args.batch, args.pairs = True, 50, 7
-    redaction_line, redaction = redaction_summary(args.batch, args.pairs)
-    if args.redaction_only:
-        print(redaction_line)
+    if args.quick:  # in process only: no server to start
+        lines, redaction = redaction_summary(50, 7)
+        print("\n".join(lines))
         if args.json:
             print(json.dumps(redaction))
         return
-    naive = bench_naive(args.naive_events)
     proc, base = _serve(url)
     try:
+        lines, redaction = redaction_summary(args.batch, args.pairs, base)
+        if args.redaction_only:
+            print("\n".join(lines))
+            if args.json:
+                print(json.dumps(redaction))
+            return
+        naive = bench_naive(args.naive_events)
         rates = {b: bench_endpoint(base, args.events, b, args.clients) for b in (100, 1000)}
         redacting = bench_endpoint(base, args.events, 1000, args.clients, redact=True)
     finally:
@@ -248,8 +301,8 @@ def main() -> None:
     print(f"{'path':<48} {'events/s':>10} {'vs naive':>9}")
     for name, rate, ratio in rows:
         print(f"{name:<48} {rate:>10.0f} {ratio:>8.1f}x")
-    print(redaction_line)
-    print(f"redaction at batch 1000 over HTTP (4 clients, noisier): {http_overhead:+.1%} time")
+    print("\n".join(lines))
+    print(f"redaction at batch 1000 over HTTP (4 clients at once, not paired: noisier): {http_overhead:+.1%} time")
     if args.json:
         print(json.dumps({
             "naive_events_per_s": round(naive, 1),
