@@ -160,7 +160,8 @@ def test_the_retrain_policy_rolls_production_back_to_the_newest_version_that_nev
     call_command("erase_user", project=creds.project.slug, user="u-a", json=True, stdout=_Sink(out))
     report = json.loads(out[0])
     assert [(v["version"], v["direct"]) for v in report["versions"]] == [(v3.number, True), (v4.number, False)]
-    assert report["retrain"] == {"production": v2.number, "retired": [v3.number], "rejected": [v4.number]}
+    assert report["retrain"] == {"production": v2.number, "production_clean": True, "retired": [v3.number],
+                                 "rejected": [v4.number]}
     assert (policy_production(creds.project), _state(v3), _state(v4)) == (v2, "retired", "rejected")
     moves = AuditLog.objects.filter(action__in=("erasure_rollback", "erasure_reject")).order_by("seq")
     assert [(m.target, m.after["state"]) for m in moves] == [
@@ -186,6 +187,23 @@ def test_a_run_that_existed_when_data_was_erased_under_retrain_leaves_a_candidat
     assert run.state == "succeeded" and "erased under the retrain policy" in run.result["flag"]
     assert Erasure.objects.get(pk=erasure.erasure).versions == [run.candidate.pk]
     assert _state(run.candidate) == "candidate" and training_head(creds.project, 8) == production
+
+
+def test_a_gate_that_finishes_on_a_version_the_erasure_rejected_leaves_it_rejected(creds, production, tokenizer):
+    from training.gate.samples import CheckRow
+    from training.gate.services import _gate_finish
+    from training.promotion.selectors import gate_policy_active
+
+    plain_spec(creds.project, settle_seconds=0)
+    data_policy_set(creds.project, erasure_policy="retrain")
+    ingest_users(creds.project, tokenizer, {"u-a": 4})
+    v2 = run_once(creds.project).candidate
+    version_transition(v2, "gated", "system:gate", "gate_start")
+    assert user_erase(creds.project, "u-a", "cli:erase_user").retrain["rejected"] == [v2.number]
+    report = _gate_finish(v2.pk, production, gate_policy_active(creds.project),
+                          [CheckRow("reward_improvement", 0.2, 0.0, None, True)], {}, "system:gate")
+    assert report.passed and _state(v2) == "rejected"
+    assert not AuditLog.objects.filter(action="gate_pass").exists()
 
 
 def test_the_flag_policy_reports_and_keeps_the_lineage(creds, production, tokenizer):

@@ -317,7 +317,7 @@ def _never_erased(version: PolicyVersion) -> None:
         raise Conflict(f"policy v{version.number} learned from data erased under the project's retrain policy; "
                        "it does not serve again",
                        "Roll back to a version that never saw the data, or let the loop train a new candidate "
-                       "(GET /api/v1/erasures lists what each erasure found).")
+                       "(the project's Data page lists each erasure and the versions it found).")
 
 
 def erasure_retrain(project: Project, tainted: set[int], actor: Actor, reason: str) -> dict[str, Any]:
@@ -327,24 +327,29 @@ def erasure_retrain(project: Project, tainted: set[int], actor: Actor, reason: s
     tainted canary, or a tainted version awaiting approval, gated or a candidate, is rejected.
     The next run continues from the newest clean version (training.runs.selectors.training_head):
     the loop learns again without the data. Every move is an audited version_transition, in the
-    caller's transaction. Returns {"production": number now serving, "retired": [...], "rejected": [...]}."""
-    out: dict[str, Any] = {"production": None, "retired": [], "rejected": []}
+    caller's transaction. Returns {"production": the number now serving, "production_clean": whether
+    it never saw erased data (false only when no clean version ever served), "retired": [...],
+    "rejected": [...]}."""
+    out: dict[str, Any] = {"production": None, "production_clean": True, "retired": [], "rejected": []}
     production = policy_production(project.pk, lock=True)
     if production is not None and production.id in tainted:
         target = _newest_clean_served(project, tainted)
-        if target is not None:  # else nothing clean ever served: production stays (the report says so)
+        if target is not None:  # else nothing clean ever served: production stays, and the answer says so
             _make_production(target, production, actor, "erasure_rollback", reason)
             out["retired"].append(production.number)
             production = target
     out["production"] = production.number if production is not None else None
+    out["production_clean"] = production is None or production.id not in tainted
     waiting = (PolicyVersion.objects.select_for_update().filter(
         project=project, id__in=tainted, state__in=(VersionState.CANARY, VersionState.AWAITING_APPROVAL,
                                                     VersionState.GATED, VersionState.CANDIDATE)).order_by("number"))
     for version in waiting:
-        if version.state == VersionState.CANARY:
+        was_canary = version.state == VersionState.CANARY
+        if was_canary:
             _canary_close(version, "rollback", None)
-            _deploy_after_commit(version)
         version_transition(version, VersionState.REJECTED, actor, "erasure_reject", reason)
+        if was_canary:  # the replicas stop serving its share
+            _deploy_after_commit(version)
         out["rejected"].append(version.number)
     return out
 

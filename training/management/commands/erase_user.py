@@ -44,6 +44,9 @@ class Command(BaseCommand):
             moved = report.retrain
             self.stdout.write(f"  in production: v{moved['production']}" if moved["production"] else
                               "  nothing in production")
+            if not moved["production_clean"]:
+                self.stdout.write("  WARNING: no version that never saw the data ever served, so production "
+                                  "stays; approve a new candidate trained without it")
             for key in ("retired", "rejected"):
                 if moved[key]:
                     self.stdout.write(f"  {key}: " + ", ".join(f"v{n}" for n in moved[key]))
