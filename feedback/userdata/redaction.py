@@ -113,14 +113,20 @@ def _domain_ok(match: str) -> bool:
 
 def _ip_ok(match: str) -> bool:
     try:
-        ipaddress.ip_address(match)
+        address = ipaddress.ip_address(match)
     except ValueError:
         return False
-    return True
+    # Loopback and "any" (127.0.0.1, ::1, 0.0.0.0) name nobody's machine, and code is full of them.
+    return not (address.is_loopback or address.is_unspecified)
 
 
 def _ipv6_ok(match: str) -> bool:
-    return match.count(":") >= 2 and _ip_ok(match)
+    # Python slices and C++/SQL casts parse as short compressed addresses ("args[1::2]", "x[::-1]",
+    # "(sql)::date"): an address redacted has three colons or a group of three hex digits or more.
+    colons = match.count(":")
+    if colons < 2 or (colons < 3 and max(len(group) for group in match.split(":")) < 3):
+        return False
+    return _ip_ok(match)
 
 
 _KEY = "[A-Za-z0-9_-]"

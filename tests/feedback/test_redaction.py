@@ -39,6 +39,15 @@ def test_emails_keys_tokens_and_ip_addresses_are_replaced_and_counted_per_redact
     assert counts == {"email": 1, "api_key": 3, "ipv4": 1, "ipv6": 1}
 
 
+def test_code_that_looks_like_an_address_stays_and_addresses_in_it_do_not():
+    code = ('pairs = zip(args[::2], args[1::2]); rev = s[-1::-1]; q = f"({sql})::date"; x = y[::da]\n'
+            'HOST = "127.0.0.1"; BIND = "0.0.0.0"; LOCAL = "[::1]"; version = "1.2"; ratio = 0.5')
+    assert redact(code) == (code, {})  # loopback and "any" name nobody; slices and casts are no address
+    out, counts = redact('peer = "fe80::1ff:fe23:4567:890a"; gw = "fe80::1"; v4 = "::ffff:10.0.0.7"')
+    assert out == 'peer = "[redacted:ipv6]"; gw = "[redacted:ipv6]"; v4 = "[redacted:ipv4+ipv6]"'
+    assert counts == {"ipv6": 3, "ipv4": 1}  # the mapped IPv4 address inside is one too
+
+
 def test_overlapping_matches_become_one_replacement_counted_for_each_redactor():
     out, counts = redact(f"x {KEY}@corp.example.com y")  # a key that is also an address's local part
     assert out == "x [redacted:api_key+email] y" and counts == {"api_key": 1, "email": 1}
