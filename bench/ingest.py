@@ -1,11 +1,19 @@
 """Ingest throughput: naive one-ORM-save-per-event vs the real endpoint over HTTP.
 
     .venv/bin/python bench/ingest.py [--events 20000] [--clients 4] [--json]
+    nice -n 0 .venv/bin/python bench/ingest.py --redaction-only --pairs 15 --json   # the redaction goal
+    .venv/bin/python bench/ingest.py --quick --json                                   # seconds (CI)
 
-The redaction column: a project with every built-in redactor on (e-mail, API keys and tokens,
-IPv4, IPv6; one prompt in ten holds an address to replace) against one without, at batch 1,000:
-through `feedback_ingest` in process (parse, redaction, durable commit; median of 15 batches,
-alternating) and through the endpoint. `--redaction-only` runs the first alone.
+The redaction column: a project with every built-in redactor on (the default of a new project:
+e-mail, API keys and tokens, IPv4, IPv6; one prompt in ten holds an address to replace) against
+one with redaction off, at batch 1,000, through `feedback_ingest` in process (parse, redaction,
+durable commit). The two are measured in interleaved pairs: a fresh batch into one project, then
+one into the other, the order swapped every pair (AB BA AB ...), and each pair gives a ratio
+on/off. Load that comes and goes (2 cores shared with other work) then hits both sides of a pair
+alike; the line reports the median of the per-pair ratios with its quartiles and range, not a
+ratio of two medians taken at different moments. The same pairs are then sent through the
+endpoint (uvicorn, one sequential client). `--redaction-only` runs this column alone; `--quick`
+runs the in-process pairs at batch 50.
 
 (b) runs uvicorn serving webapp.asgi (a separate process) on a bench database of the embedded
 PostgreSQL (or DATABASE_URL's server), with concurrent signed clients (feedback/client.py).
@@ -111,11 +119,10 @@ REDACTORS = ["email", "api_key", "ipv4", "ipv6"]
 def bench_endpoint(base: str, n: int, batch: int, clients: int, redact: bool = False) -> float:
     from feedback.client import FlywheelClient
     from feedback.services import project_create
-    from feedback.userdata.services import data_policy_set
+    from training.lineage.services import data_policy_update
 
     creds = project_create(f"bench {uuid.uuid4().hex[:8]}")
-    if redact:
-        data_policy_set(creds.project, redactors=REDACTORS)
+    data_policy_update(creds.project, "bench:ingest", redactors=REDACTORS if redact else [])
     events = make_events(f"b{batch}", n)
     batches = [events[i:i + batch] for i in range(0, len(events), batch)]
     senders = [FlywheelClient(base, creds.webhook_secret, project=creds.project.slug) for _ in range(clients)]
@@ -133,25 +140,75 @@ def bench_endpoint(base: str, n: int, batch: int, clients: int, redact: bool = F
     return len(events) / elapsed
 
 
-def bench_inprocess(batch: int = 1000, repeat: int = 15) -> tuple[float, float]:
+def bench_inprocess(batch: int = 1000, pairs: int = 15) -> dict[str, float]:
     """Milliseconds to ingest one batch through feedback_ingest in this process (parse, redaction,
-    the durable commit), without and with every redactor: the median of `repeat` fresh batches
-    each, alternating the two projects so that both see the same machine."""
+    the durable commit) with redaction off and with every redactor on, in `pairs` interleaved
+    pairs (the order swapped every pair), after one warm-up batch each. Returns the medians of
+    both sides and the per-pair ratios' median, quartiles and range."""
     import statistics
 
     from feedback.services import feedback_ingest, project_create
-    from feedback.userdata.services import data_policy_set
+    from training.lineage.services import data_policy_update
 
     plain, redacted = (project_create(f"inproc {uuid.uuid4().hex[:8]}").project for _ in range(2))
-    data_policy_set(redacted, redactors=REDACTORS)
-    times: dict[int, list[float]] = {plain.pk: [], redacted.pk: []}
-    for k in range(repeat):
-        for project in (plain, redacted) if k % 2 == 0 else (redacted, plain):
-            events = make_events(f"in{k}-{project.pk}", batch)
-            start = time.perf_counter()
-            feedback_ingest(project, events)
-            times[project.pk].append(time.perf_counter() - start)
-    return statistics.median(times[plain.pk]) * 1000, statistics.median(times[redacted.pk]) * 1000
+    data_policy_update(plain, "bench:ingest", redactors=[])
+    data_policy_update(redacted, "bench:ingest", redactors=REDACTORS)
+
+    def once(project, tag: str) -> float:
+        events = make_events(f"in{tag}-{project.pk}", batch)
+        start = time.perf_counter()
+        feedback_ingest(project, events)
+        return time.perf_counter() - start
+
+    once(plain, "warm"), once(redacted, "warm")
+    off, on, ratios = [], [], []
+    for k in range(pairs):
+        first, second = (plain, redacted) if k % 2 == 0 else (redacted, plain)
+        took = {first.pk: once(first, str(k)), second.pk: once(second, str(k))}
+        off.append(took[plain.pk] * 1000)
+        on.append(took[redacted.pk] * 1000)
+        ratios.append(took[redacted.pk] / took[plain.pk])
+    q1, _, q3 = statistics.quantiles(ratios, n=4, method="inclusive")
+    return {"pairs": pairs, "off_ms": statistics.median(off), "on_ms": statistics.median(on),
+            "ratio": statistics.median(ratios), "ratio_q1": q1, "ratio_q3": q3,
+            "ratio_min": min(ratios), "ratio_max": max(ratios)}
+
+
+def bench_endpoint_pairs(base: str, batch: int = 1000, pairs: int = 15) -> dict[str, float]:
+    """The same interleaved pairs through the endpoint (HTTP + ASGI, one sequential client, as a
+    sender sees it: the client's encoding and signature are on both sides): seconds a batch
+    with redaction off and on, and the per-pair ratios."""
+    import statistics
+
+    from feedback.client import FlywheelClient
+    from feedback.services import project_create
+    from training.lineage.services import data_policy_update
+
+    sides = []
+    for redactors in ([], REDACTORS):
+        creds = project_create(f"pairs {uuid.uuid4().hex[:8]}")
+        data_policy_update(creds.project, "bench:ingest", redactors=redactors)
+        sides.append((creds.project.pk, FlywheelClient(base, creds.webhook_secret, project=creds.project.slug)))
+
+    def once(side, tag: str) -> float:
+        events = make_events(f"h{tag}-{side[0]}", batch)
+        start = time.perf_counter()
+        if side[1].send(events).accepted != len(events):
+            raise RuntimeError("the endpoint refused events of the pairs bench")
+        return time.perf_counter() - start
+
+    once(sides[0], "warm"), once(sides[1], "warm")
+    off, on, ratios = [], [], []
+    for k in range(pairs):
+        order = sides if k % 2 == 0 else sides[::-1]
+        took = {side[0]: once(side, str(k)) for side in order}
+        off.append(took[sides[0][0]] * 1000)
+        on.append(took[sides[1][0]] * 1000)
+        ratios.append(took[sides[1][0]] / took[sides[0][0]])
+    q1, _, q3 = statistics.quantiles(ratios, n=4, method="inclusive")
+    return {"pairs": pairs, "off_ms": statistics.median(off), "on_ms": statistics.median(on),
+            "ratio": statistics.median(ratios), "ratio_q1": q1, "ratio_q3": q3,
+            "ratio_min": min(ratios), "ratio_max": max(ratios)}
 
 
 def bench_redact_only(batch: int = 1000, repeat: int = 15) -> float:
@@ -171,6 +228,36 @@ def bench_redact_only(batch: int = 1000, repeat: int = 15) -> float:
     return statistics.median(times) * 1000
 
 
+def _pairs_line(where: str, batch: int, paired: dict[str, float]) -> str:
+    return (f"redaction at batch {batch}, {where}, {paired['pairs']} interleaved pairs: off "
+            f"{paired['off_ms']:.0f} ms, on {paired['on_ms']:.0f} ms a batch (medians); per-pair ratio on/off "
+            f"median {paired['ratio']:.3f} ({paired['ratio'] - 1:+.1%}), quartiles {paired['ratio_q1']:.3f}-"
+            f"{paired['ratio_q3']:.3f}, range {paired['ratio_min']:.3f}-{paired['ratio_max']:.3f}")
+
+
+def _pairs_json(paired: dict[str, float]) -> dict[str, object]:
+    return {"ms_off_on": [round(paired["off_ms"], 1), round(paired["on_ms"], 1)],
+            "ratio_median": round(paired["ratio"], 4), "overhead_median": round(paired["ratio"] - 1, 4),
+            "ratio_quartiles": [round(paired["ratio_q1"], 4), round(paired["ratio_q3"], 4)],
+            "ratio_range": [round(paired["ratio_min"], 4), round(paired["ratio_max"], 4)]}
+
+
+def redaction_summary(batch: int, pairs: int, base: str | None = None) -> tuple[list[str], dict[str, object]]:
+    """The redaction column: interleaved pairs in process (and through the endpoint at `base`)."""
+    paired = bench_inprocess(batch, pairs)
+    alone = bench_redact_only(batch)
+    lines = [_pairs_line("in process (parse + durable commit)", batch, paired)
+             + f"; the redaction alone {alone:.1f} ms ({alone / paired['off_ms']:.1%} of the plain batch)"]
+    out: dict[str, object] = {"batch": batch, "pairs": pairs, "order": "interleaved, swapped every pair",
+                              "inprocess": _pairs_json(paired), "redaction_alone_ms": round(alone, 2),
+                              "redaction_alone_share": round(alone / paired["off_ms"], 4)}
+    if base is not None:
+        http = bench_endpoint_pairs(base, batch, pairs)
+        lines.append(_pairs_line("through the endpoint (HTTP + ASGI, 1 client)", batch, http))
+        out["endpoint"] = _pairs_json(http)
+    return lines, {**out, "load_1m": round(os.getloadavg()[0], 2), "cores": os.cpu_count()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--events", type=int, default=20000)
@@ -178,26 +265,29 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=4)
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--redaction-only", action="store_true", help="only the in-process redaction column")
+    parser.add_argument("--batch", type=int, default=1000, help="events a batch in the redaction column")
+    parser.add_argument("--pairs", type=int, default=15, help="interleaved off/on pairs (at least 7)")
+    parser.add_argument("--quick", action="store_true", help="the redaction column at batch 50, 7 pairs")
     args = parser.parse_args()
+    if args.pairs < 7:
+        parser.error("--pairs must be at least 7: fewer pairs give no spread worth reading")
 
     url = setup_django(BENCH_DB)
-    inproc_plain, inproc_redacted = bench_inprocess()
-    inproc_overhead = (inproc_redacted - inproc_plain) / inproc_plain
-    alone = bench_redact_only()
-    redaction_line = (f"redaction at batch 1000, in process (parse + durable commit): {inproc_plain:.0f} ms -> "
-                      f"{inproc_redacted:.0f} ms a batch ({inproc_overhead:+.1%}); the redaction alone "
-                      f"{alone:.0f} ms ({alone / inproc_plain:.1%} of the plain batch)")
-    if args.redaction_only:
-        print(redaction_line)
+    if args.quick:  # in process only: no server to start
+        lines, redaction = redaction_summary(50, 7)
+        print("\n".join(lines))
         if args.json:
-            print(json.dumps({"inprocess_ms_batch1000": [round(inproc_plain, 1), round(inproc_redacted, 1)],
-                              "redaction_overhead_inprocess_batch1000": round(inproc_overhead, 4),
-                              "redaction_alone_ms_batch1000": round(alone, 1),
-                              "redaction_alone_share": round(alone / inproc_plain, 4)}))
+            print(json.dumps(redaction))
         return
-    naive = bench_naive(args.naive_events)
     proc, base = _serve(url)
     try:
+        lines, redaction = redaction_summary(args.batch, args.pairs, base)
+        if args.redaction_only:
+            print("\n".join(lines))
+            if args.json:
+                print(json.dumps(redaction))
+            return
+        naive = bench_naive(args.naive_events)
         rates = {b: bench_endpoint(base, args.events, b, args.clients) for b in (100, 1000)}
         redacting = bench_endpoint(base, args.events, 1000, args.clients, redact=True)
     finally:
@@ -211,8 +301,8 @@ def main() -> None:
     print(f"{'path':<48} {'events/s':>10} {'vs naive':>9}")
     for name, rate, ratio in rows:
         print(f"{name:<48} {rate:>10.0f} {ratio:>8.1f}x")
-    print(redaction_line)
-    print(f"redaction at batch 1000 over HTTP (4 clients, noisier): {http_overhead:+.1%} time")
+    print("\n".join(lines))
+    print(f"redaction at batch 1000 over HTTP (4 clients at once, not paired: noisier): {http_overhead:+.1%} time")
     if args.json:
         print(json.dumps({
             "naive_events_per_s": round(naive, 1),
@@ -222,9 +312,7 @@ def main() -> None:
             "speedup": round(best / naive, 2),
             "endpoint_events_per_s_batch1000_redacted": round(redacting, 1),
             "redaction_overhead_batch1000": round(http_overhead, 4),
-            "inprocess_ms_batch1000": [round(inproc_plain, 1), round(inproc_redacted, 1)],
-            "redaction_overhead_inprocess_batch1000": round(inproc_overhead, 4),
-            "redaction_alone_share": round(alone / inproc_plain, 4),
+            "redaction_inprocess": redaction,
             "clients": args.clients,
             "cores": os.cpu_count(),
         }))

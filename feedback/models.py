@@ -236,10 +236,20 @@ class Quarantine(models.Model):
         return f"{self.project.slug} {self.kind}: {self.item}"
 
 
+# The built-in redactors a new project runs at ingest (feedback.userdata.redaction.BUILTIN):
+# e-mail addresses, API keys and tokens, IP addresses. Projects that existed before this default
+# kept what they had (redaction off) by a row of their own (migration 0006_redaction_on_by_default).
+DEFAULT_REDACTORS = ("email", "api_key", "ipv4", "ipv6")
+
+
+def default_redactors() -> list[str]:
+    return list(DEFAULT_REDACTORS)
+
+
 class DataPolicy(models.Model):
     """What a project does with its users' data: the consent default, how long raw events are
     kept, what happens to the versions that learned from an erased user, which redactors run at
-    ingest. A project without a row has the defaults (`data_policy_of`)."""
+    ingest. A project without a row has the defaults (`data_policy_of`): every built-in redactor on."""
 
     CONSENTS = [("train", "train"), ("no_train", "no_train")]
     ERASURE_POLICIES = [("keep", "keep"), ("flag", "flag"), ("retrain", "retrain")]
@@ -249,7 +259,7 @@ class DataPolicy(models.Model):
     # Raw events and trajectories older than this are deleted by beat (None: kept for ever).
     retention_days = models.PositiveIntegerField(null=True, blank=True)
     erasure_policy = models.CharField(max_length=16, choices=ERASURE_POLICIES, default="flag")
-    redactors = models.JSONField(default=list, blank=True)  # names of feedback.redaction.BUILTIN
+    redactors = models.JSONField(default=default_redactors, blank=True)  # names of redaction.BUILTIN
     custom_patterns = models.JSONField(default=list, blank=True)  # [{"name", "pattern"}], validated
     updated_at = models.DateTimeField(auto_now=True)
 

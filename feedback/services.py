@@ -159,6 +159,15 @@ def user_hash_key(project: Project) -> str:
     return hmac.new(pepper, f"project:{project.pk}".encode(), hashlib.sha256).hexdigest()
 
 
+def user_audit_ref(project: Project, user: str | int) -> str:
+    """What the audit log names a user by (an opt-out, an opt-in): a peppered HMAC of their stored
+    hash, so it is neither their id nor the hash their rows carry. The audit log cannot be changed,
+    and an erasure must leave no row with the user's hash; whoever is given the id (and holds the
+    pepper) can still find the user's consent history."""
+    return hmac.new(user_hash_key(project).encode(), f"audit:{user_hash_of(project, user)}".encode(),
+                    hashlib.sha256).hexdigest()
+
+
 def data_policy_of(project: Project) -> DataPolicy:
     """The project's data policy; an unsaved row with the defaults when it has none."""
     return DataPolicy.objects.filter(project=project).first() or DataPolicy(project=project)
@@ -268,9 +277,13 @@ def _parse_batch(project: Project, raw_events: list[Any], now: datetime):
 
 
 def redaction_tally(project: Project, counts: dict[str, int]) -> None:
-    """Adds one batch's matches per redactor to the project's tallies (after its commit)."""
+    """Adds one batch's matches per redactor to the project's tallies (after its commit). The
+    tallies are counters for /metrics and the Data page, not data: their commit does not wait for
+    the disk (a crash may lose the last batches' counts), so redaction costs a batch no second
+    flush of the log."""
     names = sorted(counts)
-    with connection.cursor() as cur:
+    with transaction.atomic(), connection.cursor() as cur:
+        cur.execute("SET LOCAL synchronous_commit TO off")
         cur.execute(
             "INSERT INTO feedback_redactiontally (project_id, redactor, count) "
             "SELECT %s, r, c FROM unnest(%s::text[], %s::bigint[]) AS t(r, c) "

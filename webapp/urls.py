@@ -4,7 +4,7 @@ from django.urls import include, path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
 from feedback.apis import DatasetExportApi, IngestApi, TrajectoryDetailApi, TrajectoryListApi
-from feedback.userdata.apis import DataPolicyApi, OptOutApi, UserExportApi
+from feedback.userdata.apis import UserExportApi
 from webapp import views
 from webapp.metrics import metrics_view
 from webapp.throttle import ThrottledAdminAuthenticationForm, ThrottledAuthenticationForm
@@ -19,8 +19,6 @@ api_v1 = [
     path("api/v1/export", DatasetExportApi.as_view(), name="api-export"),
     path("api/v1/trajectories", TrajectoryListApi.as_view(), name="api-trajectories"),
     path("api/v1/trajectories/<path:external_id>", TrajectoryDetailApi.as_view(), name="api-trajectory"),
-    path("api/v1/data-policy", DataPolicyApi.as_view(), name="api-data-policy"),
-    path("api/v1/consent/opt-outs", OptOutApi.as_view(), name="api-opt-outs"),
     path("api/v1/users/<str:user>/export", UserExportApi.as_view(), name="api-user-export"),
 ]
 

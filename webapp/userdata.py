@@ -7,8 +7,9 @@ from typing import Any
 
 from feedback.models import Project, RedactionTally, Trajectory
 from feedback.userdata.selectors import data_overview
-from training.lineage.selectors import Learned, lineage_of, versions_erased_from
+from training.lineage.selectors import Learned, lineage_of
 from training.models import Erasure, RunLineage
+from training.versions.selectors import versions_erased_from
 
 
 def data_page(project: Project) -> dict[str, Any]:

@@ -113,14 +113,20 @@ def _domain_ok(match: str) -> bool:
 
 def _ip_ok(match: str) -> bool:
     try:
-        ipaddress.ip_address(match)
+        address = ipaddress.ip_address(match)
     except ValueError:
         return False
-    return True
+    # Loopback and "any" (127.0.0.1, ::1, 0.0.0.0) name nobody's machine, and code is full of them.
+    return not (address.is_loopback or address.is_unspecified)
 
 
 def _ipv6_ok(match: str) -> bool:
-    return match.count(":") >= 2 and _ip_ok(match)
+    # Python slices and C++/SQL casts parse as short compressed addresses ("args[1::2]", "x[::-1]",
+    # "(sql)::date"): an address redacted has three colons or a group of three hex digits or more.
+    colons = match.count(":")
+    if colons < 2 or (colons < 3 and max(len(group) for group in match.split(":")) < 3):
+        return False
+    return _ip_ok(match)
 
 
 _KEY = "[A-Za-z0-9_-]"
@@ -140,11 +146,11 @@ BUILTIN: dict[str, tuple[Pattern, ...]] = {
         Pattern("api_key", _atoms(("eyJ", 1, 1), (_KEY, 8, 4096), ("[.]", 1, 1), (_KEY, 8, 4096), ("[.]", 1, 1),
                                   (_KEY, 0, 4096)), boundary=_KEY, needles=("eyJ",)),
     ),
-    "ipv4": (Pattern("ipv4", _atoms(("[0-9.]", 7, 15)), _ip_ok, needles=(".",), prefilter=r"\d\.\d"),),
+    # An address holds "d.ddd.d" (three parts in a row); a float or a version "1.2" does not.
+    "ipv4": (Pattern("ipv4", _atoms(("[0-9.]", 7, 15)), _ip_ok, needles=(".",), prefilter=r"\d\.\d{1,3}\.\d"),),
     "ipv6": (Pattern("ipv6", _atoms(("[0-9A-Fa-f:.]", 3, 45)), _ipv6_ok, boundary="[0-9A-Za-z:.]",
                      needles=(":",), prefilter="::|[0-9A-Fa-f]:[0-9A-Fa-f]"),),
 }
-DEFAULT_REDACTORS = ("email", "api_key")
 
 
 # --- a project's own patterns: parsed into atoms, or refused with the reason ----------------------
@@ -218,6 +224,22 @@ def _class_text(op, av) -> str | None:
 @dataclass(frozen=True)
 class Redactor:
     patterns: tuple[Pattern, ...]
+    # One search in C that every text any pattern could match passes (the alternation of each
+    # pattern's prefilter, else its needles): most text (code, prose) is returned after it, without
+    # a Python-level check per pattern. None when some pattern has neither (it is always scanned).
+    gate: Callable[[str], Any] | None = field(init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        parts: list[str] = []
+        for pattern in self.patterns:
+            if pattern.prefilter:
+                parts.append(f"(?:{pattern.prefilter})")
+            elif pattern.needles:
+                parts += [re.escape(n) for n in pattern.needles]
+            else:
+                parts = []
+                break
+        object.__setattr__(self, "gate", re.compile("|".join(parts)).search if parts else None)
 
     @property
     def names(self) -> list[str]:
@@ -225,7 +247,7 @@ class Redactor:
 
     def redact(self, text: str, counts: dict[str, int]) -> str:
         """`text` with every match replaced; adds one per match to `counts[name]`."""
-        if not self.patterns or not text:
+        if not self.patterns or not text or (self.gate is not None and self.gate(text) is None):
             return text
         spans: list[tuple[int, int, str]] = []
         for pattern in self.patterns:
@@ -321,14 +343,18 @@ def redact_event(raw: Any, redactor: Redactor, counts: dict[str, int]) -> Any:
     extra fields): a copy when anything changed, else `raw` itself (never changed in place). A
     step whose text changed loses its sampled token ids, log-probs and routing (they encode the
     redacted text; the trainer re-tokenises the turn), and a redacted prompt drops the recorded
-    prompt token ids."""
+    prompt token ids. Nothing is copied until something changes: most events cost a walk."""
     if not isinstance(raw, dict) or not redactor.patterns:
         return raw
-    changed = {key: new for key, value in raw.items() if key not in _STRUCTURAL and key != "steps"
-               and (new := _walk(value, redactor, counts, 0)) is not value}
+    changed: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key not in _STRUCTURAL and key != "steps":
+            new = _walk(value, redactor, counts, 0)
+            if new is not value:
+                changed[key] = new
     steps = raw.get("steps")
-    new_steps = [_step(s, redactor, counts) for s in steps] if isinstance(steps, list) else steps
-    if not changed and (steps is None or all(a is b for a, b in zip(new_steps, steps, strict=True))):
+    new_steps = _each(steps, _step, redactor, counts) if isinstance(steps, list) else steps
+    if not changed and new_steps is steps:
         return raw
     out = {**raw, **changed}
     if "prompt" in changed:
@@ -340,11 +366,27 @@ def redact_event(raw: Any, redactor: Redactor, counts: dict[str, int]) -> Any:
     return out
 
 
+def _each(items: list, redact_one: Callable[..., Any], *args: Any) -> list:
+    """`items` with `redact_one(item, *args)` applied: the same list when no item changed."""
+    out = None
+    for i, item in enumerate(items):
+        new = redact_one(item, *args)
+        if new is not item:
+            if out is None:
+                out = list(items)
+            out[i] = new
+    return items if out is None else out
+
+
 def _step(raw: Any, redactor: Redactor, counts: dict[str, int]) -> Any:
     if not isinstance(raw, dict):
         return raw
-    changed = {k: new for k, v in raw.items() if k not in _SAMPLED and k != "role"
-               and (new := _walk(v, redactor, counts, 0)) is not v}
+    changed: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key not in _SAMPLED and key != "role":
+            new = _walk(value, redactor, counts, 0)
+            if new is not value:
+                changed[key] = new
     if not changed:
         return raw
     out = {**raw, **changed}
@@ -361,8 +403,7 @@ def _walk(value: Any, redactor: Redactor, counts: dict[str, int], depth: int) ->
     if depth > MAX_WALK_DEPTH:
         return value
     if isinstance(value, list):
-        items = [_walk(v, redactor, counts, depth + 1) for v in value]
-        return value if all(a is b for a, b in zip(items, value, strict=True)) else items
+        return _each(value, _walk, redactor, counts, depth + 1)
     if isinstance(value, dict):  # a message's role is a name, not text
         changed = {k: new for k, v in value.items() if k != "role"
                    and (new := _walk(v, redactor, counts, depth + 1)) is not v}

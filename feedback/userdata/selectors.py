@@ -15,6 +15,13 @@ from feedback.models import ConsentOptOut, FeedbackEvent, Project, Trajectory
 from feedback.services import data_policy_of, user_hash_of
 
 EXPORT_CHUNK = 200
+DATA_POLICY_FIELDS = ("consent_default", "retention_days", "erasure_policy", "redactors", "custom_patterns")
+
+
+def data_policy_json(project: Project) -> dict[str, Any]:
+    """The project's data policy as JSON (an audit row's before/after, the API's answer)."""
+    policy = data_policy_of(project)
+    return {name: getattr(policy, name) for name in DATA_POLICY_FIELDS}
 
 
 def user_export_rows(project: Project, user: str | int) -> Iterator[dict[str, Any]]:

@@ -33,7 +33,9 @@ RETENTION_BATCH = 1000  # rows deleted per statement: a sweep never holds long l
 
 def data_policy_set(project: Project, **fields: Any) -> DataPolicy:
     """Changes the project's data policy (consent_default, retention_days, erasure_policy,
-    redactors, custom_patterns); every value is checked first and nothing is saved on an error."""
+    redactors, custom_patterns); every value is checked first and nothing is saved on an error.
+    Not audited: every change goes through training.lineage.services.data_policy_update, which
+    calls it and writes the AuditLog row (the audit log is the training app's)."""
     policy = data_policy_of(project)
     unknown = set(fields) - {"consent_default", "retention_days", "erasure_policy", "redactors", "custom_patterns"}
     if unknown:
@@ -66,7 +68,8 @@ def _check_choice(fields: dict[str, Any], name: str, choices: list[tuple[str, st
 def consent_opt_out_set(project: Project, user: str, opted_out: bool) -> bool:
     """Puts the user on (or off) the project's opt-out list; returns whether they were on it.
     From the moment this commits, no run that starts trains on their trajectories or feedback
-    (feedback.selectors.trainable)."""
+    (feedback.selectors.trainable). Not audited: called by
+    training.lineage.services.consent_opt_out_update, which writes the AuditLog row."""
     hashed = _user_hash(project, user)
     before = ConsentOptOut.objects.filter(project=project, user_hash=hashed).exists()
     if opted_out and not before:

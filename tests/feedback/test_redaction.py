@@ -6,12 +6,17 @@ overlapping matches, and work that stays linear on hostile inputs (counted, not 
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
+
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from core.errors import BadRequest
-from feedback.models import RedactionTally, Step, Trajectory
-from feedback.services import feedback_ingest
-from feedback.userdata.redaction import BUILTIN, atoms_of, redactor_for, reference_scan
+from feedback.models import DEFAULT_REDACTORS, DataPolicy, RedactionTally, Step, Trajectory
+from feedback.services import data_policy_of, feedback_ingest
+from feedback.userdata.redaction import BUILTIN, Redactor, atoms_of, redactor_for, reference_scan
 from feedback.userdata.services import data_policy_set
 from tests.factories import trajectory
 
@@ -32,6 +37,15 @@ def test_emails_keys_tokens_and_ip_addresses_are_replaced_and_counted_per_redact
     assert out == ("mail [redacted:email], key [redacted:api_key], aws [redacted:api_key], jwt [redacted:api_key], "
                    "from [redacted:ipv4] and [redacted:ipv6]; version 1.2.3 and 10.0.0.999 stay")
     assert counts == {"email": 1, "api_key": 3, "ipv4": 1, "ipv6": 1}
+
+
+def test_code_that_looks_like_an_address_stays_and_addresses_in_it_do_not():
+    code = ('pairs = zip(args[::2], args[1::2]); rev = s[-1::-1]; q = f"({sql})::date"; x = y[::da]\n'
+            'HOST = "127.0.0.1"; BIND = "0.0.0.0"; LOCAL = "[::1]"; version = "1.2"; ratio = 0.5')
+    assert redact(code) == (code, {})  # loopback and "any" name nobody; slices and casts are no address
+    out, counts = redact('peer = "fe80::1ff:fe23:4567:890a"; gw = "fe80::1"; v4 = "::ffff:10.0.0.7"')
+    assert out == 'peer = "[redacted:ipv6]"; gw = "[redacted:ipv6]"; v4 = "[redacted:ipv4+ipv6]"'
+    assert counts == {"ipv6": 3, "ipv4": 1}  # the mapped IPv4 address inside is one too
 
 
 def test_overlapping_matches_become_one_replacement_counted_for_each_redactor():
@@ -102,7 +116,49 @@ def test_ingest_stores_redacted_text_without_the_token_ids_that_encode_it_and_ta
     assert f'flywheel_redactions_total{{project="{creds.project.slug}",redactor="email"}} 2.0' in text
 
 
-def test_a_project_without_redactors_stores_text_as_sent(creds):
+def test_a_new_project_redacts_every_built_in_kind_by_default(creds):
+    assert not DataPolicy.objects.exists()  # no policy row: the defaults
+    feedback_ingest(creds.project, [trajectory("t-1", prompt=f"mail bob@example.com, key {KEY}, from 10.1.2.3")])
+    assert Trajectory.objects.get().prompt[0]["content"] == (
+        "mail [redacted:email], key [redacted:api_key], from [redacted:ipv4]")
+    assert sorted(DEFAULT_REDACTORS) == sorted(BUILTIN)
+
+
+def test_a_project_that_turned_redaction_off_stores_text_as_sent(creds):
+    data_policy_set(creds.project, redactors=[])
     feedback_ingest(creds.project, [trajectory("t-1", prompt="mail bob@example.com")])
     assert Trajectory.objects.get().prompt[0]["content"] == "mail bob@example.com"
     assert not RedactionTally.objects.exists()
+
+
+def test_projects_that_existed_before_the_default_keep_redaction_off_and_their_own_policy(creds):
+    from django.apps import apps
+
+    from feedback.services import project_create
+
+    migration = importlib.import_module("feedback.migrations.0006_redaction_on_by_default")
+    own = project_create("Own policy", "own").project
+    data_policy_set(own, redactors=["email"], retention_days=30)
+    migration.keep_existing_projects_setting(apps, None)
+    assert DataPolicy.objects.get(project=creds.project).redactors == []  # had none: the old default, kept
+    assert (DataPolicy.objects.get(project=own).redactors, DataPolicy.objects.get(project=own).retention_days) == (
+        ["email"], 30)
+    later = project_create("Later", "later").project
+    assert data_policy_of(later).redactors == list(DEFAULT_REDACTORS)
+
+
+_PIECES = st.sampled_from(["1.2", "10.0.0.1", "255.255.255.255", "0.5", "::1", "fe80::1%", "2001:db8::7", "a@b.co",
+                           "x.y@mail.example.org", KEY, "AKIAIOSFODNN7EXAMPLE", JWT, "v1.2.3", " ", "-", "_", ".", ":",
+                           "sk_", "eyJ", "192.168.1", ".1.2.3.4.", "1.2.3.4"])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.one_of(_PIECES, st.text(max_size=6)), max_size=12))
+def test_the_one_search_that_lets_most_text_through_never_skips_a_text_some_pattern_matches(parts):
+    text = "".join(parts)
+    gated = redactor_for(EVERY)
+    # The reference: every pattern scanned on every text, no prefilter and no gate.
+    plain = Redactor(tuple(dataclasses.replace(p, prefilter=None, needles=()) for p in gated.patterns))
+    object.__setattr__(plain, "gate", None)
+    assert gated.gate is not None
+    assert gated.redact(text, {}) == plain.redact(text, {})

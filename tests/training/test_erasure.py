@@ -18,15 +18,22 @@ import pytest
 from django.core.management import call_command
 from django.db import connection
 
+from core.errors import Conflict
 from feedback.models import FeedbackEvent, Quarantine, Trajectory
 from feedback.services import api_key_create, feedback_ingest, quarantine_record, user_hash_of
 from feedback.userdata.services import data_policy_set
 from tests.factories import feedback, member, trajectory
 from tests.training.test_lineage import ingest_users, run_once
-from tests.training.test_services import plain_spec
-from training.models import AuditLog, Erasure, RubricScore
-from training.rewards.services import reward_spec_update
+from tests.training.test_services import later, plain_spec
+from training.lineage.services import consent_opt_out_update, user_erase
+from training.models import AuditLog, Erasure, PolicyVersion, RubricScore
+from training.promotion.services import candidate_promote
+from training.rewards.services import reward_spec_update, rewards_compute_pending
 from training.runs.selectors import training_head
+from training.runs.services import train_policy, training_run_start
+from training.runs.settings import RunSettings
+from training.versions.selectors import policy_production
+from training.versions.services import version_transition
 
 ERASED = "u-erase-5Hq2"
 PLANTED = ("PLANTPROMPTq81x", "PLANTSTEPz93k", "PLANTFEEDBACKw27", "PLANTQUARANTINEv66")
@@ -69,6 +76,7 @@ def test_after_an_erasure_no_row_no_dump_no_export_and_no_checkpoint_holds_the_u
     run = run_once(creds.project)
     call_command("export_dataset", project=creds.project.slug, format="messages",
                  out=str(settings.FLYWHEEL_EXPORT_DIR / "messages.jsonl"))
+    consent_opt_out_update(creds.project, ERASED, True, alice)  # an audit row, which outlives the erasure
     hashed = user_hash_of(creds.project, ERASED)
     dump = _pg_dump()
     assert hashed in dump and all(p in dump for p in PLANTED)  # the proof below can see what it looks for
@@ -117,6 +125,85 @@ def test_the_retrain_policy_rolls_the_training_lineage_back_to_the_newest_versio
     ingest_users(creds.project, tokenizer, {"u-b": 4}, start=200)
     after = run_once(creds.project)
     assert after.base_version == clean.candidate and Erasure.objects.get().policy == "retrain"
+
+
+def _awaiting(version) -> None:
+    """As the gate leaves a version it passed (the gate itself is tested in test_gate_*)."""
+    version_transition(version, "gated", "system:gate", "gate_start")
+    version_transition(version, "awaiting_approval", "system:gate", "gate_pass")
+
+
+def _served(run, approver):
+    _awaiting(run.candidate)
+    return candidate_promote(run.candidate.pk, approver, "approve", "better on the suite")
+
+
+def _state(version) -> str:
+    return PolicyVersion.objects.get(pk=version.pk).state
+
+
+def test_the_retrain_policy_rolls_production_back_to_the_newest_version_that_never_saw_the_data(
+        creds, alice, production, tokenizer):
+    plain_spec(creds.project, settle_seconds=0)
+    ingest_users(creds.project, tokenizer, {"u-b": 4})
+    v2 = _served(run_once(creds.project), alice)  # u-b only
+    ingest_users(creds.project, tokenizer, {"u-a": 4}, start=50)
+    tainted = run_once(creds.project)
+    assert tainted.base_version == v2
+    v3 = _served(tainted, alice)  # learned from u-a; v2 retired
+    ingest_users(creds.project, tokenizer, {"u-b": 4}, start=100)
+    v4 = run_once(creds.project).candidate  # from v3: saw u-a through its weights
+    _awaiting(v4)
+    assert (policy_production(creds.project), _state(v2)) == (v3, "retired")
+    data_policy_set(creds.project, erasure_policy="retrain")
+    out = []
+    call_command("erase_user", project=creds.project.slug, user="u-a", json=True, stdout=_Sink(out))
+    report = json.loads(out[0])
+    assert [(v["version"], v["direct"]) for v in report["versions"]] == [(v3.number, True), (v4.number, False)]
+    assert report["retrain"] == {"production": v2.number, "production_clean": True, "retired": [v3.number],
+                                 "rejected": [v4.number]}
+    assert (policy_production(creds.project), _state(v3), _state(v4)) == (v2, "retired", "rejected")
+    moves = AuditLog.objects.filter(action__in=("erasure_rollback", "erasure_reject")).order_by("seq")
+    assert [(m.target, m.after["state"]) for m in moves] == [
+        (f"policy_version:{v2.pk}", "production"), (f"policy_version:{v4.pk}", "rejected")]
+    assert {m.reason for m in moves} == {f"erasure #{report['erasure']} under the retrain policy"}
+    with pytest.raises(Conflict, match="erased under the project's retrain policy"):
+        candidate_promote(v3.pk, alice, "rollback", "v3 was better")  # it never serves again
+    assert training_head(creds.project, 8) == v2
+    ingest_users(creds.project, tokenizer, {"u-b": 4}, start=200)
+    again = run_once(creds.project)  # the loop learns again, from v2, without u-a
+    assert again.base_version == v2 and again.candidate.parent == v2
+
+
+def test_a_run_that_existed_when_data_was_erased_under_retrain_leaves_a_candidate_that_is_not_gated(
+        creds, production, tokenizer):
+    plain_spec(creds.project, settle_seconds=0)
+    data_policy_set(creds.project, erasure_policy="retrain")
+    ingest_users(creds.project, tokenizer, {"u-a": 4, "u-b": 4})
+    rewards_compute_pending(creds.project, now=later(1))
+    run, _ = training_run_start(creds.project, RunSettings(steps=1, batch_size=4), enqueue=False)
+    erasure = user_erase(creds.project, "u-b", "cli:erase_user")  # the run chose its base before this
+    run = train_policy(run.pk)
+    assert run.state == "succeeded" and "erased under the retrain policy" in run.result["flag"]
+    assert Erasure.objects.get(pk=erasure.erasure).versions == [run.candidate.pk]
+    assert _state(run.candidate) == "candidate" and training_head(creds.project, 8) == production
+
+
+def test_a_gate_that_finishes_on_a_version_the_erasure_rejected_leaves_it_rejected(creds, production, tokenizer):
+    from training.gate.samples import CheckRow
+    from training.gate.services import _gate_finish
+    from training.promotion.selectors import gate_policy_active
+
+    plain_spec(creds.project, settle_seconds=0)
+    data_policy_set(creds.project, erasure_policy="retrain")
+    ingest_users(creds.project, tokenizer, {"u-a": 4})
+    v2 = run_once(creds.project).candidate
+    version_transition(v2, "gated", "system:gate", "gate_start")
+    assert user_erase(creds.project, "u-a", "cli:erase_user").retrain["rejected"] == [v2.number]
+    report = _gate_finish(v2.pk, production, gate_policy_active(creds.project),
+                          [CheckRow("reward_improvement", 0.2, 0.0, None, True)], {}, "system:gate")
+    assert report.passed and _state(v2) == "rejected"
+    assert not AuditLog.objects.filter(action="gate_pass").exists()
 
 
 def test_the_flag_policy_reports_and_keeps_the_lineage(creds, production, tokenizer):

@@ -212,6 +212,8 @@ def _gate_finish(version_id: int, baseline: PolicyVersion | None, policy: GatePo
                                            policy={**gate_policy_json(policy), "suite": suite_info, **(extra or {})})
         failed = [r.name for r in rows if not r.passed]
         reason = "all checks passed" if passed else f"failed: {', '.join(failed)}"
+        if version.state == VersionState.REJECTED:  # rejected while gated (an erasure under "retrain")
+            return report
         version_transition(version, VersionState.AWAITING_APPROVAL if passed else VersionState.REJECTED, actor,
                     "gate_pass" if passed else "gate_fail", reason, gate_report=report.id)
     return report

@@ -14,7 +14,7 @@ from django.db.models import QuerySet
 
 from feedback.models import FeedbackEvent, Project, Trajectory
 from feedback.services import user_hash_of
-from training.models import Erasure, PolicyVersion
+from training.models import PolicyVersion
 
 
 @dataclass(frozen=True)
@@ -97,14 +97,6 @@ def run_lineage_summary(run_id: int) -> dict | None:
     if row is None:
         return None
     return {"trajectories": row[0], "feedback": row[1], "trajectory_ranges": row[2], "feedback_ranges": row[3]}
-
-
-def versions_erased_from(project: Project, policy: str | None = None) -> set[int]:
-    """Ids of the versions an erasure found had learned from erased data (under `policy`)."""
-    erasures = Erasure.objects.filter(project=project)
-    if policy is not None:
-        erasures = erasures.filter(policy=policy)
-    return {v for versions in erasures.values_list("versions", flat=True) for v in versions}
 
 
 def version_clean_ancestor(version: PolicyVersion, tainted: set[int]) -> PolicyVersion | None:

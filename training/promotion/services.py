@@ -31,7 +31,7 @@ from training.promotion import sequential
 from training.promotion.deploy import deploy_hook
 from training.promotion.selectors import POLICY_FIELDS, canary_counts, gate_policy_active, gate_policy_json
 from training.promotion.sequential import CanaryRule, CanaryVerdict
-from training.versions.selectors import policy_production
+from training.versions.selectors import policy_production, versions_erased_from
 from training.versions.services import (
     Actor,
     actor_name,
@@ -242,6 +242,7 @@ def _approve(version: PolicyVersion, actor: Actor, reason: str) -> None:
     if version.state != VersionState.AWAITING_APPROVAL:
         raise Conflict(f"policy v{version.number} is {version.state}, not awaiting approval",
                        "Only a version that passed the gate can be approved.")
+    _never_erased(version)
     policy = gate_policy_active(version.project)
     production = policy_production(version.project_id, lock=True)
     if production is not None and policy.canary_share > 0:
@@ -282,6 +283,7 @@ def _rollback(version: PolicyVersion, actor: Actor, reason: str) -> None:
         if target is None:
             raise Conflict(f"policy v{version.number} is the first production version", "There is nothing to roll back to.")
     elif version.state == VersionState.RETIRED and _was_production(version):
+        _never_erased(version)
         target = version
     else:
         raise Conflict(f"policy v{version.number} ({version.state}) was never in production",
@@ -298,13 +300,64 @@ def _was_production(version: PolicyVersion) -> bool:
 
 
 def _previous_production(version: PolicyVersion) -> PolicyVersion | None:
+    """The version that served before `version` and may serve again (not one that learned from
+    data erased under the retrain policy)."""
+    erased = versions_erased_from(version.project_id, policy="retrain")
     rows = (AuditLog.objects.filter(_SERVED, project_id=version.project_id)
             .exclude(target=f"policy_version:{version.id}").order_by("-at", "-id").values_list("after", flat=True))
     for after in rows:
         candidate = PolicyVersion.objects.filter(id=after["version_id"], state=VersionState.RETIRED).first()
-        if candidate is not None:
+        if candidate is not None and candidate.id not in erased:
             return candidate
     return None
+
+
+def _never_erased(version: PolicyVersion) -> None:
+    if version.id in versions_erased_from(version.project_id, policy="retrain"):
+        raise Conflict(f"policy v{version.number} learned from data erased under the project's retrain policy; "
+                       "it does not serve again",
+                       "Roll back to a version that never saw the data, or let the loop train a new candidate "
+                       "(the project's Data page lists each erasure and the versions it found).")
+
+
+def erasure_retrain(project: Project, tainted: set[int], actor: Actor, reason: str) -> dict[str, Any]:
+    """The retrain erasure policy applied to the versions that learned from erased data
+    (`tainted`): none of them serves or waits to. A tainted production is retired and the newest
+    version that served before and never saw the data serves again (deployed after commit); a
+    tainted canary, or a tainted version awaiting approval, gated or a candidate, is rejected.
+    The next run continues from the newest clean version (training.runs.selectors.training_head):
+    the loop learns again without the data. Every move is an audited version_transition, in the
+    caller's transaction. Returns {"production": the number now serving, "production_clean": whether
+    it never saw erased data (false only when no clean version ever served), "retired": [...],
+    "rejected": [...]}."""
+    out: dict[str, Any] = {"production": None, "production_clean": True, "retired": [], "rejected": []}
+    production = policy_production(project.pk, lock=True)
+    if production is not None and production.id in tainted:
+        target = _newest_clean_served(project, tainted)
+        if target is not None:  # else nothing clean ever served: production stays, and the answer says so
+            _make_production(target, production, actor, "erasure_rollback", reason)
+            out["retired"].append(production.number)
+            production = target
+    out["production"] = production.number if production is not None else None
+    out["production_clean"] = production is None or production.id not in tainted
+    waiting = (PolicyVersion.objects.select_for_update().filter(
+        project=project, id__in=tainted, state__in=(VersionState.CANARY, VersionState.AWAITING_APPROVAL,
+                                                    VersionState.GATED, VersionState.CANDIDATE)).order_by("number"))
+    for version in waiting:
+        was_canary = version.state == VersionState.CANARY
+        if was_canary:
+            _canary_close(version, "rollback", None)
+        version_transition(version, VersionState.REJECTED, actor, "erasure_reject", reason)
+        if was_canary:  # the replicas stop serving its share
+            _deploy_after_commit(version)
+        out["rejected"].append(version.number)
+    return out
+
+
+def _newest_clean_served(project: Project, tainted: set[int]) -> PolicyVersion | None:
+    retired = (PolicyVersion.objects.select_for_update().filter(project=project, state=VersionState.RETIRED)
+               .exclude(id__in=tainted).order_by("-number"))
+    return next((v for v in retired if _was_production(v)), None)
 
 
 _ACTIONS: dict[str, Callable[[PolicyVersion, Actor, str], None]] = {

@@ -7,9 +7,9 @@ from datetime import datetime
 from django.db.models import Max, QuerySet
 
 from feedback.models import Project
-from training.lineage.selectors import version_clean_ancestor, versions_erased_from
+from training.lineage.selectors import version_clean_ancestor
 from training.models import AuditLog, PolicyVersion, RunState, TrainingRun, TrainingStep, VersionState
-from training.versions.selectors import latest_report, policy_production
+from training.versions.selectors import latest_report, policy_production, versions_erased_from
 
 ACTIVE_RUN_STATES = (RunState.QUEUED, RunState.RUNNING)
 
@@ -53,12 +53,21 @@ def training_head(project: Project, max_ahead: int) -> PolicyVersion | None:
     refused at 4.41 against a budget of 4; the stop is only checked from the second round on).
 
     Under the "retrain" erasure policy, the newest version on that one's parent chain that never
-    saw erased data: the lineage learns again from there without it."""
-    head = _head(project, max_ahead)
-    return _never_saw_erased(head) if head is not None else None
+    saw erased data (a version rejected by the erasure does not send the lineage back to
+    production: that rejection says nothing of its direction), or production when that is newer:
+    the lineage learns again from there without the data."""
+    erased = versions_erased_from(project, policy="retrain")
+    head = _head(project, max_ahead, erased)
+    if head is None or not erased:
+        return head
+    clean = version_clean_ancestor(head, erased)
+    production = policy_production(project)
+    if production is not None and production.id not in erased and (clean is None or clean.number < production.number):
+        return production
+    return clean
 
 
-def _head(project: Project, max_ahead: int) -> PolicyVersion | None:
+def _head(project: Project, max_ahead: int, erased: set[int]) -> PolicyVersion | None:
     production = policy_production(project)
     run = (TrainingRun.objects.filter(project=project, state=RunState.SUCCEEDED, candidate__isnull=False)
            .select_related("candidate").order_by("-finished_at", "-id").first())
@@ -67,16 +76,12 @@ def _head(project: Project, max_ahead: int) -> PolicyVersion | None:
     head = run.candidate
     if head.number <= production.number or head.number - production.number > max_ahead:
         return production
-    if head.state in (VersionState.REJECTED, VersionState.RETIRED) and not _only_not_better_yet(head):
+    if head.state in (VersionState.REJECTED, VersionState.RETIRED) and head.id not in erased \
+            and not _only_not_better_yet(head):
         return production
     if run.result.get("stopped_after_round") is not None:
         return production
     return head
-
-
-def _never_saw_erased(head: PolicyVersion) -> PolicyVersion | None:
-    tainted = versions_erased_from(head.project, policy="retrain")
-    return version_clean_ancestor(head, tainted) if tainted else head
 
 
 def _only_not_better_yet(version: PolicyVersion) -> bool:

@@ -31,7 +31,7 @@ from feedback.services import service_account_get
 from training.corpora.config import MidtrainConfig
 from training.corpora.selectors import corpus_get
 from training.gate.tasks import gate_run_enqueue
-from training.lineage.services import lineage_record
+from training.lineage.services import erasure_taint_candidate, lineage_record
 from training.models import AgentTask, PolicyVersion, RunState, TrainingRun, TrainingStep, VersionState
 from training.rewards.selectors import rewarded_trajectories_since
 from training.rewards.services import reward_spec_current
@@ -284,7 +284,7 @@ def training_run_finish(run: TrainingRun, folder: Path, result: dict[str, Any]) 
             config={"run": run.pk, "kind": run.kind, "base": run.base_version.number,
                     **{k: run.settings[k] for k in ("rl", "midtrain") if k in run.settings}},
         )
-        flag = mismatch_flag(result) or region_flag(result)
+        flag = erasure_taint_candidate(run, candidate) or mismatch_flag(result) or region_flag(result)
         TrainingRun.objects.filter(pk=run.pk).update(
             state=RunState.SUCCEEDED, candidate=candidate, progress=1.0, finished_at=timezone.now(),
             result={**result, **({"flag": flag} if flag else {})},

@@ -14,7 +14,7 @@ from django.db.models import Prefetch, QuerySet
 
 from core.errors import NotFound
 from feedback.models import Project
-from training.models import AuditLog, CanaryRun, GateReport, PolicyVersion, VersionState
+from training.models import AuditLog, CanaryRun, Erasure, GateReport, PolicyVersion, VersionState
 
 
 def policy_production(project: Project | int, *, lock: bool = False) -> PolicyVersion | None:
@@ -107,3 +107,12 @@ def production_at(project: Project, when: datetime) -> PolicyVersion | None:
 
 def audit_for_version(version: PolicyVersion) -> QuerySet[AuditLog]:
     return AuditLog.objects.filter(project_id=version.project_id, target=f"policy_version:{version.id}").order_by("at", "id")
+
+
+def versions_erased_from(project: Project | int, policy: str | None = None) -> set[int]:
+    """Ids of the versions an erasure found had learned from erased data (under `policy`). Under
+    "retrain" none of them serves again (training.promotion.services.erasure_retrain)."""
+    erasures = Erasure.objects.filter(project=project)
+    if policy is not None:
+        erasures = erasures.filter(policy=policy)
+    return {v for versions in erasures.values_list("versions", flat=True) for v in versions}

@@ -2,7 +2,9 @@
 
 Erases one user's data (their trajectories, feedback, rewards, rubric scores, quarantine rows and
 rows in the export folder) and prints the versions that had learned from it and what the
-project's erasure policy (keep | flag | retrain) did about them. Audited without the user's id."""
+project's erasure policy (keep | flag | retrain) did about them (retrain: production back to the
+newest version that served before and never saw the data, the others that saw it rejected).
+Audited without the user's id."""
 
 from __future__ import annotations
 
@@ -38,3 +40,13 @@ class Command(BaseCommand):
             "flag": "the versions are flagged on the registry",
             "retrain": "the training lineage continues from the newest version that never saw the data",
         }[report.policy])
+        if report.retrain is not None:
+            moved = report.retrain
+            self.stdout.write(f"  in production: v{moved['production']}" if moved["production"] else
+                              "  nothing in production")
+            if not moved["production_clean"]:
+                self.stdout.write("  WARNING: no version that never saw the data ever served, so production "
+                                  "stays; approve a new candidate trained without it")
+            for key in ("retired", "rejected"):
+                if moved[key]:
+                    self.stdout.write(f"  {key}: " + ", ".join(f"v{n}" for n in moved[key]))
