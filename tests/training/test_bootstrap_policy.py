@@ -5,9 +5,9 @@ from __future__ import annotations
 from io import StringIO
 
 import pytest
+import torch
 from django.core.management import call_command
 from django.utils import timezone
-import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from training.models import AuditLog, PolicyVersion
