@@ -82,8 +82,3 @@ def outbox_deliver(limit: int = 500, *, grace: timedelta = DELIVER_AFTER) -> int
             sent += 1
     OutboxMessage.objects.filter(sent_at__lt=timezone.now() - KEEP_SENT).delete()
     return sent
-
-
-def outbox_pending(task_name: str | None = None) -> int:
-    rows = OutboxMessage.objects.filter(sent_at__isnull=True)
-    return (rows.filter(task=task_name) if task_name else rows).count()

@@ -5,7 +5,9 @@ from __future__ import annotations
 import os
 import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import httpx
 
@@ -49,6 +51,22 @@ def subprocess_env(**extra: str) -> dict[str, str]:
             "CACHE_KEY_PREFIX": SESSION_KEY_PREFIX,
             # Tests stand model judges up on loopback, which only an allowed network reaches.
             "FLYWHEEL_JUDGE_ALLOWED_NETWORKS": "127.0.0.0/8", **extra}
+
+
+T = TypeVar("T")
+
+
+def wait_until(check: Callable[[], T], *, timeout: float = 60, what: str = "condition", every: float = 0.2) -> T:
+    """Polls `check` until it returns something truthy (returned) or `timeout` seconds pass (an
+    AssertionError naming `what`). The tests' one poll: wait for the event, never sleep a guess."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(every)
 
 
 def wait_http(url: str, proc, seconds: float = 90, log: Path | None = None) -> None:

@@ -15,7 +15,7 @@ import math
 import random
 import sysconfig
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
@@ -282,12 +282,6 @@ def sample_lines(lines: Sequence[str], n: int, seed: int = 0) -> list[str]:
     """A deterministic subset, e.g. held-out prompts."""
     rng = random.Random(seed)
     return rng.sample(list(lines), min(n, len(lines)))
-
-
-def iter_prompts(lines: Sequence[str], prefix_chars: int = 24) -> Iterator[str]:
-    """Tab-completion style prompts: the first characters of stdlib lines."""
-    for line in lines:
-        yield line[:prefix_chars]
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -513,10 +513,6 @@ def audit_log(project: Project, limit: int = 50) -> list[AuditLog]:
     return list(AuditLog.objects.filter(project=project).order_by("-at", "-id")[:limit])
 
 
-def feedback_counts(project: Project) -> dict[str, int]:
-    return dict(FeedbackHourly.objects.filter(project=project).values_list("signal").annotate(n=Sum("n")))
-
-
 
 # --- figures for /metrics (read at scrape time; each one query) --------------------------------
 

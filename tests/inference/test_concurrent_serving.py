@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from feedback.models import Step, Trajectory
-from tests.inference.test_serving import TOKEN, _key, _promote, _serve, _stop, _versions, _wait_for
+from tests.inference.test_serving import TOKEN, _key, _promote, _serve, _stop, _versions
+from tests.processes import wait_until
 
 PROMPTS = ["def add(a, b):", "import os\n", "class Stack:", "for i in range(10):", "with open(p) as f:",
            "def main():", "x = [1, 2, 3]", "return self"]
@@ -110,7 +111,7 @@ def test_a_swap_under_concurrent_load_leaves_no_trajectory_naming_the_wrong_vers
         threads = [threading.Thread(target=client, args=(i,)) for i in range(6)]
         for t in threads:
             t.start()
-        _wait_for(lambda: len(answers) >= 6, 300)
+        wait_until(lambda: len(answers) >= 6, timeout=300, what="six answers")
         _promote(v2)
         swap = httpx.post(internal + "/internal/load", json={"version": 2}, timeout=300,
                           headers={"Authorization": f"Bearer {TOKEN}"})

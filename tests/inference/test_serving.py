@@ -12,7 +12,6 @@ import json
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import httpx
@@ -24,7 +23,7 @@ from feedback.models import FeedbackEvent, Step, Trajectory
 from feedback.services import api_key_create, feedback_ingest, user_hash_of
 from inference import serving
 from inference.engines import make_engine
-from tests.processes import ROOT, free_port, subprocess_env, wait_http
+from tests.processes import ROOT, free_port, subprocess_env, wait_http, wait_until
 from training.models import CanaryRun, PolicyVersion
 from training.pretrain import load_tokenizer, perturbed_state_dict, save_policy
 from training.versions.services import version_transition
@@ -90,15 +89,6 @@ def _stop(proc: subprocess.Popen) -> None:
         proc.kill()
 
 
-def _wait_for(predicate, seconds: float = 30) -> None:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.2)
-    raise AssertionError("condition not reached")
-
-
 @pytest.mark.django_db(transaction=True)
 def test_the_openai_client_gets_completions_that_become_trajectories(creds, dense_dir, tmp_path):
     _versions(creds.project, dense_dir, tmp_path)
@@ -155,7 +145,7 @@ def test_a_swap_during_a_burst_fails_no_request_and_each_names_its_version(creds
         threads = [threading.Thread(target=burst) for _ in range(3)]
         for t in threads:
             t.start()
-        time.sleep(0.5)
+        wait_until(lambda: answers, timeout=120, what="the bursts' first answer")  # they are in flight
         _promote(v2)
         swap = httpx.post(internal + "/internal/load", json={"version": 2}, timeout=120,
                           headers={"Authorization": f"Bearer {TOKEN}"})
@@ -171,7 +161,7 @@ def test_a_swap_during_a_burst_fails_no_request_and_each_names_its_version(creds
         assert refused.status_code == 401
     finally:
         _stop(proc)
-    _wait_for(lambda: Trajectory.objects.filter(policy_version=2).exists())
+    wait_until(lambda: Trajectory.objects.filter(policy_version=2).exists(), timeout=30, what="v2's completions recorded")
 
 
 # --- bad input, in process ------------------------------------------------------------------------

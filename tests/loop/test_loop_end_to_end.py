@@ -28,7 +28,7 @@ from feedback.client import FlywheelClient
 from feedback.models import Trajectory
 from feedback.services import api_key_create, service_account_get
 from tests.factories import member
-from tests.processes import ROOT, free_port, subprocess_env, wait_http
+from tests.processes import ROOT, free_port, subprocess_env, wait_http, wait_until
 from training.models import AuditLog, PolicyVersion, TrainingRun
 from training.pretrain import sample_lines, stdlib_corpus
 from training.versions.selectors import policy_production
@@ -174,13 +174,8 @@ HELD_OUT = 300
 
 
 def _recorded(project, trajectory_id: str, seconds: float = 60) -> Trajectory:
-    deadline = time.monotonic() + seconds
-    while True:
-        found = Trajectory.objects.filter(project=project, external_id=trajectory_id).first()
-        if found is not None or time.monotonic() > deadline:
-            assert found is not None, f"the served completion {trajectory_id} was never recorded"
-            return found
-        time.sleep(0.5)
+    return wait_until(lambda: Trajectory.objects.filter(project=project, external_id=trajectory_id).first(),
+                      timeout=seconds, every=0.5, what=f"the served completion {trajectory_id} recorded")
 
 
 def _held_out_accept(version: PolicyVersion) -> float:

@@ -5,9 +5,10 @@ from __future__ import annotations
 from io import StringIO
 
 import pytest
+import torch
 from django.core.management import call_command
 from django.utils import timezone
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from training.models import AuditLog, PolicyVersion
 from training.versions.selectors import production_at
@@ -27,7 +28,7 @@ def test_it_installs_an_audited_base_policy_and_force_replaces_it(creds, setting
     assert "registered acme v1 in production" in _bootstrap("acme")
     v1 = PolicyVersion.objects.get(project=creds.project, number=1)
     assert v1.state == "production" and v1.manifest_hash and v1.config["pretrain"]["step"] >= 1
-    assert AutoModelForCausalLM.from_pretrained(str(policy_folder(v1))) is not None
+    _assert_a_loadable_dense_policy(policy_folder(v1))
     assert production_at(creds.project, timezone.now()) == v1
     assert "already has policy v1" in _bootstrap("acme")  # idempotent without --force
     _bootstrap("acme", "--force")
@@ -36,3 +37,17 @@ def test_it_installs_an_audited_base_policy_and_force_replaces_it(creds, setting
     assert production_at(creds.project, timezone.now()).number == 2
     assert list(AuditLog.objects.filter(project=creds.project).values_list("action", flat=True).order_by("id")) == [
         "install_base", "retire", "install_base"]
+
+
+def _assert_a_loadable_dense_policy(folder) -> None:
+    """The folder is a whole HF policy: its own tokenizer round-trips code, and the dense (Qwen2)
+    model reads it into finite next-token logits over the whole vocabulary."""
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    model = AutoModelForCausalLM.from_pretrained(str(folder))
+    assert model.config.model_type == "qwen2"
+    text = "def add(a, b):\n    return a + b\n"
+    ids = tokenizer(text, return_tensors="pt").input_ids  # (1, T)
+    assert tokenizer.decode(ids[0]) == text
+    with torch.no_grad():
+        logits = model(ids).logits  # (1, T, V)
+    assert logits.shape == (1, ids.shape[1], model.config.vocab_size) and torch.isfinite(logits).all()

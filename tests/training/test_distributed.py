@@ -8,12 +8,12 @@ from __future__ import annotations
 import os
 import signal
 import threading
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.processes import wait_until
 from training.rl.config import RLConfig
 from training.rl.distributed import DistributedRunFailed, JobSpec, launch
 from training.rl.trainer import Sample, prepare_batch, rl_step
@@ -78,11 +78,9 @@ def test_two_ranks_give_the_one_process_losses_and_weights(tmp_path, tiny_policy
 
 def _while_running(folder: Path, act) -> threading.Thread:
     def watch() -> None:
-        for _ in range(3000):  # until rank 1 has started and a step has finished
-            if (folder / "rank-1.pid").exists() and (folder / "metrics.jsonl").exists():
-                act(int((folder / "rank-1.pid").read_text()))
-                return
-            time.sleep(0.05)
+        wait_until(lambda: (folder / "rank-1.pid").exists() and (folder / "metrics.jsonl").exists(), timeout=150,
+                   every=0.05, what="rank 1 started and a step finished")
+        act(int((folder / "rank-1.pid").read_text()))
 
     thread = threading.Thread(target=watch, daemon=True)
     thread.start()

@@ -9,11 +9,11 @@ from __future__ import annotations
 import os
 import signal
 import threading
-import time
 
 import pytest
 from safetensors.torch import load_file
 
+from tests.processes import wait_until
 from tests.training.test_services import ingest_live, later, plain_spec
 from training.models import PolicyVersion, TrainingStep
 from training.rewards.services import rewards_compute_pending
@@ -60,11 +60,9 @@ def test_a_rank_that_dies_fails_the_run_registers_nothing_and_the_next_run_proce
     job = two_processes.FLYWHEEL_CHECKPOINT_DIR / "torchrun" / f"run-{doomed.pk}" / "take-0"
 
     def kill_rank_1() -> None:
-        for _ in range(6000):
-            if (job / "rank-1.pid").exists() and (job / "metrics.jsonl").exists():
-                os.kill(int((job / "rank-1.pid").read_text()), signal.SIGKILL)
-                return
-            time.sleep(0.05)
+        wait_until(lambda: (job / "rank-1.pid").exists() and (job / "metrics.jsonl").exists(), timeout=300,
+                   every=0.05, what="rank 1 started and a step finished")
+        os.kill(int((job / "rank-1.pid").read_text()), signal.SIGKILL)
 
     killer = threading.Thread(target=kill_rank_1, daemon=True)
     killer.start()

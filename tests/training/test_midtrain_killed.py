@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 
+from tests.processes import wait_until
 from tests.training.test_midtrain import CODE
 from tests.training.test_self_healing import doomed_worker, kill  # noqa: F401 - the fixture
-from tests.training.test_tasks import wait_for
 from training.corpora.services import corpus_add_paths
 from training.models import PolicyVersion, TrainingRun, TrainingStep
 from training.runs.services import midtrain_start, train_policy
@@ -28,7 +28,7 @@ def test_a_killed_midtrain_worker_fails_its_run_and_the_next_run_proceeds(creds,
     corpus_add_paths(creds.project, [str(tmp_path)])
     doomed, _ = midtrain_start(creds.project, steps=1_000_000, batch_size=2, seq_len=32, enqueue=False)
     train_policy_task.apply_async(args=[doomed.pk], queue=queue)
-    wait_for(lambda: TrainingStep.objects.filter(run=doomed).exists(), what="the first mid-training step")
+    wait_until(lambda: TrainingStep.objects.filter(run=doomed).exists(), timeout=120, what="the first mid-training step")
     kill(proc)
 
     following, created = midtrain_start(creds.project, steps=3, batch_size=2, seq_len=32, enqueue=False)

@@ -22,10 +22,9 @@ from django.utils import timezone
 
 from core.models import OutboxMessage
 from core.outbox import outbox_deliver
-from tests.processes import ROOT, free_port, subprocess_env
+from tests.processes import ROOT, free_port, subprocess_env, wait_until
 from tests.training.test_judges import endpoint  # noqa: F401 - the fixture
 from tests.training.test_services import ingest_live, later, plain_spec
-from tests.training.test_tasks import wait_for
 from training.gate.tasks import GATE_RUN
 from training.models import AuditLog, EvalSuite, GateReport, PolicyVersion, TrainingRun, TrainingStep
 from training.rewards.services import rewards_compute_pending
@@ -80,9 +79,9 @@ def test_a_run_beats_while_it_trains_and_the_sweeper_fails_it_once_its_worker_is
     rewards_compute_pending(creds.project, now=later(1))
     run, _ = training_run_start(creds.project, RunSettings(steps=100_000, batch_size=2), enqueue=False)
     train_policy_task.apply_async(args=[run.pk], queue=queue)
-    wait_for(lambda: TrainingStep.objects.filter(run=run).exists(), what="the first optimiser step")
+    wait_until(lambda: TrainingStep.objects.filter(run=run).exists(), timeout=120, what="the first optimiser step")
     first = TrainingRun.objects.get(pk=run.pk).heartbeat_at
-    wait_for(lambda: TrainingRun.objects.get(pk=run.pk).heartbeat_at > first, what="a heartbeat")
+    wait_until(lambda: TrainingRun.objects.get(pk=run.pk).heartbeat_at > first, timeout=120, what="a heartbeat")
     assert pipeline_sweep().counts()["runs_failed"] == 0  # alive and beating: left alone
 
     kill(proc)
@@ -113,8 +112,8 @@ def test_a_gate_whose_worker_is_killed_goes_back_to_the_queue_and_completes(
     candidate = PolicyVersion.objects.create(project=creds.project, number=2, parent=production, state="candidate",
                                              checkpoint_path=str(tiny_policy_dir))
     gate_run_task.apply_async(args=[candidate.pk], queue=queue)
-    wait_for(lambda: PolicyVersion.objects.get(pk=candidate.pk).state == "gated", what="the gate's claim")
-    wait_for(lambda: held.requests, what="the gate judging (held)")  # mid-gate, deterministically
+    wait_until(lambda: PolicyVersion.objects.get(pk=candidate.pk).state == "gated", timeout=120, what="the gate's claim")
+    wait_until(lambda: held.requests, timeout=120, what="the gate judging (held)")  # mid-gate, deterministically
     kill(proc)
     released.set()
 
@@ -122,7 +121,7 @@ def test_a_gate_whose_worker_is_killed_goes_back_to_the_queue_and_completes(
     assert report.gates_requeued == [candidate.pk]
     assert OutboxMessage.objects.filter(task=GATE_RUN, args=[candidate.pk, "system:gate"]).exists()
     # The session's worker takes the requeued gate from the queue and finishes it.
-    wait_for(lambda: GateReport.objects.filter(version=candidate).exists(), timeout=300, what="the gate report")
+    wait_until(lambda: GateReport.objects.filter(version=candidate).exists(), timeout=300, what="the gate report")
     candidate.refresh_from_db()
     assert candidate.state in ("awaiting_approval", "rejected")
     assert audit_actions(f"policy_version:{candidate.pk}")[:3] == ["gate_start", "gate_lost", "gate_start"]
@@ -145,7 +144,7 @@ def test_a_candidate_whose_gate_message_was_lost_is_gated_again(creds, tiny_poli
     report = pipeline_sweep(now=timezone.now() + timedelta(seconds=301))
     assert report.candidates_requeued == [candidate.pk]
     assert audit_actions(f"policy_version:{candidate.pk}") == ["gate_requeue"]
-    wait_for(lambda: PolicyVersion.objects.get(pk=candidate.pk).state == "awaiting_approval", timeout=120,
+    wait_until(lambda: PolicyVersion.objects.get(pk=candidate.pk).state == "awaiting_approval", timeout=120,
              what="the requeued gate")
 
 
@@ -176,7 +175,7 @@ def test_a_hand_off_made_while_the_broker_is_down_waits_in_the_outbox_and_is_del
 
     assert outbox_deliver(grace=timedelta(0)) == 1
     assert OutboxMessage.objects.get(pk=message.pk).sent_at is not None
-    wait_for(lambda: PolicyVersion.objects.get(pk=candidate.pk).state == "awaiting_approval", timeout=120,
+    wait_until(lambda: PolicyVersion.objects.get(pk=candidate.pk).state == "awaiting_approval", timeout=120,
              what="the delivered gate")
     assert outbox_deliver(grace=timedelta(0)) == 0
 

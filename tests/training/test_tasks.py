@@ -15,7 +15,7 @@ import uuid
 
 import pytest
 
-from tests.processes import ROOT, subprocess_env
+from tests.processes import ROOT, subprocess_env, wait_until
 from tests.training.test_services import ingest_live, later, plain_spec
 from training.models import PolicyVersion, TrainingRun, TrainingStep
 from training.rewards.services import rewards_compute_pending
@@ -51,16 +51,6 @@ def worker_on_own_queue(django_db_setup, checkpoint_root):
     log.close()
 
 
-def wait_for(predicate, timeout: float = 120.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def test_a_worker_killed_mid_run_fails_the_run_registers_nothing_and_the_next_run_proceeds(
     creds, production, tokenizer, worker_on_own_queue
 ):
@@ -73,7 +63,7 @@ def test_a_worker_killed_mid_run_fails_the_run_registers_nothing_and_the_next_ru
     doomed, _ = training_run_start(creds.project, RunSettings(steps=100_000, batch_size=2), enqueue=False)
     train_policy_task.apply_async(args=[doomed.pk], queue=queue)
 
-    wait_for(lambda: TrainingStep.objects.filter(run=doomed).exists(), what="the first optimiser step")
+    wait_until(lambda: TrainingStep.objects.filter(run=doomed).exists(), timeout=120, what="the first optimiser step")
     doomed.refresh_from_db()
     assert doomed.state == "running"
     assert WorkerRef.parse(doomed.worker).pid == proc.pid  # the process we are about to kill

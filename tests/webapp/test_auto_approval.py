@@ -4,7 +4,6 @@ versions API and the same audited service as a person; nothing else is approved.
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 from django.test import Client
@@ -13,6 +12,7 @@ import webapp.demo as demo
 from feedback.models import Membership, Project
 from feedback.services import api_key_create, service_account_get
 from tests.factories import member
+from tests.processes import wait_until
 from training.models import AuditLog, GateReport, PolicyVersion, TrainingRun
 from training.promotion.selectors import gate_policy_active
 from training.runs.services import training_run_start
@@ -31,13 +31,13 @@ def test_the_service_account_approves_what_passed_the_gate_and_only_that(asgi_se
     stop = threading.Event()
     worker = threading.Thread(target=auto_approve, args=(asgi_server, key, stop, 0.2), daemon=True)
     worker.start()
-    for _ in range(100):
-        passed.refresh_from_db()
-        if passed.state == "production":
-            break
-        time.sleep(0.2)
-    stop.set()
-    worker.join(10)
+    try:
+        wait_until(lambda: PolicyVersion.objects.get(pk=passed.pk).state == "production", timeout=20,
+                   what="the passed version approved")
+    finally:
+        stop.set()
+        worker.join(10)
+    passed.refresh_from_db()
     failed.refresh_from_db()
     assert (passed.state, failed.state) == ("production", "rejected")
     row = AuditLog.objects.get(action="approve")

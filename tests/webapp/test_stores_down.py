@@ -20,9 +20,8 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,7 +32,15 @@ import pytest
 from websockets.exceptions import InvalidStatus
 
 from tests.factories import feedback, sign, trajectory
-from tests.processes import ROOT, OwnPostgres, database_url_of, free_port, subprocess_env, wait_http
+from tests.processes import (
+    ROOT,
+    OwnPostgres,
+    database_url_of,
+    free_port,
+    subprocess_env,
+    wait_http,
+    wait_until,
+)
 
 # The suite's test database is only the source of the copy the stack runs on (the tests talk to
 # the stack over HTTP and read its own database with psycopg).
@@ -94,16 +101,6 @@ class Stack:
 
 def _lines(log: Path, needle: str) -> list[str]:
     return [line for line in log.read_text(errors="replace").splitlines() if needle in line]
-
-
-def wait_until(check: Callable[[], Any], *, timeout: float = 60, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def _seed() -> dict[str, Any]:
@@ -472,7 +469,11 @@ def test_with_redis_stopped_a_hand_off_waits_in_the_outbox_and_beat_delivers_it_
         stack.sql("INSERT INTO core_outboxmessage (task, args, kwargs, created_at, attempts, last_error) "
                   "VALUES ('feedback.tasks.feedback_link_orphans_all', '[]', '{}', now() - interval '1 minute', "
                   "1, 'ConnectionError: Redis is away')")
-        time.sleep(2)  # beat ticks on while Redis is away
+        # Beat ticks on while Redis is away: once it has tried two rounds more (it sends one after
+        # the other), a delivery would have happened by now.
+        rounds = len(stack.worker_lines("Sending due task outbox"))
+        wait_until(lambda: len(stack.worker_lines("Sending due task outbox")) >= rounds + 2, timeout=60,
+                   what="beat's outbox rounds while Redis is away")
         assert stack.sql("SELECT count(*) FROM core_outboxmessage WHERE sent_at IS NULL") == [(1,)]
     finally:
         stack.redis_up()

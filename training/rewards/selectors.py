@@ -17,13 +17,6 @@ from training.rewards.reward_model import Labelled
 from training.rewards.spec import RewardSpecData
 
 
-def reward_list(project: Project, spec: RewardSpec | None = None) -> QuerySet[Reward]:
-    rewards = Reward.objects.filter(trajectory__project=project).select_related("trajectory", "spec")
-    if spec is not None:
-        rewards = rewards.filter(spec=spec)
-    return rewards.order_by("-computed_at")
-
-
 def trajectories_reward_pending(project: Project, spec: RewardSpec, now: datetime) -> QuerySet[Trajectory]:
     """Trajectories whose feedback has settled and whose reward under `spec` is missing or older
     than their newest feedback (late feedback makes a reward stale). Quarantined ones are left

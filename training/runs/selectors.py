@@ -14,12 +14,6 @@ from training.versions.selectors import latest_report, policy_production, versio
 ACTIVE_RUN_STATES = (RunState.QUEUED, RunState.RUNNING)
 
 
-def training_run_list(project: Project) -> QuerySet[TrainingRun]:
-    return TrainingRun.objects.filter(project=project).select_related("base_version", "candidate").order_by(
-        "-created_at"
-    )
-
-
 def training_run_active(project: Project) -> TrainingRun | None:
     return TrainingRun.objects.filter(project=project, state__in=ACTIVE_RUN_STATES).order_by("created_at").first()
 
