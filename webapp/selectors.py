@@ -13,6 +13,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from django.conf import settings
+from django.db import connection
 from django.db.models import Avg, Count, Exists, F, Max, OuterRef, Prefetch, Q, QuerySet, Subquery, Sum
 from django.db.models.functions import Coalesce, TruncMinute
 from django.utils import timezone
@@ -91,6 +92,22 @@ def _add_point(s: dict[str, list], at: datetime, total: int, pos: int, neg: int)
     s["rate"].append(round(pos / (pos + neg), 4) if pos + neg else None)
 
 
+# Counted per minute and trajectory first, then each trajectory's version by one index lookup: a
+# join would hash every trajectory of the project, a lookup per event repeats itself.
+_FEEDBACK_MINUTES = """
+SELECT m.at, (SELECT t.policy_version FROM feedback_trajectory t WHERE t.id = m.trajectory_id) AS version,
+       sum(m.total)::bigint, sum(m.pos)::bigint, sum(m.neg)::bigint
+FROM (
+    SELECT date_trunc('minute', fe.occurred_at, 'UTC') AS at, fe.trajectory_id, count(*) AS total,
+           count(*) FILTER (WHERE fe.signal = ANY(%(positive)s)) AS pos,
+           count(*) FILTER (WHERE fe.signal = ANY(%(negative)s)) AS neg
+    FROM feedback_feedbackevent fe WHERE fe.project_id = %(project)s AND fe.occurred_at >= %(start)s
+    GROUP BY 1, 2
+) m
+GROUP BY 1, 2 ORDER BY 1
+"""
+
+
 def feedback_series(project: Project, since: datetime, cut: datetime) -> dict[str, Any]:
     """Per version: volume and positive rate (positive / (positive + negative)), per hour before
     `cut` (rollups) and per minute after it (raw events)."""
@@ -98,22 +115,17 @@ def feedback_series(project: Project, since: datetime, cut: datetime) -> dict[st
               .values("hour", "policy_version")
               .annotate(total=Sum("n"), pos=Sum("n", filter=Q(signal__in=POSITIVE)),
                         neg=Sum("n", filter=Q(signal__in=NEGATIVE)))
-              .order_by("hour"))
-    # The version by one index lookup per recent event: a join would hash every trajectory.
-    version = Subquery(Trajectory.objects.filter(pk=OuterRef("trajectory_id")).values("policy_version"))
-    minutes = (FeedbackEvent.objects.filter(project=project, occurred_at__gte=max(since, cut))
-               .annotate(at=TruncMinute("occurred_at"), version=version).values("at", "version")
-               .annotate(total=Count("id"), pos=Count("id", filter=Q(signal__in=POSITIVE)),
-                         neg=Count("id", filter=Q(signal__in=NEGATIVE)))
-               .order_by("at"))
+              .order_by("hour").values_list("hour", "policy_version", "total", "pos", "neg"))
+    with connection.cursor() as cur:
+        cur.execute(_FEEDBACK_MINUTES, {"positive": list(POSITIVE), "negative": list(NEGATIVE),
+                                        "project": project.id, "start": max(since, cut)})
+        minutes = cur.fetchall()
     by_version: dict[int | None, dict[str, list]] = defaultdict(lambda: {"x": [], "n": [], "rate": []})
     total = positive = rated = 0
-    points = [(r["hour"], r["policy_version"], r) for r in hourly]
-    points += [(r["at"], r["version"], r) for r in minutes]
-    for at, version, r in points:
-        pos, neg = r["pos"] or 0, r["neg"] or 0
-        _add_point(by_version[version], at, r["total"], pos, neg)
-        total, positive, rated = total + r["total"], positive + pos, rated + pos + neg
+    for at, version, n, pos, neg in [*hourly, *minutes]:
+        pos, neg = pos or 0, neg or 0
+        _add_point(by_version[version], at, n, pos, neg)
+        total, positive, rated = total + n, positive + pos, rated + pos + neg
     return {"by_version": dict(by_version), "total": total, "rate": positive / rated if rated else None}
 
 

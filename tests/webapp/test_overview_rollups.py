@@ -43,8 +43,8 @@ def _served(ident: str, ago: timedelta, version: int, **fields) -> dict:
 @pytest.fixture
 def seeded(creds, post_events):
     """seed_load's 14 days (received in the past), then events received now: a late accept on an old
-    trajectory, an accept that came before its trajectory, a part hour at the range's start, the
-    last minutes, and the rows of a user who will be erased."""
+    trajectory, an accept that came before its trajectory, feedback whose trajectory never comes, a
+    part hour at the range's start, the last minutes, and the rows of a user who will be erased."""
     call_command("seed_load", events=900, trajectories=160, project=creds.project.slug, run_steps=5, stdout=None)
     # Rewards computed long ago: a refresh then recomputes only the hours that new rows touch.
     Reward.objects.filter(trajectory__project=creds.project).update(computed_at=timezone.now() - timedelta(days=1))
@@ -53,6 +53,8 @@ def seeded(creds, post_events):
     events = [
         feedback("late-accept", old.external_id, "accept", value=12, occurred_at=_iso(timedelta(hours=1))),
         feedback("early-accept", "t-later", "accept", value=7, occurred_at=_iso(timedelta(days=2))),
+        feedback("orphan-old", "t-never", "reject", occurred_at=_iso(timedelta(days=4))),  # no version, ever
+        feedback("orphan-new", "t-never", "happy", occurred_at=_iso(timedelta(minutes=20))),
         _served("t-head", timedelta(days=DAYS, minutes=-20), 5),
         _served("t-recent", timedelta(minutes=30), 7),
         feedback("recent-accept", "t-recent", "accept", value=3, occurred_at=_iso(timedelta(minutes=29))),
