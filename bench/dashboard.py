@@ -70,6 +70,8 @@ def _pages() -> dict[str, str]:
         "rollouts": f"/p/{SLUG}/rollouts/?task=refactor",
         "replay": f"/p/{SLUG}/rollouts/{t.id}/?task={t.task}",
         "registry": f"/p/{SLUG}/registry/?at=2030-01-01T00:00",
+        "corpora": f"/p/{SLUG}/corpora/",
+        "data": f"/p/{SLUG}/data/",
     }
 
 
