@@ -149,6 +149,9 @@ class Trajectory(models.Model):
             models.Index(fields=["project", "-occurred_at"], name="traj_project_time"),
             models.Index(fields=["project", "policy_version", "-occurred_at"], name="traj_project_version"),
             models.Index(fields=["project", "task", "-occurred_at"], name="traj_project_task"),
+            # The overview's newest live suggestions of each version (webapp.usefulness).
+            models.Index(fields=["project", "policy_version", "-id"], name="traj_live_version_id",
+                         condition=Q(source="live")),
         ]
 
     def __str__(self) -> str:

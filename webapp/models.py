@@ -29,7 +29,10 @@ class FeedbackHourly(models.Model):
 
 
 class TrajectoryHourly(models.Model):
-    """Trajectories and their rewards (latest reward spec) per project × version × hour."""
+    """Trajectories and their rewards (latest reward spec) per project × version × hour (of the
+    trajectory's occurred_at), and the overview's usefulness of its live ones: how many were
+    served, how many the users accepted (at least one accept, whenever it came) and the characters
+    their accepts kept (the sum of the accepts' values)."""
 
     project = models.ForeignKey(Project, on_delete=models.CASCADE, related_name="+")
     policy_version = models.IntegerField(null=True)
@@ -37,6 +40,9 @@ class TrajectoryHourly(models.Model):
     trajectories = models.BigIntegerField()
     rewarded = models.BigIntegerField()
     reward_sum = models.FloatField()
+    live = models.BigIntegerField(default=0)
+    live_accepted = models.BigIntegerField(default=0)
+    live_accepted_chars = models.FloatField(default=0.0)
 
     class Meta:
         constraints = [
@@ -79,6 +85,18 @@ class AgreementRollup(models.Model):
 
     class Meta:
         indexes = [models.Index(fields=["project", "tag", "task"], name="agreement_rollup_filter")]
+
+
+class RollupDirty(models.Model):
+    """A unit whose raw rows were deleted (an erasure, the retention sweep, the admin), written by
+    the delete triggers of migration 0003 in the deleting transaction; the next refresh recomputes
+    the unit and deletes the row. kind: "feedback_hour" and "trajectory_hour" (`hour` set) or
+    "version" (`policy_version`, null for rows of no version)."""
+
+    project_id = models.BigIntegerField()
+    kind = models.CharField(max_length=16)
+    hour = models.DateTimeField(null=True)
+    policy_version = models.IntegerField(null=True)
 
 
 class RollupWatermark(models.Model):

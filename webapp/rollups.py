@@ -3,8 +3,10 @@
     .venv/bin/python manage.py shell -c "from webapp.rollups import rollups_refresh; print(rollups_refresh())"
 
 A refresh finds the units touched since the watermarks (feedback and trajectory hours, rubric
-project × version), deletes their rollup rows and recomputes them from the raw rows, in one
-transaction under an advisory lock: running it twice, or concurrently, gives the same tables.
+project × version) and the units whose raw rows were deleted since (RollupDirty, written by the
+delete triggers of migration 0003: an erasure, the retention sweep), deletes their rollup rows and
+recomputes them from the raw rows, in one transaction under an advisory lock: running it twice, or
+concurrently, gives the same tables, and the tables always count the raw rows that exist.
 Each project is recomputed in a savepoint of its own: rows that break one project's SQL (say, a
 label of 1e308 stored before ingest refused it: its sums overflow) quarantine that project's
 refresh and the others go on.
@@ -39,12 +41,21 @@ _SOURCES = {
 }
 
 _TOUCHED = """
-DROP TABLE IF EXISTS rollup_fb_hours, rollup_traj_hours, rollup_versions;  -- a savepoint (tests) keeps them
+DROP TABLE IF EXISTS rollup_fb_hours, rollup_traj_hours, rollup_versions, rollup_dirty;  -- a savepoint (tests) keeps them
 CREATE TEMP TABLE rollup_fb_hours (project_id bigint, hour timestamptz, PRIMARY KEY (project_id, hour))
     ON COMMIT DROP;
 CREATE TEMP TABLE rollup_traj_hours (project_id bigint, hour timestamptz, PRIMARY KEY (project_id, hour))
     ON COMMIT DROP;
 CREATE TEMP TABLE rollup_versions (project_id bigint, policy_version int) ON COMMIT DROP;
+-- Units whose raw rows were deleted (webapp_rollupdirty, written by the delete triggers): taken
+-- in this transaction, so a refresh that rolls back leaves them for the next one.
+CREATE TEMP TABLE rollup_dirty (project_id bigint, kind text, hour timestamptz, policy_version int) ON COMMIT DROP;
+WITH gone AS (DELETE FROM webapp_rollupdirty RETURNING project_id, kind, hour, policy_version)
+    INSERT INTO rollup_dirty SELECT * FROM gone;
+INSERT INTO rollup_fb_hours SELECT DISTINCT project_id, hour FROM rollup_dirty WHERE kind = 'feedback_hour'
+    ON CONFLICT DO NOTHING;
+INSERT INTO rollup_traj_hours SELECT DISTINCT project_id, hour FROM rollup_dirty WHERE kind = 'trajectory_hour'
+    ON CONFLICT DO NOTHING;
 INSERT INTO rollup_fb_hours SELECT DISTINCT project_id, date_trunc('hour', occurred_at)
     FROM feedback_feedbackevent WHERE id > %(feedback)s ON CONFLICT DO NOTHING;
 INSERT INTO rollup_fb_hours SELECT DISTINCT fe.project_id, date_trunc('hour', fe.occurred_at)
@@ -54,13 +65,19 @@ INSERT INTO rollup_traj_hours SELECT DISTINCT project_id, date_trunc('hour', occ
 INSERT INTO rollup_traj_hours SELECT DISTINCT t.project_id, date_trunc('hour', t.occurred_at)
     FROM training_reward r JOIN feedback_trajectory t ON t.id = r.trajectory_id
     WHERE r.computed_at > %(reward_at)s ON CONFLICT DO NOTHING;
+-- A new accept changes its trajectory's hour (the usefulness columns), whenever it came.
+INSERT INTO rollup_traj_hours SELECT DISTINCT t.project_id, date_trunc('hour', t.occurred_at)
+    FROM feedback_feedbackevent fe JOIN feedback_trajectory t ON t.id = fe.trajectory_id
+    WHERE fe.id > %(feedback)s AND fe.signal = 'accept' ON CONFLICT DO NOTHING;
 INSERT INTO rollup_versions
     SELECT t.project_id, t.policy_version FROM training_rubricscore rs
         JOIN feedback_trajectory t ON t.id = rs.trajectory_id WHERE rs.id > %(rubric)s
     UNION
     SELECT t.project_id, t.policy_version FROM feedback_feedbackevent fe
         JOIN feedback_trajectory t ON t.id = fe.trajectory_id
-        WHERE fe.aspect_labels IS NOT NULL AND (fe.id > %(feedback)s OR t.id > %(trajectory)s);
+        WHERE fe.aspect_labels IS NOT NULL AND (fe.id > %(feedback)s OR t.id > %(trajectory)s)
+    UNION
+    SELECT project_id, policy_version FROM rollup_dirty WHERE kind = 'version';
 """
 
 _FEEDBACK = """
@@ -79,8 +96,11 @@ GROUP BY 1, 2, 3, 4;
 _TRAJECTORIES = """
 DELETE FROM webapp_trajectoryhourly f USING rollup_traj_hours h
     WHERE f.project_id = h.project_id AND f.hour = h.hour AND h.project_id = %(project)s;
-INSERT INTO webapp_trajectoryhourly (project_id, policy_version, hour, trajectories, rewarded, reward_sum)
-SELECT t.project_id, t.policy_version, h.hour, count(*), count(r.total), coalesce(sum(r.total), 0)
+INSERT INTO webapp_trajectoryhourly (project_id, policy_version, hour, trajectories, rewarded, reward_sum,
+                                     live, live_accepted, live_accepted_chars)
+SELECT t.project_id, t.policy_version, h.hour, count(*), count(r.total), coalesce(sum(r.total), 0),
+       count(*) FILTER (WHERE t.source = 'live'), count(*) FILTER (WHERE t.source = 'live' AND a.n > 0),
+       coalesce(sum(a.chars) FILTER (WHERE t.source = 'live'), 0)
 FROM rollup_traj_hours h
 JOIN feedback_trajectory t ON t.project_id = h.project_id
     AND t.occurred_at >= h.hour AND t.occurred_at < h.hour + interval '1 hour'
@@ -88,6 +108,10 @@ LEFT JOIN LATERAL (
     SELECT r.total FROM training_reward r JOIN training_rewardspec s ON s.id = r.spec_id
     WHERE r.trajectory_id = t.id ORDER BY s.version DESC LIMIT 1
 ) r ON true
+CROSS JOIN LATERAL (
+    SELECT count(*) AS n, sum(fe.value) AS chars FROM feedback_feedbackevent fe
+    WHERE fe.trajectory_id = t.id AND fe.project_id = t.project_id AND fe.signal = 'accept'
+) a
 WHERE h.project_id = %(project)s
 GROUP BY 1, 2, 3;
 """

@@ -13,7 +13,8 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from django.conf import settings
-from django.db.models import Avg, Count, Exists, F, Max, OuterRef, Prefetch, Q, QuerySet, Sum
+from django.db import connection
+from django.db.models import Avg, Count, Exists, F, Max, OuterRef, Prefetch, Q, QuerySet, Subquery, Sum
 from django.db.models.functions import Coalesce, TruncMinute
 from django.utils import timezone
 
@@ -91,6 +92,22 @@ def _add_point(s: dict[str, list], at: datetime, total: int, pos: int, neg: int)
     s["rate"].append(round(pos / (pos + neg), 4) if pos + neg else None)
 
 
+# Counted per minute and trajectory first, then each trajectory's version by one index lookup: a
+# join would hash every trajectory of the project, a lookup per event repeats itself.
+_FEEDBACK_MINUTES = """
+SELECT m.at, (SELECT t.policy_version FROM feedback_trajectory t WHERE t.id = m.trajectory_id) AS version,
+       sum(m.total)::bigint, sum(m.pos)::bigint, sum(m.neg)::bigint
+FROM (
+    SELECT date_trunc('minute', fe.occurred_at, 'UTC') AS at, fe.trajectory_id, count(*) AS total,
+           count(*) FILTER (WHERE fe.signal = ANY(%(positive)s)) AS pos,
+           count(*) FILTER (WHERE fe.signal = ANY(%(negative)s)) AS neg
+    FROM feedback_feedbackevent fe WHERE fe.project_id = %(project)s AND fe.occurred_at >= %(start)s
+    GROUP BY 1, 2
+) m
+GROUP BY 1, 2 ORDER BY 1
+"""
+
+
 def feedback_series(project: Project, since: datetime, cut: datetime) -> dict[str, Any]:
     """Per version: volume and positive rate (positive / (positive + negative)), per hour before
     `cut` (rollups) and per minute after it (raw events)."""
@@ -98,20 +115,17 @@ def feedback_series(project: Project, since: datetime, cut: datetime) -> dict[st
               .values("hour", "policy_version")
               .annotate(total=Sum("n"), pos=Sum("n", filter=Q(signal__in=POSITIVE)),
                         neg=Sum("n", filter=Q(signal__in=NEGATIVE)))
-              .order_by("hour"))
-    minutes = (FeedbackEvent.objects.filter(project=project, occurred_at__gte=max(since, cut))
-               .annotate(at=TruncMinute("occurred_at")).values("at", "trajectory__policy_version")
-               .annotate(total=Count("id"), pos=Count("id", filter=Q(signal__in=POSITIVE)),
-                         neg=Count("id", filter=Q(signal__in=NEGATIVE)))
-               .order_by("at"))
+              .order_by("hour").values_list("hour", "policy_version", "total", "pos", "neg"))
+    with connection.cursor() as cur:
+        cur.execute(_FEEDBACK_MINUTES, {"positive": list(POSITIVE), "negative": list(NEGATIVE),
+                                        "project": project.id, "start": max(since, cut)})
+        minutes = cur.fetchall()
     by_version: dict[int | None, dict[str, list]] = defaultdict(lambda: {"x": [], "n": [], "rate": []})
     total = positive = rated = 0
-    points = [(r["hour"], r["policy_version"], r) for r in hourly]
-    points += [(r["at"], r["trajectory__policy_version"], r) for r in minutes]
-    for at, version, r in points:
-        pos, neg = r["pos"] or 0, r["neg"] or 0
-        _add_point(by_version[version], at, r["total"], pos, neg)
-        total, positive, rated = total + r["total"], positive + pos, rated + pos + neg
+    for at, version, n, pos, neg in [*hourly, *minutes]:
+        pos, neg = pos or 0, neg or 0
+        _add_point(by_version[version], at, n, pos, neg)
+        total, positive, rated = total + n, positive + pos, rated + pos + neg
     return {"by_version": dict(by_version), "total": total, "rate": positive / rated if rated else None}
 
 
@@ -120,10 +134,11 @@ def reward_series(project: Project, since: datetime, cut: datetime) -> dict[int 
     rows = list(TrajectoryHourly.objects.filter(project=project, hour__gte=since, hour__lt=cut)
                 .values_list("hour", "policy_version", "trajectories", "rewarded", "reward_sum").order_by("hour"))
     spec = RewardSpec.objects.filter(project=project).order_by("-version").values_list("id", flat=True).first()
+    # The reward by one index lookup per recent trajectory: a join would hash every reward.
+    reward = Subquery(Reward.objects.filter(trajectory=OuterRef("pk"), spec_id=spec).values("total")[:1])
     rows += list(Trajectory.objects.filter(project=project, occurred_at__gte=max(since, cut))
-                 .annotate(at=TruncMinute("occurred_at")).values("at", "policy_version")
-                 .annotate(n=Count("id"), rewarded=Count("rewards", filter=Q(rewards__spec_id=spec)),
-                           reward_sum=Coalesce(Sum("rewards__total", filter=Q(rewards__spec_id=spec)), 0.0))
+                 .annotate(at=TruncMinute("occurred_at"), reward=reward).values("at", "policy_version")
+                 .annotate(n=Count("id"), rewarded=Count("reward"), reward_sum=Coalesce(Sum("reward"), 0.0))
                  .order_by("at").values_list("at", "policy_version", "n", "rewarded", "reward_sum"))
     out: dict[int | None, dict[str, list]] = defaultdict(lambda: {"x": [], "reward": [], "trajectories": []})
     for at, version, n, rewarded, reward_sum in rows:
@@ -163,16 +178,12 @@ def accept_by_version(project: Project, days: int, limit: int = 8) -> list[dict[
     enough clicks to fit one); accepted_chars: characters the users accepted per live completion
     served (what they did not have to type: the utility); invented_share, recent: what it writes
     now (webapp.usefulness.writes_now)."""
-    since = timezone.now() - timedelta(days=days)
+    now = timezone.now()
+    since = now - timedelta(days=days)
     versions = list(PolicyVersion.objects.filter(project=project).exclude(state__in=("candidate", "failed"))
                     .order_by("-number").values("number", "state", "created_at")[:limit])
     numbers = [v["number"] for v in versions]
-    live = Trajectory.objects.filter(project=project, source="live", policy_version__in=numbers, occurred_at__gte=since)
-    clicked = Exists(FeedbackEvent.objects.filter(trajectory=OuterRef("pk"), signal="accept"))
-    counts = {number: (n, a) for number, n, a in live.values_list("policy_version").annotate(
-        n=Count("id"), a=Count("id", filter=Q(clicked))).order_by()}
-    served = {k: n for k, (n, _) in counts.items()}
-    accepted = {k: a for k, (_, a) in counts.items()}
+    served = usefulness.served_by_version(project, numbers, since, recent_cut(now))
     held: dict[int, float | None] = {}
     reports = (GateReport.objects.filter(version__project=project, policy__suite__has_key="accept")
                .filter(Q(version__number__in=numbers) | Q(baseline__number__in=numbers))
@@ -182,12 +193,15 @@ def accept_by_version(project: Project, days: int, limit: int = 8) -> list[dict[
         held.setdefault(number, accept.get("candidate"))
         if baseline is not None and baseline not in held:
             held[baseline] = accept.get("production")
-    chars = usefulness.accepted_chars_by_version(project, numbers, since)
     writes = usefulness.writes_now(project, numbers, since)
-    return [{**v, "served": served.get(v["number"], 0),
-             "live": (accepted.get(v["number"], 0) / served[v["number"]]) if served.get(v["number"]) else None,
-             "accepted_chars": chars.get(v["number"], 0.0) / served[v["number"]] if served.get(v["number"]) else None,
-             "held_out": held.get(v["number"]), **_writes(writes.get(v["number"]))} for v in versions]
+    return [{**v, **_served(served.get(v["number"])), "held_out": held.get(v["number"]),
+             **_writes(writes.get(v["number"]))} for v in versions]
+
+
+def _served(row: usefulness.Served | None) -> dict[str, Any]:
+    if row is None or not row.served:
+        return {"served": row.served if row else 0, "live": None, "accepted_chars": None}
+    return {"served": row.served, "live": row.accepted / row.served, "accepted_chars": row.chars / row.served}
 
 
 def _writes(row: dict[str, Any] | None) -> dict[str, Any]:

@@ -7,50 +7,114 @@ suggestion's first line as the gate's naturalness rows apply them (training.gate
 
 from __future__ import annotations
 
-from datetime import datetime
+import json
+from dataclasses import dataclass
+from datetime import datetime, timedelta
 from typing import Any
 
-from django.db.models import F, Prefetch, Sum, Window
-from django.db.models.functions import RowNumber
+from django.db import connection
+from django.db.models import Sum
 
-from feedback.models import FeedbackEvent, Project, Step, Trajectory
+from feedback.models import FeedbackEvent, Project
 from training.gate.naturalness import invented_counts
 from training.rewards.usefulness import first_line, known_names
+from webapp.models import TrajectoryHourly
 
 NAME_SAMPLE = 100  # newest suggestions per version the invented-name share is measured on
 RECENT = 5  # suggestions per version in "what it writes now"
 
 
-def accepted_chars_by_version(project: Project, numbers: list[int], since: datetime) -> dict[int, float]:
-    """version -> characters the users accepted over the range (the `value` of their accepts: a
-    partial accept keeps part of a line; an accept without a value counts none)."""
-    rows = (FeedbackEvent.objects.filter(project=project, signal="accept", trajectory__source="live",
-                                         trajectory__policy_version__in=numbers, trajectory__occurred_at__gte=since)
-            .values_list("trajectory__policy_version").annotate(chars=Sum("value")).order_by())
-    return {number: float(chars or 0) for number, chars in rows}
+@dataclass(frozen=True)
+class Served:
+    served: int  # live completions of the version in the range
+    accepted: int  # of them, those the users accepted (at least one accept)
+    chars: float  # characters their accepts kept (the accepts' values)
+
+
+# What webapp.rollups' TrajectoryHourly.live* columns count, over the raw rows of a part hour: one
+# lookup of a trajectory's accepts each, on the trajectory index of the feedback events.
+_SERVED_RAW = """
+SELECT t.policy_version, count(*), count(*) FILTER (WHERE a.n > 0), coalesce(sum(a.chars), 0)
+FROM feedback_trajectory t
+CROSS JOIN LATERAL (
+    SELECT count(*) AS n, sum(fe.value) AS chars FROM feedback_feedbackevent fe
+    WHERE fe.trajectory_id = t.id AND fe.project_id = t.project_id AND fe.signal = 'accept'
+) a
+WHERE t.project_id = %(project)s AND t.source = 'live' AND t.policy_version = ANY(%(numbers)s)
+    AND t.occurred_at >= %(since)s AND (t.occurred_at < %(head)s OR t.occurred_at >= %(cut)s)
+GROUP BY 1
+"""
+
+
+def served_by_version(project: Project, numbers: list[int], since: datetime, cut: datetime) -> dict[int, Served]:
+    """version -> its live completions since `since` (by the trajectory's occurred_at): whole hours
+    from `hour_after(since)` to `cut` from TrajectoryHourly, the part hour before and everything
+    from `cut` on from the raw rows (both bounded by the (project, occurred_at) index). Two queries."""
+    head = min(hour_after(since), cut)
+    hourly = (TrajectoryHourly.objects.filter(project=project, policy_version__in=numbers, hour__gte=head, hour__lt=cut)
+              .values("policy_version")
+              .annotate(n=Sum("live"), a=Sum("live_accepted"), c=Sum("live_accepted_chars"))
+              .values_list("policy_version", "n", "a", "c").order_by())
+    with connection.cursor() as cur:
+        cur.execute(_SERVED_RAW, {"project": project.id, "numbers": numbers, "since": since, "head": head, "cut": cut})
+        raw = cur.fetchall()
+    totals: dict[int, list[float]] = {}
+    for number, served, accepted, kept in [*hourly, *raw]:
+        row = totals.setdefault(number, [0, 0, 0.0])
+        row[0], row[1], row[2] = row[0] + served, row[1] + accepted, row[2] + kept
+    return {number: Served(int(n), int(a), float(c)) for number, (n, a, c) in totals.items()}
+
+
+def hour_after(at: datetime) -> datetime:
+    """The first whole hour at or after `at`."""
+    floor = at.replace(minute=0, second=0, microsecond=0)
+    return floor if floor == at else floor + timedelta(hours=1)
+
+
+# Each version's newest live suggestions, read backwards on the index traj_live_version_id (never a
+# rank over the whole range), with the completion their assistant steps make.
+_NEWEST = """
+SELECT t.id, t.policy_version, t.prompt::text,
+       coalesce((SELECT string_agg(s.content, '' ORDER BY s.index) FROM feedback_step s
+                 WHERE s.trajectory_id = t.id AND s.role = 'assistant'), '')
+FROM unnest(%s::int[]) v(number) CROSS JOIN LATERAL (
+    SELECT t.id, t.policy_version, t.prompt FROM feedback_trajectory t
+    WHERE t.project_id = %s AND t.source = 'live' AND t.policy_version = v.number AND t.occurred_at >= %s
+    ORDER BY t.id DESC LIMIT %s) t
+ORDER BY t.policy_version, t.id DESC
+"""
+
+
+@dataclass(frozen=True)
+class Suggestion:
+    id: int
+    policy_version: int
+    prompt: str  # the last prompt message's content: the code the user had typed
+    completion: str
 
 
 def newest_suggestions(project: Project, numbers: list[int], since: datetime,
-                       per_version: int = NAME_SAMPLE) -> list[Trajectory]:
-    """The newest `per_version` live suggestions of each version in the range, with their completion
-    steps and clicks (three queries)."""
-    rank = Window(RowNumber(), partition_by=[F("policy_version")], order_by=F("id").desc())
-    return list(
-        Trajectory.objects.filter(project=project, source="live", policy_version__in=numbers, occurred_at__gte=since)
-        .only("id", "policy_version", "prompt", "occurred_at").annotate(rank=rank).filter(rank__lte=per_version)
-        .order_by("policy_version", "-id")
-        .prefetch_related(
-            Prefetch("steps", queryset=Step.objects.filter(role="assistant").only("trajectory_id", "index", "content")
-                     .order_by("index")),
-            Prefetch("feedback_events", queryset=FeedbackEvent.objects.only("trajectory_id", "signal", "value")
-                     .order_by("occurred_at", "id")))
-    )
+                       per_version: int = NAME_SAMPLE) -> list[Suggestion]:
+    """The newest `per_version` live suggestions of each version in the range (one query)."""
+    with connection.cursor() as cur:
+        cur.execute(_NEWEST, [numbers, project.id, since, per_version])
+        return [Suggestion(id_, version, _last_message(json.loads(prompt)), completion)
+                for id_, version, prompt, completion in cur.fetchall()]
 
 
-def _texts(t: Trajectory) -> tuple[str, str]:
-    messages = t.prompt if isinstance(t.prompt, list) else []
-    prompt = str(messages[-1].get("content", "")) if messages and isinstance(messages[-1], dict) else ""
-    return prompt, "".join(s.content for s in t.steps.all())
+def _last_message(messages: Any) -> str:
+    messages = messages if isinstance(messages, list) else []
+    return str(messages[-1].get("content", "")) if messages and isinstance(messages[-1], dict) else ""
+
+
+def _clicks(trajectory_ids: list[int]) -> dict[int, list[str]]:
+    """The clicks of the few suggestions shown, in order (one query: not the whole sample's)."""
+    out: dict[int, list[str]] = {i: [] for i in trajectory_ids}
+    rows = (FeedbackEvent.objects.filter(trajectory_id__in=trajectory_ids).order_by("occurred_at", "id")
+            .values_list("trajectory_id", "signal", "value"))
+    for trajectory_id, signal, value in rows:
+        out[trajectory_id].append(f"{signal} {value:g}" if value is not None else signal)
+    return out
 
 
 def writes_now(project: Project, numbers: list[int], since: datetime) -> dict[int, dict[str, Any]]:
@@ -58,20 +122,20 @@ def writes_now(project: Project, numbers: list[int], since: datetime) -> dict[in
     code the users sent in those prompts and Python's: a suggestion naming what exists in neither)
     and its newest suggestions with their clicks."""
     sample = newest_suggestions(project, numbers, since)
-    texts = {t.id: _texts(t) for t in sample}
-    known = known_names(prompt for prompt, _ in texts.values())
+    known = known_names(t.prompt for t in sample)
     out: dict[int, dict[str, Any]] = {}
     for t in sample:
-        prompt, completion = texts[t.id]
+        prompt, completion = t.prompt, t.completion
         row = out.setdefault(t.policy_version, {"shown": 0, "invented": 0, "recent": []})
         if completion.strip():
             row["shown"] += 1
             row["invented"] += invented_counts(completion, prompt, known)[0] > 0
         if len(row["recent"]) < RECENT:
-            clicks = [f"{e.signal} {e.value:g}" if e.value is not None else e.signal for e in t.feedback_events.all()]
             row["recent"].append({"id": t.id, "typed": prompt.rsplit("\n", 1)[-1][-60:],
-                                  "suggestion": first_line(completion) if completion.strip() else "",
-                                  "clicks": clicks})
+                                  "suggestion": first_line(completion) if completion.strip() else ""})
+    clicks = _clicks([r["id"] for row in out.values() for r in row["recent"]])
     for row in out.values():
         row["invented_share"] = row["invented"] / row["shown"] if row["shown"] else None
+        for r in row["recent"]:
+            r["clicks"] = clicks[r["id"]]
     return out
