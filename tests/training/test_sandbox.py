@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.processes import wait_until
 from training.rewards import sandbox
 from training.rewards.checks import CheckResult, make_check
 from training.rewards.sandbox import BWRAP_ENV, SandboxLimits, SandboxUnavailable, run_script, spawn
@@ -281,9 +282,7 @@ def test_a_fork_bomb_is_capped_and_nothing_outlives_the_sandbox():
     limits = SandboxLimits(**{**LIMITS, "nproc": 16})
     box = spawn("script", {"code": FORK_BOMB}, limits)
     try:
-        deadline = time.monotonic() + 10
-        while "stopped after" not in box.output_text() and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_until(lambda: "stopped after" in box.output_text(), timeout=10, every=0.05, what="the fork bomb capped")
         forked = int(box.output_text().split("stopped after")[1].split()[0])
         assert forked < limits.nproc  # seccomp refuses new processes; RLIMIT_NPROC where not root
         inside = _descendants(box.proc.pid)
@@ -296,14 +295,14 @@ def test_a_fork_bomb_is_capped_and_nothing_outlives_the_sandbox():
 def test_a_sandbox_that_ends_on_its_own_leaves_no_process_behind():
     box = spawn("script", {"code": "import time\nprint('up', flush=True)\ntime.sleep(0.5)\n"}, SandboxLimits())
     try:
-        while "up" not in box.output_text():
-            time.sleep(0.02)
+        wait_until(lambda: "up" in box.output_text(), timeout=60, every=0.02, what="the script started")
         inside = _descendants(box.proc.pid)
         assert box.wait(time.monotonic() + 10) == 0
     finally:
         box.close()
-    time.sleep(0.2)
-    assert inside and not [pid for pid in inside if os.path.exists(f"/proc/{pid}")]
+    assert inside
+    wait_until(lambda: not [pid for pid in inside if os.path.exists(f"/proc/{pid}")], timeout=10, every=0.02,
+               what="the sandbox's processes to be gone")
 
 
 def _all_pids() -> list[int]:
