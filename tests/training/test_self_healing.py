@@ -23,7 +23,7 @@ from django.utils import timezone
 from core.models import OutboxMessage
 from core.outbox import outbox_deliver
 from tests.processes import ROOT, free_port, subprocess_env, wait_until
-from tests.training.test_judges import endpoint  # noqa: F401 - the fixture
+from tests.training.rewards.test_judges import endpoint  # noqa: F401 - the fixture
 from tests.training.test_services import ingest_live, later, plain_spec
 from training.gate.tasks import GATE_RUN
 from training.models import AuditLog, EvalSuite, GateReport, PolicyVersion, TrainingRun, TrainingStep
