@@ -34,11 +34,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -187,36 +185,15 @@ def _prepare(args: argparse.Namespace) -> dict:
 
 
 def _midtrain(args: argparse.Namespace) -> dict:
-    """The code base's *.py files as a corpus, mid-trained on for `--midtrain-minutes`, gated here."""
+    """The code base's *.py files as a corpus, mid-trained on for `--midtrain-minutes`, gated here
+    (webapp/demo `demo_onboard`, what `make demo` does once)."""
     from feedback.models import Project
-    from training.corpora.services import corpus_add_paths
-    from training.gate.services import gate_run
-    from training.runs.services import midtrain_start, train_policy
+    from webapp.demo import demo_onboard
 
-    project = Project.objects.get(slug="demo")
-    # a copy outside this checkout: the code base in .venv/ is .gitignore'd here, and a corpus
-    # leaves ignored files out (as it should in a user's repository)
-    root = Path(_corpus(args))
-    copy = Path(tempfile.mkdtemp(prefix="flywheel-codebase-"))
-    for path in root.rglob("*.py"):
-        (copy / path.relative_to(root)).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(path, copy / path.relative_to(root))
-    corpus = corpus_add_paths(project, [str(copy / "**" / "*.py")], name="the users' code base")
-    shutil.rmtree(copy)
-    run, _ = midtrain_start(project, corpus=corpus.pk, minutes=args.midtrain_minutes, enqueue=False)
-    started = time.monotonic()
-    run = train_policy(run.pk)
-    took = time.monotonic() - started
-    if run.state != "succeeded":
-        raise SystemExit(f"mid-training run {run.pk} {run.state}: {run.error}")
-    report = gate_run(run.candidate.id, actor="system:bench")
-    failed = [c["name"] for c in report.checks if not c.get("passed")]
-    out = {"version": run.candidate.number, "seconds": round(took, 1), "steps": run.result["steps"],
-           "loss_first": run.result["midtrain_loss_first"], "loss_last": run.result["midtrain_loss_last"],
-           "tokens_per_s": run.result["midtrain_tokens_per_s"], "corpus_files": corpus.files_count,
-           "gate_passed": report.passed, "gate_failed": failed}
-    print(f"mid-training: v{out['version']} {out['steps']} steps in {took:.0f} s, loss {out['loss_first']:.2f} -> "
-          f"{out['loss_last']:.2f}; gate {'passed' if report.passed else 'refused: ' + ', '.join(failed)}", flush=True)
+    out = demo_onboard(Project.objects.get(slug="demo"), _corpus(args), minutes=args.midtrain_minutes)
+    print(f"mid-training: v{out['version']} {out['steps']} steps in {out['seconds']:.0f} s, loss {out['loss_first']:.2f} -> "
+          f"{out['loss_last']:.2f}; gate {'passed' if out['gate_passed'] else 'refused: ' + ', '.join(out['gate_failed'])}",
+          flush=True)
     return out
 
 

@@ -34,6 +34,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from training.corpora.config import MidtrainConfig  # noqa: E402 - torch- and Django-free
+
 OUT = ROOT / "var" / "bench-midtrain"
 WARMUP = 2
 
@@ -165,9 +167,10 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=60.0, help="mid-training wall time")
     parser.add_argument("--pretrain-steps", type=int, default=600)
     parser.add_argument("--prompts", type=int, default=200)
-    parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--lr", type=float, default=2e-3)
+    # the product's own defaults (manage.py midtrain), so the figures are what a new project gets
+    parser.add_argument("--seq-len", type=int, default=MidtrainConfig.seq_len)
+    parser.add_argument("--batch-size", type=int, default=MidtrainConfig.batch_size)
+    parser.add_argument("--lr", type=float, default=MidtrainConfig.lr)
     parser.add_argument("--compare-steps", type=int, default=12)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-trl", action="store_true")

@@ -108,8 +108,9 @@ def corpus_add_upload(project: Project, *, archive: IO[bytes] | None = None,
 def eval_suite_from_corpus(corpus: Corpus, prompts: int = 64, seed: int = 0) -> EvalSuite:
     """A new version of the project's default eval suite: `prompts` line prefixes of the corpus's
     held-out files (a few characters to half the line, the gate's cut), for a project that has no
-    suite of its own yet. No checks or judge: the gate's reward rows then compare nothing but its
-    detectors, naturalness and corpus rows do the judging."""
+    suite of its own yet. Each prompt carries what was written next (`rest`): the suite is scored
+    by `intent_match` (the share of the line a tab-completion user would have kept), and the
+    gate's matched-characters row reads the same."""
     held = continuation_prompts(corpus_texts(corpus, heldout=True), n=prompts, seed=seed)
     if not held:
         raise BadRequest(f"corpus {corpus.pk} has no held-out line to make a suite of",
@@ -117,5 +118,6 @@ def eval_suite_from_corpus(corpus: Corpus, prompts: int = 64, seed: int = 0) -> 
     last = EvalSuite.objects.filter(project=corpus.project, name="default").order_by("-version").first()
     return EvalSuite.objects.create(
         project=corpus.project, name="default", version=(last.version if last else 0) + 1,
-        prompts=[{"id": f"corpus-{corpus.pk}-{i}", "prompt": p.prompt, "context": {"prefix": p.prompt}}
-                 for i, p in enumerate(held)], n_samples=2, max_tokens=16)
+        prompts=[{"id": f"corpus-{corpus.pk}-{i}", "prompt": p.prompt, "context": {"prefix": p.prompt, "rest": p.rest}}
+                 for i, p in enumerate(held)], checks=[{"name": "intent_match", "weight": 1.0}],
+        n_samples=2, max_tokens=16)

@@ -14,10 +14,12 @@ import argparse
 import json
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -91,7 +93,70 @@ def _prepare(env: dict[str, str]) -> dict:
     # so every machine gets the same base), then reused from var/policies/pretrained/.
     call_command("bootstrap_policy", "--project", state["project"], "--steps",
                  os.environ.get("FLYWHEEL_PRETRAIN_STEPS", "1000"))
+    _demo_onboard_once(state["project"])
     return state
+
+
+DEMO_MIDTRAIN_MINUTES = 3.0  # FLYWHEEL_DEMO_MIDTRAIN_MINUTES; 0 leaves the base as pretrained
+
+
+def _demo_onboard_once(slug: str) -> None:
+    """The README's "point Flywheel at your repository", done once for the demo: the intent users'
+    code base registered as a corpus and the base mid-trained on it; the candidate waits for a
+    person's approval on the dashboard (or the auto-approver's). The line tastes type the standard
+    library the base was pretrained on: nothing to onboard."""
+    # after django.setup() (see _environment)
+    from feedback.models import Project
+    from training.models import Corpus
+    from webapp.demo.simulator import INTENT, django_source
+
+    minutes = float(os.environ.get("FLYWHEEL_DEMO_MIDTRAIN_MINUTES", DEMO_MIDTRAIN_MINUTES))
+    taste, corpus = demo_population()
+    project = Project.objects.get(slug=slug)
+    if minutes <= 0 or taste != INTENT or Corpus.objects.filter(project=project).exists():
+        return
+    print(f"Onboarding the users' code base: mid-training the base on it for {minutes:g} minutes "
+          f"(FLYWHEEL_DEMO_MIDTRAIN_MINUTES=0 skips it) ...", flush=True)
+    out = demo_onboard(project, corpus or django_source(), minutes=minutes)
+    print(f"v{out['version']}: {out['steps']} steps, held-out loss {out['loss_first']:.2f} -> {out['loss_last']:.2f}; "
+          f"the gate {'passed it: approve it on the Registry page' if out['gate_passed'] else 'refused it: ' + ', '.join(out['gate_failed'])}",
+          flush=True)
+
+
+def demo_onboard(project, folder: str | Path, *, minutes: float | None = None, steps: int | None = None,
+                 **options) -> dict:
+    """The code base's *.py files under `folder` as a corpus, the production policy mid-trained on
+    them (in this process), its candidate gated (on a suite of the corpus's held-out lines when the
+    project has none); what happened, as a dict. The files are copied out
+    first: a code base inside a git-ignored folder (a virtualenv's site-packages) would otherwise
+    hold no file, as a corpus leaves ignored files out (as it should in a user's repository)."""
+    # after django.setup() (see _environment)
+    from training.corpora.services import corpus_add_paths, eval_suite_from_corpus
+    from training.gate.services import gate_run
+    from training.models import EvalSuite
+    from training.runs.services import midtrain_start, train_policy
+
+    root, copy = Path(folder), Path(tempfile.mkdtemp(prefix="flywheel-codebase-"))
+    try:
+        for path in root.rglob("*.py"):
+            (copy / path.relative_to(root)).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(path, copy / path.relative_to(root))
+        corpus = corpus_add_paths(project, [str(copy / "**" / "*.py")], name="the users' code base")
+    finally:
+        shutil.rmtree(copy, ignore_errors=True)
+    if not EvalSuite.objects.filter(project=project).exists():  # the gate needs one: the held-out lines
+        eval_suite_from_corpus(corpus)
+    started = time.monotonic()
+    run, _ = midtrain_start(project, corpus=corpus.pk, minutes=minutes, steps=steps, enqueue=False, **options)
+    run = train_policy(run.pk)
+    took = time.monotonic() - started
+    if run.state != "succeeded":
+        raise RuntimeError(f"mid-training run {run.pk} {run.state}: {run.error}")
+    report = gate_run(run.candidate.id, actor="system:demo")
+    return {"version": run.candidate.number, "seconds": round(took, 1), "steps": run.result["steps"],
+            "loss_first": run.result["midtrain_loss_first"], "loss_last": run.result["midtrain_loss_last"],
+            "tokens_per_s": run.result["midtrain_tokens_per_s"], "corpus_files": corpus.files_count,
+            "gate_passed": report.passed, "gate_failed": [c["name"] for c in report.checks if not c.get("passed")]}
 
 
 def auto_approval() -> bool:

@@ -91,10 +91,13 @@ def test_onboarding_a_project_without_a_suite_gates_its_mid_trained_candidate_fr
     call_command("corpus", "suite", "--project", creds.project.slug, "--prompts", "8", stdout=out)
     suite = EvalSuite.objects.get(project=creds.project)
     assert len(suite.prompts) == 8 and all(p["id"].startswith("corpus-") for p in suite.prompts)
+    # scored by what a user would have kept of the real line, which each prompt carries
+    assert suite.checks == [{"name": "intent_match", "weight": 1.0}]
+    assert all(p["context"]["rest"] and p["context"]["prefix"] == p["prompt"] for p in suite.prompts)
     call_command("midtrain", "--project", creds.project.slug, "--steps", "30", "--seq-len", "64", "--lr", "3e-3",
                  "--gate", stdout=out)
     text = out.getvalue()
-    assert "corpus_loss" in text and "corpus_continuation" in text and "v2: " in text
+    assert "corpus_loss" in text and "corpus_continuation" in text and "matched_chars" in text and "v2: " in text
     assert PolicyVersion.objects.get(number=2).state in ("awaiting_approval", "rejected")
 
 
