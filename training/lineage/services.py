@@ -1,7 +1,7 @@
 """Writes of the training lineage of data: what a run trained on (recorded when it finishes), and
 the erasure of one user's data with the report of the versions that learned from it.
 
-    .venv/bin/python -m pytest tests/training/lineage/test_lineage.py -q
+    .venv/bin/python -m pytest tests/training/test_lineage.py -q
 """
 
 from __future__ import annotations
