@@ -79,6 +79,7 @@ class LiveLoad:
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._in_flight = 0
+        self._waiting = 0  # samplers blocked in wait_room
         self._busy_since: float | None = None
         self._busy_s = 0.0
 
@@ -100,6 +101,10 @@ class LiveLoad:
     def in_flight(self) -> int:
         return self._in_flight
 
+    def waiting(self) -> int:
+        """How many samplers are blocked in `wait_room` now (paused for users)."""
+        return self._waiting
+
     def busy_s(self) -> float:
         with self._cond:
             now = time.monotonic()
@@ -112,7 +117,11 @@ class LiveLoad:
                 left = None if until is None else until - time.monotonic()
                 if (left is not None and left <= 0) or (stop is not None and stop.is_set()):
                     return False
-                self._cond.wait(0.25 if left is None else min(left, 0.25))
+                self._waiting += 1
+                try:
+                    self._cond.wait(0.25 if left is None else min(left, 0.25))
+                finally:
+                    self._waiting -= 1
             return not (stop is not None and stop.is_set())
 
     @contextmanager

@@ -20,7 +20,15 @@ from typing import Any
 import pytest
 
 from tests.factories import as_django_headers, member, sign
-from tests.processes import ROOT, SESSION_KEY_PREFIX, OwnPostgres, free_port, subprocess_env, wait_http
+from tests.processes import (
+    ROOT,
+    SESSION_KEY_PREFIX,
+    OwnPostgres,
+    free_port,
+    start_celery_worker,
+    subprocess_env,
+    wait_http,
+)
 from training.pretrain import PolicyConfig, build_policy, stdlib_corpus
 
 
@@ -196,23 +204,8 @@ def celery_worker_process(django_db_setup):
     from webapp.celery import app
 
     app.control.purge()
-    (ROOT / "var").mkdir(exist_ok=True)
-    log = open(ROOT / "var" / "test-celery-worker.log", "wb")
     node = f"test-{uuid.uuid4().hex[:6]}@{os.uname().nodename}"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "celery", "-A", "webapp", "worker", "-l", "info", "--pool", "solo",
-         "-Q", ",".join(_WORKER_QUEUES), "-n", node],
-        cwd=ROOT, env=subprocess_env(), stdout=log, stderr=subprocess.STDOUT,
-    )
-    deadline = time.monotonic() + 300  # minutes on a busy machine
-    while time.monotonic() < deadline:
-        if app.control.ping(timeout=0.5):
-            break
-        if proc.poll() is not None:
-            raise RuntimeError("the Celery worker exited during start-up; see var/test-celery-worker.log")
-    else:
-        proc.kill()
-        raise RuntimeError("the Celery worker did not answer a ping within 300 s")
+    proc, log = start_celery_worker(",".join(_WORKER_QUEUES), node, "test-celery-worker.log", subprocess_env())
     _SESSION_WORKER.append((node, proc))
     yield proc
     _SESSION_WORKER.clear()
@@ -221,6 +214,7 @@ def celery_worker_process(django_db_setup):
         proc.wait(timeout=30)
     except subprocess.TimeoutExpired:
         proc.kill()
+    log.close()
 
 
 @pytest.fixture(scope="session")

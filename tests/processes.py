@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import IO, TypeVar
 
 import httpx
 
@@ -85,6 +87,34 @@ def wait_http(url: str, proc, seconds: float = 90, log: Path | None = None) -> N
         time.sleep(0.2)
     proc.kill()
     raise RuntimeError(f"{url} did not answer within {seconds} s")
+
+
+def start_celery_worker(queues: str, node: str, log_name: str, env: dict[str, str],
+                        seconds: float = 300) -> tuple[subprocess.Popen, IO[bytes]]:
+    """A real Celery worker (solo pool) named `node` (`name@host`, `%h` allowed) on `queues`, its
+    output in var/`log_name`: (process, log file) once it answers a ping. Raises, the process
+    killed, if it exits first or stays silent for `seconds` (minutes on a busy machine)."""
+    from webapp.celery import app
+
+    (ROOT / "var").mkdir(exist_ok=True)
+    log = open(ROOT / "var" / log_name, "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "celery", "-A", "webapp", "worker", "-l", "info", "--pool", "solo",
+                             "-Q", queues, "-n", node], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    name = node.replace("%h", os.uname().nodename)
+
+    def answers() -> bool:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the Celery worker {name} exited during start-up; see var/{log_name}")
+        return bool(app.control.ping(destination=[name], timeout=0.5))  # the ping's wait is the poll's
+
+    try:
+        wait_until(answers, timeout=seconds, every=0, what=f"the Celery worker {name} to answer (var/{log_name})")
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        log.close()
+        raise
+    return proc, log
 
 
 class OwnPostgres:

@@ -25,7 +25,7 @@ from inference.background import BackgroundRollouts, LiveLoad, RolloutJob, chunk
 from inference.engines import SamplingParams, make_engine
 from inference.listeners import INTERNAL_URLS, PUBLIC_URLS, listener_app
 from tests.inference.conftest import hf_logprobs
-from tests.processes import InThreadServer
+from tests.processes import InThreadServer, wait_until
 from training.pretrain import perturbed_state_dict
 
 TOKEN = "background-test-token"
@@ -87,14 +87,13 @@ def test_a_user_who_arrives_pauses_background_sampling_until_answered(dense_dir:
     worker = _worker(dense_dir, slots=2, live=live)
     try:
         future = worker.submit(_job(_ids(dense_dir) * 4, n=2))
-        while worker.engine.steps < 3:  # sampling has begun
-            time.sleep(0.01)
+        wait_until(lambda: worker.engine.steps >= 3, timeout=120, every=0.01, what="sampling to begin")
         live.enter()  # a user's request arrives
-        time.sleep(0.05)  # the step in progress ends
+        # The step in progress ends, then the sampler blocks until the user is answered.
+        wait_until(live.waiting, timeout=60, every=0.005, what="background sampling to pause for the user")
         paused_at = worker.engine.steps
-        time.sleep(1.0)
-        assert worker.engine.steps == paused_at, "a background step ran while a live request was in flight"
         assert not future.done()
+        assert live.waiting() and worker.engine.steps == paused_at, "a background step ran while a user was served"
         live.leave()  # answered: background goes on
         answer = future.result(180)
     finally:
@@ -124,8 +123,7 @@ def test_a_chunk_paused_past_its_deadline_is_given_back_whole(dense_dir: Path):
     prompts = _ids(dense_dir)
     try:
         future = worker.submit(_job(prompts, n=2, deadline_s=3.0))
-        while worker.engine.steps < 2:
-            time.sleep(0.005)
+        wait_until(lambda: worker.engine.steps >= 2, timeout=120, every=0.005, what="sampling to begin")
         live.enter()  # users for the rest of the deadline
         answer = future.result(60)
         live.leave()

@@ -13,7 +13,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 import uuid
 from datetime import timedelta
 
@@ -22,8 +21,8 @@ from django.utils import timezone
 
 from core.models import OutboxMessage
 from core.outbox import outbox_deliver
-from tests.processes import ROOT, free_port, subprocess_env, wait_until
-from tests.training.test_judges import endpoint  # noqa: F401 - the fixture
+from tests.processes import ROOT, free_port, start_celery_worker, subprocess_env, wait_until
+from tests.training.rewards.test_judges import endpoint  # noqa: F401 - the fixture
 from tests.training.test_services import ingest_live, later, plain_spec
 from training.gate.tasks import GATE_RUN
 from training.models import AuditLog, EvalSuite, GateReport, PolicyVersion, TrainingRun, TrainingStep
@@ -39,19 +38,9 @@ pytestmark = pytest.mark.django_db(transaction=True)
 def doomed_worker(django_db_setup, checkpoint_root):
     """(process, queue): a Celery worker of its own on a queue no other worker reads, beating
     every 0.3 s; the test kills it."""
-    from webapp.celery import app
-
     queue = f"doomed-{uuid.uuid4().hex[:8]}"
-    node = f"doomed-{uuid.uuid4().hex[:6]}@%h"
     env = subprocess_env(FLYWHEEL_CHECKPOINT_DIR=str(checkpoint_root), FLYWHEEL_TRAIN_HEARTBEAT_EVERY_S="0.3")
-    log = open(ROOT / "var" / "test-celery-worker-doomed.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "celery", "-A", "webapp", "worker", "-l", "info", "--pool",
-                             "solo", "-Q", queue, "-n", node], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 300  # a busy machine takes minutes to import torch and Django
-    while not app.control.ping(destination=[node.replace("%h", os.uname().nodename)], timeout=0.5):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError("the test Celery worker did not start; see var/test-celery-worker-doomed.log")
+    proc, log = start_celery_worker(queue, f"doomed-{uuid.uuid4().hex[:6]}@%h", "test-celery-worker-doomed.log", env)
     yield proc, queue
     if proc.poll() is None:
         proc.kill()

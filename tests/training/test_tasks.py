@@ -8,14 +8,11 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
-import time
 import uuid
 
 import pytest
 
-from tests.processes import ROOT, subprocess_env, wait_until
+from tests.processes import start_celery_worker, subprocess_env, wait_until
 from tests.training.test_services import ingest_live, later, plain_spec
 from training.models import PolicyVersion, TrainingRun, TrainingStep
 from training.rewards.services import rewards_compute_pending
@@ -29,21 +26,9 @@ pytestmark = pytest.mark.django_db(transaction=True)
 def worker_on_own_queue(django_db_setup, checkpoint_root):
     """(process, queue): a Celery worker of its own (function-scoped, so killing it harms no other
     test), consuming a queue no other worker reads."""
-    from webapp.celery import app
-
     queue = f"train-test-{uuid.uuid4().hex[:8]}"
-    node = f"killme-{uuid.uuid4().hex[:6]}@%h"
-    env = subprocess_env(FLYWHEEL_CHECKPOINT_DIR=str(checkpoint_root))
-    log = open(ROOT / "var" / "test-celery-worker-kill.log", "wb")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "celery", "-A", "webapp", "worker", "-l", "info", "--pool", "solo", "-Q", queue,
-         "-n", node], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-    )
-    deadline = time.monotonic() + 90
-    while not app.control.ping(destination=[node.replace("%h", os.uname().nodename)], timeout=0.5):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError("the test Celery worker did not start; see var/test-celery-worker-kill.log")
+    proc, log = start_celery_worker(queue, f"killme-{uuid.uuid4().hex[:6]}@%h", "test-celery-worker-kill.log",
+                                    subprocess_env(FLYWHEEL_CHECKPOINT_DIR=str(checkpoint_root)), seconds=90)
     yield proc, queue
     if proc.poll() is None:
         proc.kill()

@@ -144,7 +144,7 @@ def test_every_operation_answers_within_its_schema(api, seeded):
     # The cases reached the handlers: each operation answered at least once with success (or,
     # for a promotion, with the service's 409 on a real version in a state that forbids it).
     # (A corpus upload and a mid-training request succeed only with real files and weights: their
-    # own tests, tests/training/test_corpora.py and test_midtrain.py, reach them.)
+    # own tests, tests/training/corpora/test_corpora.py and test_midtrain.py, reach them.)
     reached = {label for label, codes in statuses.items() if codes & {200, 202, 409}}
     reached |= {"POST /api/v1/corpora", "POST /api/v1/midtrain"} & set(statuses)
     assert reached == set(statuses), {label: sorted(codes) for label, codes in statuses.items()}

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from tests.training.conftest import checkpoint_root, ckpt_settings, production, tiny_policy_dir  # noqa: F401
-from tests.training.test_midtrain import code_base  # noqa: F401 - the fixture
+from tests.training.runs.test_midtrain import code_base  # noqa: F401 - the fixture
 from training.models import Corpus, EvalSuite, GateReport, PolicyVersion, TrainingRun
 from webapp import demo
 

@@ -20,7 +20,7 @@ every tensor hash and every parent link, and writes into a temporary folder that
 `CheckpointCorrupt` (or its subclass `CheckpointMissing`) and leaves `out_dir` untouched.
 
 `Storage` is the backend interface (an S3-compatible one can follow); `make_storage(url)` picks
-one from a config value. Tests: `.venv/bin/python -m pytest tests/training/test_checkpoint_store.py -q -p no:django`
+one from a config value. Tests: `.venv/bin/python -m pytest tests/training/checkpoints/test_checkpoint_store.py -q -p no:django`
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 the held-out slice fixed by each path's hash, file and token counts.
 
     .venv/bin/python manage.py corpus add --project SLUG src/ 'lib/**/*.py'
-    .venv/bin/python -m pytest tests/training/test_corpora.py -q
+    .venv/bin/python -m pytest tests/training/corpora/test_corpora.py -q
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Reads of the gate: the project's reference (its base), the names its code uses, and the base's
 measurements a previous gate run stored.
 
-    .venv/bin/python -m pytest tests/training/test_gate_naturalness.py -q
+    .venv/bin/python -m pytest tests/training/gate/test_gate_naturalness.py -q
 """
 
 from __future__ import annotations

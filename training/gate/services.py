@@ -2,7 +2,7 @@
 verifiable checks, the judge, paired intervals and reward-hacking detectors → GateReport, and
 the version moves to awaiting_approval (pass) or rejected (fail), audited.
 
-    .venv/bin/python -m pytest tests/training/test_gate_evaluate.py tests/training/test_gate_engine.py -q
+    .venv/bin/python -m pytest tests/training/gate/test_gate_evaluate.py tests/training/gate/test_gate_engine.py -q
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Writes of promotion: approve, reject, roll back, the canary and its stopping rule, the base
 policy's install and the gate policy's versions.
 
-    .venv/bin/python -m pytest tests/training/test_promotion.py tests/training/test_promotion_api.py -q
+    .venv/bin/python -m pytest tests/training/promotion/test_promotion.py tests/training/promotion/test_promotion_api.py -q
 """
 
 from __future__ import annotations

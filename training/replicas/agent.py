@@ -13,7 +13,7 @@ its own when it has served something other than the database's target for FLYWHE
 (a push it missed: the sender died after the commit, or the push was refused), loading from the
 checkpoint store. A push normally arrives well within that time and makes the catch-up moot.
 
-    .venv/bin/python -m pytest tests/training/test_replicas.py -q
+    .venv/bin/python -m pytest tests/training/replicas/test_replicas.py -q
 """
 
 from __future__ import annotations

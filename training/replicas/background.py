@@ -13,7 +13,7 @@ admission-bounded (inference/background.py).
 A replica's rows draw from the RNG stream of their index in the whole call, as the run's own
 engine would: on the same weights, the same tokens (the log-probs within float rounding).
 
-    .venv/bin/python -m pytest tests/training/test_background_rollouts.py -q
+    .venv/bin/python -m pytest tests/training/replicas/test_background_rollouts.py -q
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ blobs' and files' lengths in order, so the replica never guesses where one ends.
     blobs = push_plan(store, base_hash, target_hash)    # on the sender, from the checkpoint store
     state, checkpoint = push_apply(state, checkpoint, blobs)  # on the replica
 
-Tests: `.venv/bin/python -m pytest tests/training/test_replicas.py -q`
+Tests: `.venv/bin/python -m pytest tests/training/replicas/test_replicas.py -q`
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Reads of serving replicas: which are live (a fresh heartbeat, not stopped), and the registry's
 view of each (address, versions, heartbeat age).
 
-    .venv/bin/python -m pytest tests/training/test_replicas.py -q
+    .venv/bin/python -m pytest tests/training/replicas/test_replicas.py -q
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ it lacks to serve `target`: for each role whose version differs, the delta chain
 checkpoint it holds (training/replicas/push.py), and records each acknowledgement (what the
 replica now serves, when, how many bytes) or the failure on the replica's row.
 
-    .venv/bin/python -m pytest tests/training/test_replicas.py -q
+    .venv/bin/python -m pytest tests/training/replicas/test_replicas.py -q
 """
 
 from __future__ import annotations

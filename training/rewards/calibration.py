@@ -3,7 +3,7 @@
 Spearman's rho on the raw scores and Cohen's kappa on scores binarised at a threshold.
 Plain Python (no scipy); a Django selector feeds it (aspect, judge score, human score) rows.
 
-    .venv/bin/python -m pytest tests/training/test_calibration.py -q -p no:django
+    .venv/bin/python -m pytest tests/training/rewards/test_calibration.py -q -p no:django
 """
 
 from __future__ import annotations

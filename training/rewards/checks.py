@@ -35,7 +35,7 @@ tests' code, so no `except Exception` in a snippet can swallow them. A test snip
 trusted to state the verdict (it is the spec), not to run outside the sandbox.
 "python_compiles" runs only the compiler, in one sandbox, and reports on the same kind of pipe.
 
-    .venv/bin/python -m pytest tests/training/test_checks.py tests/training/test_sandbox.py -q -p no:django
+    .venv/bin/python -m pytest tests/training/rewards/test_checks.py tests/training/rewards/test_sandbox.py -q -p no:django
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ line's rest (wrong) or the policy's own sampled continuation. The click is
 spec's `chars` grade reads it), partial accept or reject; a suggestion it would not show is left out.
 
 A right and a wrong suggestion are both real code, so the suggestion alone does not say which it
-is: only a model that reads it after its prompt can (tests/training/test_reward_model.py,
+is: only a model that reads it after its prompt can (tests/training/rewards/test_reward_model.py,
 bench/reward_model.py).
 
 Pure torch and standard library; `encode` and `decode` are the policy's tokenizer's.

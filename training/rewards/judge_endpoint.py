@@ -10,7 +10,7 @@ to the address that was checked (the Host header and TLS name stay the URL's), s
 answer cannot swap in another. Redirects are not followed; a response over `MAX_RESPONSE_BYTES`
 is refused without reading the rest.
 
-    .venv/bin/python -m pytest tests/training/test_judge_endpoint.py -q
+    .venv/bin/python -m pytest tests/training/rewards/test_judge_endpoint.py -q
 """
 
 from __future__ import annotations

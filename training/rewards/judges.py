@@ -3,7 +3,7 @@
 `make_judge({"kind": "rule_rubric", ...})` / `make_judge({"kind": "model", "base_url": ...})`.
 A judge that cannot score returns failed `AspectScore`s (score None + reason), never a silent 0.
 
-    .venv/bin/python -m pytest tests/training/test_judges.py -q -p no:django
+    .venv/bin/python -m pytest tests/training/rewards/test_judges.py -q -p no:django
 """
 
 from __future__ import annotations

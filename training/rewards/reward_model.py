@@ -29,7 +29,7 @@ accept as a positive.
 
 Pure torch; no Django. `training.runs.job` fits it from `training.rewards.selectors.labelled_suggestions`.
 
-    .venv/bin/python -m pytest tests/training/test_reward_model.py -q -p no:django
+    .venv/bin/python -m pytest tests/training/rewards/test_reward_model.py -q -p no:django
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ If the worker runs as root, uid 65534 inside maps to root outside (bwrap maps th
 its caller): it has no capabilities and nothing writable from the host, but run workers as an
 unprivileged user all the same.
 
-    .venv/bin/python -m pytest tests/training/test_sandbox.py -q -p no:cacheprovider
+    .venv/bin/python -m pytest tests/training/rewards/test_sandbox.py -q -p no:cacheprovider
 """
 
 from __future__ import annotations

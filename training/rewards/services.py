@@ -1,7 +1,7 @@
 """Writes of rewards: the versioned reward spec and scoring trajectories with it (feedback map +
 verifiable checks + judge rubric → Reward and RubricScore rows).
 
-    .venv/bin/python -m pytest tests/training/test_services.py tests/training/test_reward_spec.py -q
+    .venv/bin/python -m pytest tests/training/test_services.py tests/training/rewards/test_reward_spec.py -q
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ saying how the event's `value` scales it (feedback.events `GRADED_VALUES` fixes 
 An event without a value earns the full reward (a product that does not measure the grade sends
 a plain accept); a value beyond the range is clamped (ingest refuses it before it gets here).
 
-    .venv/bin/python -m pytest tests/training/test_reward_spec.py -q -p no:django
+    .venv/bin/python -m pytest tests/training/rewards/test_reward_spec.py -q -p no:django
 """
 
 from __future__ import annotations

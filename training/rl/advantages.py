@@ -1,6 +1,6 @@
 """Advantages: group-relative for prompts sampled G times, a running baseline for live samples.
 
-    .venv/bin/python -m pytest tests/training/test_advantages.py -q -p no:django
+    .venv/bin/python -m pytest tests/training/rl/test_advantages.py -q -p no:django
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ has moved away from, log(pi_ref / pi_theta) is large and exp() of it exploded: a
 
 Pure function over tensors (prime-rl style `LossInputs` -> `LossOutputs`); no model inside.
 
-    .venv/bin/python -m pytest tests/training/test_loss.py -q -p no:django
+    .venv/bin/python -m pytest tests/training/rl/test_loss.py -q -p no:django
 """
 
 from __future__ import annotations

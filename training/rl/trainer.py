@@ -3,7 +3,7 @@
 Pure torch; a Django service loads the model and samples, calls `prepare_batch` and `rl_step`,
 and writes the returned `StepMetrics` into a `TrainingStep` row.
 
-    .venv/bin/python -m pytest tests/training/test_trainer.py -q -p no:django
+    .venv/bin/python -m pytest tests/training/rl/test_trainer.py -q -p no:django
 """
 
 from __future__ import annotations
@@ -297,7 +297,7 @@ def pi_old(model: nn.Module, batch: Batch, sampled_here: Sequence[bool], cfg: RL
     """(B, T) pi_old: the log-probs of `model`, the weights a round starts from. A row an engine
     sampled from these very weights (`sampled_here`) already carries them as its behaviour
     log-probs (the torch engine's, within float rounding of the trainer's forward:
-    tests/training/test_engine_parity.py), so only the other rows (users' data, sampled by a
+    tests/training/rl/test_engine_parity.py), so only the other rows (users' data, sampled by a
     served version) are recomputed. Recomputing the rollout rows too was 17-18% of a training
     step (bench/rl_step.py). Positions outside the completion are 0 in reused rows: only
     completion tokens are read."""
@@ -397,7 +397,7 @@ def _shared_prefix_forward(model: nn.Module, mb: Batch, shared: SharedPrompts
     rows' gradients into the one prompt forward). Pass 2 runs every row's last prompt token and
     completion on top, at its true positions, attending to its prompt through the cache. The
     arithmetic is the whole forward's, regrouped: same log-probs and gradient to float rounding
-    (tests/training/test_trainer.py).
+    (tests/training/rl/test_trainer.py).
 
     Returns logits (b, Lc, V) whose position k predicts the row's input column n_prompt + k,
     pass 2's token ids (b, Lc), and cols (b, Lc): the input column of pass 2's token k, or T

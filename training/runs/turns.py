@@ -10,7 +10,7 @@ mu = pi_old for it (importance weight 1: no train/inference correction, PPO's cl
 the update near pi_old, the staleness bound still drops old data) and leaves it out of the
 mismatch figures. Rewards: `training.rl.advantages.turn_returns` (docs/agents.md).
 
-    .venv/bin/python -m pytest tests/training/test_turns.py -q
+    .venv/bin/python -m pytest tests/training/runs/test_turns.py -q
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 the policy sharded by FSDP2 (`DistributedUpdates`, when FLYWHEEL_TRAIN_NPROC > 1). Both take the
 same seeded mini-batches and hand every step's metrics to `on_step` as the step finishes.
 
-    FLYWHEEL_TRAIN_NPROC=2 .venv/bin/python -m pytest tests/training/test_distributed_runs.py -q
+    FLYWHEEL_TRAIN_NPROC=2 .venv/bin/python -m pytest tests/training/runs/test_distributed_runs.py -q
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Reads of policy versions: the one home for "which version is in production" and what a
 project should serve (production plus an optional canary).
 
-    .venv/bin/python -m pytest tests/training/test_promotion.py -q
+    .venv/bin/python -m pytest tests/training/promotion/test_promotion.py -q
 """
 
 from __future__ import annotations

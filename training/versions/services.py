@@ -1,7 +1,7 @@
 """Writes of policy versions: registering weights in the checkpoint store, materialising them,
 and the one audited state transition every other service goes through.
 
-    .venv/bin/python -m pytest tests/training/test_checkpoint_store.py tests/training/test_promotion.py -q
+    .venv/bin/python -m pytest tests/training/checkpoints/test_checkpoint_store.py tests/training/promotion/test_promotion.py -q
 """
 
 from __future__ import annotations
