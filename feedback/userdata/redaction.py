@@ -151,7 +151,7 @@ BUILTIN: dict[str, tuple[Pattern, ...]] = {
     # An address holds "d.ddd.d" (three parts in a row); a float or a version "1.2" does not.
     "ipv4": (Pattern("ipv4", _atoms(("[0-9.]", 7, 15)), _ip_ok, needles=(".",), prefilter=r"\d\.\d{1,3}\.\d"),),
     "ipv6": (Pattern("ipv6", _atoms(("[0-9A-Fa-f:.]", 3, 45)), _ipv6_ok, boundary="[0-9A-Za-z:.]",
-                     needles=(":",), prefilter="::|[0-9A-Fa-f]:[0-9A-Fa-f]"),),
+                     needles=(":",), prefilter=":[0-9A-Fa-f:]"),),  # "::" or a colon between groups
 }
 
 
