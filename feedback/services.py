@@ -248,7 +248,7 @@ def _parse_batch(project: Project, raw_events: list[Any], now: datetime):
     policy = data_policy_of(project)
     # Before anything is parsed, stored or trained on; a policy that does not compile refuses the
     # batch (nothing is ever stored unredacted).
-    redactor = redaction.redactor_for(policy.redactors, policy.custom_patterns) if (
+    redactor = redaction.redactor_of_policy(policy.redactors, policy.custom_patterns) if (
         policy.redactors or policy.custom_patterns) else None
     redacted: dict[str, int] = {}
     for index, raw in enumerate(raw_events):

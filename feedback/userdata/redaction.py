@@ -17,7 +17,9 @@ replaced once (counted for every redactor that matched in it).
 
 from __future__ import annotations
 
+import functools
 import ipaddress
+import json
 import re
 import re._constants as sre_c
 import re._parser as sre_parse
@@ -149,7 +151,7 @@ BUILTIN: dict[str, tuple[Pattern, ...]] = {
     # An address holds "d.ddd.d" (three parts in a row); a float or a version "1.2" does not.
     "ipv4": (Pattern("ipv4", _atoms(("[0-9.]", 7, 15)), _ip_ok, needles=(".",), prefilter=r"\d\.\d{1,3}\.\d"),),
     "ipv6": (Pattern("ipv6", _atoms(("[0-9A-Fa-f:.]", 3, 45)), _ipv6_ok, boundary="[0-9A-Za-z:.]",
-                     needles=(":",), prefilter="::|[0-9A-Fa-f]:[0-9A-Fa-f]"),),
+                     needles=(":",), prefilter=":[0-9A-Fa-f:]"),),  # "::" or a colon between groups
 }
 
 
@@ -295,6 +297,17 @@ def redactor_for(names: Iterable[str], custom: Iterable[dict] = ()) -> Redactor:
                              "Name it with 1 to 32 lowercase letters, digits or '_', starting with a letter.")
         patterns.append(Pattern(name, atoms_of(entry.get("pattern"))))
     return Redactor(tuple(patterns))
+
+
+def redactor_of_policy(names: Iterable[str], custom: Iterable[dict] = ()) -> Redactor:
+    """`redactor_for` a stored policy, built once per distinct policy (a Redactor is immutable):
+    ingest asks for it on every batch."""
+    return _redactor_cached(tuple(names or ()), json.dumps(list(custom or ()), sort_keys=True))
+
+
+@functools.lru_cache(maxsize=256)
+def _redactor_cached(names: tuple[str, ...], custom: str) -> Redactor:
+    return redactor_for(names, json.loads(custom))
 
 
 # --- the reference matcher (for measuring work) ---------------------------------------------------

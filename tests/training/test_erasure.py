@@ -23,15 +23,15 @@ from feedback.models import FeedbackEvent, Quarantine, Trajectory
 from feedback.services import api_key_create, feedback_ingest, quarantine_record, user_hash_of
 from feedback.userdata.services import data_policy_set
 from tests.factories import feedback, member, trajectory
-from tests.training.test_lineage import ingest_users, run_once
+from tests.training.test_lineage import ids_of, ingest_users, run_once, trained_trajectories
 from tests.training.test_services import later, plain_spec
 from training.lineage.services import consent_opt_out_update, user_erase
-from training.models import AuditLog, Erasure, PolicyVersion, RubricScore
+from training.models import AuditLog, Erasure, PolicyVersion, RubricScore, TrainingRun
 from training.promotion.services import candidate_promote
 from training.rewards.services import reward_spec_update, rewards_compute_pending
 from training.runs.selectors import training_head
-from training.runs.services import train_policy, training_run_start
-from training.runs.settings import RunSettings
+from training.runs.services import train_maybe, train_policy, training_run_start
+from training.runs.settings import RunSettings, Schedule
 from training.versions.selectors import policy_production
 from training.versions.services import version_transition
 
@@ -146,7 +146,8 @@ def test_the_retrain_policy_rolls_production_back_to_the_newest_version_that_nev
         creds, alice, production, tokenizer):
     plain_spec(creds.project, settle_seconds=0)
     ingest_users(creds.project, tokenizer, {"u-b": 4})
-    v2 = _served(run_once(creds.project), alice)  # u-b only
+    v2_run = run_once(creds.project)
+    v2 = _served(v2_run, alice)  # u-b only
     ingest_users(creds.project, tokenizer, {"u-a": 4}, start=50)
     tainted = run_once(creds.project)
     assert tainted.base_version == v2
@@ -170,9 +171,11 @@ def test_the_retrain_policy_rolls_production_back_to_the_newest_version_that_nev
     with pytest.raises(Conflict, match="erased under the project's retrain policy"):
         candidate_promote(v3.pk, alice, "rollback", "v3 was better")  # it never serves again
     assert training_head(creds.project, 8) == v2
-    ingest_users(creds.project, tokenizer, {"u-b": 4}, start=200)
-    again = run_once(creds.project)  # the loop learns again, from v2, without u-a
-    assert again.base_version == v2 and again.candidate.parent == v2
+    left_behind = ids_of(creds.project, "u-b") - trained_trajectories(v2_run)  # what v3 and v4 learned of u-b
+    assert left_behind and train_maybe(creds.project, Schedule(min_new=len(left_behind), run=RunSettings(steps=1, batch_size=4))) is not None  # due again
+    again = train_policy(TrainingRun.objects.get(state="queued").pk)  # the loop learns again, from v2, without u-a
+    assert again.base_version == v2 and again.candidate.parent == v2 and again.data_since == v2_run.data_until
+    assert left_behind <= trained_trajectories(again)
 
 
 def test_a_run_that_existed_when_data_was_erased_under_retrain_leaves_a_candidate_that_is_not_gated(

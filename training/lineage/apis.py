@@ -78,7 +78,7 @@ class ErasureInput(serializers.Serializer):
 
 class ErasureApi(APIView):
     """POST /api/v1/erasures {"user": ID}: erases the user's data; answers what was removed and
-    the versions that had learned from it (and the project's policy for them)."""
+    the versions that had learned from it (and what the project's policy did with them)."""
 
     permission_classes = [HasAdminScope]
     parser_classes = [JSONParser]
@@ -88,7 +88,10 @@ class ErasureApi(APIView):
                        "erasure": serializers.IntegerField(), "policy": serializers.CharField(),
                        "removed": serializers.DictField(child=serializers.IntegerField()),
                        "export_files_rewritten": serializers.IntegerField(),
-                       "versions": serializers.ListField(child=serializers.DictField())}))
+                       "versions": serializers.ListField(child=serializers.DictField()),
+                       "retrain": serializers.DictField(allow_null=True, help_text=(
+                           "under the retrain policy: production (the version now serving), production_clean, "
+                           "retired and rejected (version numbers); null under keep or flag"))}))
     def post(self, request) -> Response:
         project = admin_project(request)
         data = ErasureInput(data=request.data)

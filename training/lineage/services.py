@@ -94,9 +94,9 @@ def user_erase(project: Project, user: str, actor: Actor) -> ErasureReport:
 
 
 def erasure_taint_candidate(run: TrainingRun, candidate: PolicyVersion) -> str | None:
-    """A run that was training when data was erased under the retrain policy read its rows and
-    its base before the erasure, and its lineage was not on record yet: its candidate may have
-    learned from the erased data. It is added to those erasures' versions (it never serves, the
+    """A run that existed when data was erased under the retrain policy chose its base (and, if it
+    had started, read its rows) before the erasure, and its lineage was not on record yet: its
+    candidate may have learned from the erased data. It is added to those erasures' versions (it never serves, the
     lineage does not continue from it) and the reason it is not gated is returned. In the run's
     finishing transaction."""
     Project.objects.select_for_update().get(pk=run.project_id)  # see user_erase
@@ -107,7 +107,7 @@ def erasure_taint_candidate(run: TrainingRun, candidate: PolicyVersion) -> str |
         erasure.save(update_fields=["versions"])
     if not erasures:
         return None
-    return (f"data was erased under the retrain policy while this run trained (erasure "
+    return (f"data was erased under the retrain policy while this run was queued or training (erasure "
             f"#{', #'.join(str(e.pk) for e in erasures)}): it may have learned from it, so it is not gated")
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from django.db.models import Max, QuerySet
+from django.db.models import F, Max, QuerySet
 
 from feedback.models import Project
 from training.lineage.selectors import version_clean_ancestor
@@ -59,6 +59,24 @@ def training_head(project: Project, max_ahead: int) -> PolicyVersion | None:
     if production is not None and production.id not in erased and (clean is None or clean.number < production.number):
         return production
     return clean
+
+
+def training_data_since(project: Project, base: PolicyVersion, previous: TrainingRun | None) -> datetime | None:
+    """Where the data window of a run from `base` starts: where the last run's ended, so each
+    run learns what arrived since. After an erasure under "retrain" sent the lineage back to
+    `base`, where the first run that saw erased data after `base` began instead: the loop learns
+    again what the versions it left behind had learned, without the erased rows (deleted)."""
+    since = previous.data_until if previous is not None else None
+    erased = versions_erased_from(project, policy="retrain")
+    if not erased or previous is None:
+        return since
+    base_run = TrainingRun.objects.filter(candidate=base).order_by("-id").first()
+    left_behind = TrainingRun.objects.filter(project=project, candidate_id__in=erased)
+    if base_run is not None and base_run.data_until is not None:
+        left_behind = left_behind.filter(data_until__gt=base_run.data_until)
+    first = left_behind.order_by(F("data_since").asc(nulls_first=True), "id").first()
+    return first.data_since if first is not None and (since is None or first.data_since is None
+                                                       or first.data_since < since) else since
 
 
 def _head(project: Project, max_ahead: int, erased: set[int]) -> PolicyVersion | None:

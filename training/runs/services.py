@@ -37,7 +37,7 @@ from training.rewards.selectors import rewarded_trajectories_since
 from training.rewards.services import reward_spec_current
 from training.runs import job, midtrain, selectors
 from training.runs.settings import RunSettings, Schedule
-from training.versions.selectors import policy_get, policy_production
+from training.versions.selectors import policy_get, policy_production, versions_erased_from
 from training.versions.services import policy_register
 
 log = logging.getLogger(__name__)
@@ -105,7 +105,7 @@ def training_run_start(
         previous = selectors.training_run_last(project)
         run = TrainingRun.objects.create(
             project=project, base_version=base, state=RunState.QUEUED, started_by=started_by, settings=settings.to_dict(),
-            spec=reward_spec_current(project), data_since=previous.data_until if previous else None,
+            spec=reward_spec_current(project), data_since=selectors.training_data_since(project, base, previous),
             data_until=timezone.now(),
         )
         if enqueue:
@@ -304,7 +304,12 @@ def train_maybe(project: Project, schedule: Schedule | None = None) -> TrainingR
     if policy_production(project) is None:
         return None
     last = selectors.training_run_last(project, tuple(RunState))
-    new = rewarded_trajectories_since(project, reward_spec_current(project), last.data_until if last else None).count()
+    since = last.data_until if last else None
+    if last is not None and last.state == RunState.SUCCEEDED and versions_erased_from(project, policy="retrain"):
+        # After an erasure under "retrain", what the versions left behind had learned counts as new.
+        head = selectors.training_head(project, schedule.run.rl.max_staleness)
+        since = selectors.training_data_since(project, head, last) if head is not None else since
+    new = rewarded_trajectories_since(project, reward_spec_current(project), since).count()
     # The clock runs from the last run: a project's first run waits for min_new (a first run on a
     # handful of clicks would only occupy the gate).
     due = last is not None and timezone.now() - last.created_at >= timedelta(minutes=schedule.every_minutes)
