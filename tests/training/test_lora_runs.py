@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from django.urls import reverse
 from safetensors.torch import load_file
 
 from feedback.models import Trajectory
@@ -190,3 +191,11 @@ def test_a_bad_adapter_is_a_400_with_every_problem_and_a_reader_key_is_refused(c
     assert "steps must be >= 1" in message and "adapter.rank" in message and "adapter.dropout" in message
     reader = api_key_create(creds.project, ["read"], name="reader")
     assert _put(client, {"adapter": LORA}, reader).status_code == 403
+
+
+def test_the_registry_shows_an_adapter_version_s_ratio_to_its_base(client, creds, production, tokenizer, alice):
+    candidate = _lora_run(creds.project, tokenizer).candidate
+    client.force_login(alice)
+    page = client.get(reverse("registry", args=[creds.project.slug])).content.decode()
+    assert f'data-adapter="{candidate.number}"' in page
+    assert f"adapter/base {candidate.delta_ratio:.4f}" in page
