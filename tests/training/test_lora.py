@@ -181,3 +181,31 @@ def test_full_fine_tuning_stays_the_default_and_lora_round_trips():
     s = RunSettings.from_dict({"adapter": {"kind": "lora", "rank": 16, "target_modules": ["q_proj"]}})
     assert RunSettings.from_dict(s.to_dict()) == s and s.adapter.scale == 1.0
     assert RunSettings.from_dict({"adapter": "lora"}).adapter.target_modules == ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def test_the_rollout_engine_loaded_with_the_merged_weights_scores_as_the_adapter_model(tiny_policy_dir):
+    """The failure LoRA users report is silent: the rollouts ran on the base. The torch engine
+    handed `merged_state_dict` scores a completion as the adapter model does, not as the base."""
+    from transformers import AutoModelForCausalLM
+
+    from inference.engines import make_engine
+    from training.rl.trainer import token_logprobs
+
+    model = lora_attach(AutoModelForCausalLM.from_pretrained(str(tiny_policy_dir), dtype=torch.float32), LORA)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5, generator=torch.Generator().manual_seed(3))
+    prompt, completion = [5, 6, 7, 8], [9, 10, 11]
+    ids = torch.tensor([prompt + completion])
+    with torch.no_grad():
+        ours = token_logprobs(model(input_ids=ids).logits, ids)[0, len(prompt):]  # (3,)
+    engine = make_engine("torch", tiny_policy_dir, version=1)
+    try:
+        base = torch.tensor(engine.score_many([(prompt, completion)])[0][0])
+        engine.load_weights(merged_state_dict(model), 2)
+        served = torch.tensor(engine.score_many([(prompt, completion)])[0][0])
+    finally:
+        engine.close()
+    torch.testing.assert_close(served, ours, rtol=1e-4, atol=1e-4)
+    assert float((base - ours).abs().max()) > 1e-2  # the adapter does change the scores
