@@ -199,3 +199,27 @@ def test_the_registry_shows_an_adapter_version_s_ratio_to_its_base(client, creds
     page = client.get(reverse("registry", args=[creds.project.slug])).content.decode()
     assert f'data-adapter="{candidate.number}"' in page
     assert f"adapter/base {candidate.delta_ratio:.4f}" in page
+
+
+def test_group_rollout_rounds_sample_the_adapter_the_run_reached(creds, production, tokenizer):
+    """Rounds 1.. sample the weights the run reached: with LoRA, the base plus the adapter so far
+    (merged for the rollout engine). A rollout engine left on the base would measure a KL of 0
+    to production before each later round."""
+    from tests.training.test_group_rollouts import _ingest_clicks, _spec
+    from training.rewards.reward_model import MIN_LABELS
+
+    _spec(creds.project)
+    _ingest_clicks(creds.project, tokenizer, MIN_LABELS)
+    rewards_compute_pending(creds.project, now=later(1))
+    EvalSuite.objects.create(project=creds.project, version=1, max_tokens=8, n_samples=2,
+                             prompts=[{"id": f"p{i}", "prompt": p} for i, p in enumerate(["import os", "x = [", "def f("])])
+    settings = RunSettings.from_dict({
+        "steps": 1, "batch_size": 16, "epochs": 1, "adapter": {**LORA, "alpha": 32},
+        "rl": {"lr": 2e-2, "kl_to": "production", "kl_stop": 1e6, "length_stop": 100.0},
+        "group": {"prompts": 4, "G": 4, "max_tokens": 6, "rounds": 3}})
+    run, _ = training_run_start(creds.project, settings, enqueue=False)
+    run = train_policy(run.pk)
+    assert run.state == "succeeded", run.error
+    assert run.result["rollout_rounds"] == 3 and set(run.result["kl_by_round"]) == {"1", "2"}
+    assert all(k > 1e-3 for k in run.result["kl_by_round"].values()), run.result["kl_by_round"]
+    assert run.candidate.adapter_base == production
