@@ -85,3 +85,24 @@ def test_an_adapter_is_served_over_the_base_with_the_merged_weights_log_probs(en
     assert engine.lora is None and engine.llm.llm_engine.list_loras() == set()
     base = engine.generate(["def add(a, b):"], sampling=SamplingParams(max_tokens=8, seed=0))[0]
     assert (torch.tensor(base.logprobs) - _scores(dense_dir, base.prompt_token_ids, base.token_ids)).abs().max() < TOLERANCE
+
+
+def test_the_async_serving_engine_swaps_adapters_under_new_names(dense_dir, tmp_path, engine):
+    """The serving process's engine (AsyncLLM): the same adapter, hot-loaded between batches."""
+    from inference.engines import make_engine
+
+    engine.close()  # one vLLM at a time in this process
+    adapter, merged = _adapter(dense_dir, tmp_path, seed=1)
+    serving = make_engine("vllm-async", dense_dir, max_model_len=256, enable_lora=True, max_loras=2, max_lora_rank=8)
+    try:
+        serving.load_weights(adapter, 2)
+        first = serving.lora
+        out = serving.generate(["def add(a, b):"], sampling=SamplingParams(max_tokens=8, seed=0))[0]
+        assert out.version == 2
+        assert (torch.tensor(out.logprobs) - _scores(merged, out.prompt_token_ids, out.token_ids)).abs().max() < TOLERANCE
+        serving.load_weights(adapter, 3)
+        assert serving.lora.lora_int_id != first.lora_int_id and serving.lora.lora_name != first.lora_name
+        serving.load_weights(dense_dir, 4)
+        assert serving.lora is None
+    finally:
+        serving.close()
