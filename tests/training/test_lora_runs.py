@@ -223,3 +223,10 @@ def test_group_rollout_rounds_sample_the_adapter_the_run_reached(creds, producti
     assert run.result["rollout_rounds"] == 3 and set(run.result["kl_by_round"]) == {"1", "2"}
     assert all(k > 1e-3 for k in run.result["kl_by_round"].values()), run.result["kl_by_round"]
     assert run.candidate.adapter_base == production
+
+
+def test_a_lora_run_on_a_multi_process_worker_fails_saying_what_to_do(creds, production, tokenizer, settings):
+    settings.FLYWHEEL_TRAIN_NPROC = 2
+    run = _lora_run(creds.project, tokenizer)
+    assert run.state == "failed" and "LoRA runs train in one process" in run.error
+    assert "FLYWHEEL_TRAIN_NPROC=1" in run.error and run.candidate is None

@@ -133,7 +133,10 @@ def adapter_check(project: Project, adapter: AdapterConfig) -> None:
     production = policy_production(project)
     if not adapter.lora or production is None:
         return
-    have = linear_module_names(policy_folder(production))
+    # The names from the safetensors headers (no torch); of an adapter version, its base's (the
+    # same layers, and no merge for a check). Materialising a version never seen on this machine
+    # does load torch: the folder is usually there already (served or trained from).
+    have = linear_module_names(policy_folder(production.adapter_base or production))
     missing = sorted(set(adapter.target_modules) - set(have))
     if missing:
         raise SettingsInvalid([("adapter", f"adapter.target_modules {missing} name no module of "
