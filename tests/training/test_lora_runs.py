@@ -230,3 +230,33 @@ def test_a_lora_run_on_a_multi_process_worker_fails_saying_what_to_do(creds, pro
     run = _lora_run(creds.project, tokenizer)
     assert run.state == "failed" and "LoRA runs train in one process" in run.error
     assert "FLYWHEEL_TRAIN_NPROC=1" in run.error and run.candidate is None
+
+
+@pytest.mark.django_db(transaction=True)  # the agent closes stale connections, as serve_policy does
+def test_a_replica_is_pushed_no_adapter_bytes_and_serves_the_merged_adapter_version(creds, production, tokenizer,
+                                                                                  tmp_path):
+    """Its stored blob is the adapter; the replica holds and serves merged weights: the push
+    carries no delta to or from it, and the replica merges the version from its store."""
+    from django.utils import timezone
+
+    from tests.training.test_replicas import _agent, _make_production
+    from training.models import ServingReplica
+    from training.replicas import push
+    from training.replicas.services import PushPlanner
+    from training.versions.selectors import serving_target
+
+    candidate = _lora_run(creds.project, tokenizer).candidate
+    agent = _agent(creds.project, production, tmp_path)
+    _make_production(candidate)
+    now = timezone.now()
+    row = ServingReplica.objects.create(project=creds.project, address="http://10.0.0.3:8002", version=1,
+                                        registered_at=now, heartbeat_at=now)
+    (body,) = PushPlanner(serving_target(creds.project.id), [row]).bodies(row)
+    header, blobs, files = push.push_decode(body)
+    assert (header["role"], header["version"], blobs, files) == ("production", candidate.number, [], {})
+    assert "manifest" not in header  # the catch-up path: the replica loads it from the store
+    assert agent.receive(body)["version"] == candidate.number
+    served = agent.server.engine.model.state_dict()
+    merged = _weights(candidate)
+    assert all(torch.equal(served[k], merged[k]) for k in merged if k in served)
+    agent.server.close()
