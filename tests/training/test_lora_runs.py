@@ -260,3 +260,21 @@ def test_a_replica_is_pushed_no_adapter_bytes_and_serves_the_merged_adapter_vers
     merged = _weights(candidate)
     assert all(torch.equal(served[k], merged[k]) for k in merged if k in served)
     agent.server.close()
+
+
+def test_train_now_trains_an_adapter_and_refuses_a_bad_one_with_the_fix(creds, production, tokenizer):
+    from io import StringIO
+
+    from django.core.management import call_command
+    from django.core.management.base import CommandError
+
+    plain_spec(creds.project, settle_seconds=0)
+    ingest_live(creds.project, tokenizer, 8)
+    rewards_compute_pending(creds.project, now=later(1))
+    with pytest.raises(CommandError, match="adapter.rank must be an integer"):
+        call_command("train_now", "--project", creds.project.slug, "--adapter", '{"kind": "lora", "rank": 0}')
+    out = StringIO()
+    call_command("train_now", "--project", creds.project.slug, "--steps", "1", "--batch-size", "4",
+                 "--adapter", "lora", stdout=out)
+    assert "succeeded: candidate v2" in out.getvalue()
+    assert PolicyVersion.objects.get(project=creds.project, number=2).adapter_base == production
