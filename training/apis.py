@@ -8,6 +8,7 @@ project's version is a 404 (nothing recorded), and refusals past a rate are 429s
 
 from __future__ import annotations
 
+from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import extend_schema, inline_serializer
 from rest_framework import serializers
 from rest_framework.permissions import IsAuthenticated
@@ -165,7 +166,7 @@ class TrainingConfigApi(APIView):
         schedule = training_config_get(_project_of(request))
         return Response({"config": {**schedule.to_dict(), "adapter": schedule.run.adapter.to_dict()}})
 
-    @extend_schema(request=inline_serializer("TrainingConfigInput", {"config": serializers.JSONField()}),
+    @extend_schema(request=OpenApiTypes.OBJECT,  # the config itself: a Schedule's flat JSON (training/runs/settings.py)
                    responses={200: inline_serializer("TrainingConfigSet", {"config": serializers.JSONField()})})
     def put(self, request) -> Response:
         HasAdminScope().has_permission(request, self)  # a key without the admin scope: 403 with the fix

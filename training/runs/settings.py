@@ -57,7 +57,7 @@ def _number(data: Mapping[str, Any], name: str, kind: type, problems: list[tuple
         return None
     try:
         return kind(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # OverflowError: JSON's 1e400 is an infinite float
         problems.append((name, f"{name} must be a number, got {value!r}"))
         return None
 
