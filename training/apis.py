@@ -11,6 +11,7 @@ from __future__ import annotations
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import extend_schema, inline_serializer
 from rest_framework import serializers
+from rest_framework.parsers import JSONParser
 from rest_framework.permissions import IsAuthenticated
 from rest_framework.response import Response
 from rest_framework.views import APIView
@@ -160,6 +161,7 @@ class TrainingConfigApi(APIView):
     """
 
     permission_classes = [HasReadScope]
+    parser_classes = [JSONParser]  # a config is JSON (nested objects a form cannot carry)
 
     @extend_schema(responses={200: inline_serializer("TrainingConfig", {"config": serializers.JSONField()})})
     def get(self, request) -> Response:

@@ -278,3 +278,11 @@ def test_train_now_trains_an_adapter_and_refuses_a_bad_one_with_the_fix(creds, p
                  "--adapter", "lora", stdout=out)
     assert "succeeded: candidate v2" in out.getvalue()
     assert PolicyVersion.objects.get(project=creds.project, number=2).adapter_base == production
+
+
+def test_a_number_json_reads_as_infinite_is_a_400_not_a_500(client, creds, production, admin_key):
+    answer = client.put("/api/v1/training-config", '{"steps": 1e400, "adapter": {"kind": "lora", "alpha": 1e400}}',
+                        content_type="application/json", HTTP_AUTHORIZATION=f"Bearer {admin_key}")
+    assert answer.status_code == 400
+    message = answer.json()["error"]["message"]
+    assert "steps must be a number, got inf" in message and "adapter.alpha must be a number > 0, got inf" in message
