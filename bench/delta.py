@@ -16,6 +16,9 @@ machine slows both alike. Encode and decode include the BLAKE3 hash of every ten
 manifest promises (encode is also shown without it, and with format 1's SHA-256 instead, for
 reference). Hashes follow torch's thread count: 1 here.
 The level sweep at the end is how kernels.delta.LEVEL / FULL_LEVEL were chosen.
+(c) LoRA adapters (training/rl/lora.py) on the demo policy's shape (bootstrap_policy's default,
+fp32 as its versions are stored), trained 3 AdamW steps on random tokens: the base's raw bytes over
+the stored adapter blob (`adapter_ratio`: the default rank 8 on q/k/v/o), per rank and targets.
 """
 
 from __future__ import annotations
@@ -193,6 +196,35 @@ def full_snapshot(state: dict[str, torch.Tensor], full_level: int) -> dict[str, 
             "of_bound": raw / len(blob) / bound, "enc_mb_s": raw / enc / 1e6}  # fmt: skip
 
 
+def adapter_sizes(steps: int = 3) -> list[dict[str, Any]]:
+    """Base raw bytes / stored adapter bytes for LoRA adapters of the demo policy's shape."""
+    # Imported here: the codec tables above need neither transformers nor PEFT.
+    from transformers import Qwen2ForCausalLM
+
+    from training.pretrain import PolicyConfig, model_config
+    from training.rl.config import AdapterConfig
+    from training.rl.lora import adapter_state_dict, lora_attach
+
+    rows = []
+    for adapter in (AdapterConfig(kind="lora"), AdapterConfig(kind="lora", rank=4, target_modules=("q_proj", "v_proj")),
+                    AdapterConfig(kind="lora", rank=16, target_modules=("q_proj", "k_proj", "v_proj", "o_proj",
+                                                                       "gate_proj", "up_proj", "down_proj"))):
+        torch.manual_seed(0)
+        model = Qwen2ForCausalLM(model_config(PolicyConfig(), 0))
+        base = raw_bytes(model.state_dict())
+        model = lora_attach(model, adapter)
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+        ids = torch.randint(0, 2048, (8, 64), generator=torch.Generator().manual_seed(1))
+        for _ in range(steps):
+            model(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad()
+        blob = delta.encode(adapter_state_dict(model))
+        rows.append({"case": f"r{adapter.rank} {'/'.join(t.split('_')[0] for t in adapter.target_modules)}",
+                     "base_bytes": base, "adapter_bytes": len(blob), "ratio": base / len(blob)})
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print one JSON line last")
@@ -230,6 +262,10 @@ def main() -> None:
     print("level sweep on the 1% synthetic delta")
     print_table(sweep, ["level", "ratio", "vs_sparse", "enc_mb_s", "dec_mb_s"])
 
+    adapters = adapter_sizes()
+    print("LoRA adapters of the demo policy (fp32 base; ratio = base raw bytes / stored adapter bytes)")
+    print_table(adapters, ["case", "base_bytes", "adapter_bytes", "ratio"])
+
     if args.json:
         by = {r["case"]: r for r in rows}
         full = next(f for f in fulls if f["case"] == "synthetic" and f["full_level"] == delta.FULL_LEVEL)
@@ -253,6 +289,8 @@ def main() -> None:
             "real_ratios": {r["case"]: round(r["ratio"], 2) for r in rows if r["case"].startswith("real")},
             "level": delta.LEVEL,
             "full_level": delta.FULL_LEVEL,
+            "adapter_ratio": round(adapters[0]["ratio"], 1),
+            "adapter_ratios": {a["case"]: round(a["ratio"], 1) for a in adapters},
         }))  # fmt: skip
 
 

@@ -8,17 +8,21 @@ project's version is a 404 (nothing recorded), and refusals past a rate are 429s
 
 from __future__ import annotations
 
+from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import extend_schema, inline_serializer
 from rest_framework import serializers
+from rest_framework.parsers import JSONParser
 from rest_framework.permissions import IsAuthenticated
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from core.errors import BadRequest, refuse_repeated
-from feedback.auth import HasReadScope, Principal
+from core.errors import BadRequest, Forbidden, refuse_repeated
+from feedback.auth import HasAdminScope, HasReadScope, Principal
 from feedback.selectors import project_for_member
+from training.corpora.apis import caller_project
 from training.models import PolicyVersion
 from training.promotion.services import Action, candidate_promote
+from training.schedule import training_config_get, training_config_set
 from training.versions.selectors import latest_report, version_get, version_list
 
 
@@ -48,7 +52,8 @@ class VersionOutput(serializers.Serializer):
     state = serializers.CharField()
     manifest_hash = serializers.CharField()
     delta_bytes = serializers.IntegerField(allow_null=True)
-    delta_ratio = serializers.FloatField(allow_null=True)
+    delta_ratio = serializers.FloatField(allow_null=True)  # of an adapter version: adapter bytes / base bytes
+    adapter_base = serializers.IntegerField(source="adapter_base.number", allow_null=True, default=None)
     created_at = serializers.DateTimeField()
     updated_at = serializers.DateTimeField()
     gate_report = serializers.SerializerMethodField()
@@ -143,3 +148,36 @@ class VersionRollbackApi(_PromoteApi):
     previous version, or bring an earlier production version back."""
 
     action = "rollback"
+
+
+class TrainingConfigApi(APIView):
+    """GET /api/v1/training-config: the project's training config (when runs start, what each is
+    asked to do: steps, rl, group, adapter ...). PUT (admin): replaces it; a 400 lists every
+    problem with its fix (a LoRA whose target_modules name no module of the policy lists those
+    it has).
+
+        curl -X PUT -H "Authorization: Bearer $ADMIN_KEY" -H 'Content-Type: application/json' \
+             -d '{"min_new": 64, "adapter": {"kind": "lora", "rank": 8}}' http://localhost:8000/api/v1/training-config
+    """
+
+    permission_classes = [HasReadScope]
+    parser_classes = [JSONParser]  # a config is JSON (nested objects a form cannot carry)
+
+    @extend_schema(responses={200: inline_serializer("TrainingConfig", {"config": serializers.JSONField()})})
+    def get(self, request) -> Response:
+        schedule = training_config_get(_project_of(request))
+        return Response({"config": {**schedule.to_dict(), "adapter": schedule.run.adapter.to_dict()}})
+
+    @extend_schema(request=OpenApiTypes.OBJECT,  # the config itself: a Schedule's flat JSON (training/runs/settings.py)
+                   responses={200: inline_serializer("TrainingConfigSet", {"config": serializers.JSONField()})})
+    def put(self, request) -> Response:
+        HasAdminScope().has_permission(request, self)  # a key without the admin scope: 403 with the fix
+        project, _ = caller_project(request)
+        if not isinstance(request.user, Principal) and project_for_member(request.user, project.slug)[1] != "admin":
+            raise Forbidden(f"changing {project.slug!r}'s training config needs the admin role",
+                            "Ask an admin of the project, or use an API key with scope 'admin'.")
+        if not isinstance(request.data, dict):
+            raise BadRequest("the body must be a JSON object",
+                             'Send e.g. {"min_new": 64, "steps": 8, "adapter": {"kind": "lora", "rank": 8}}.')
+        schedule = training_config_set(project, request.data)
+        return Response({"config": {**schedule.to_dict(), "adapter": schedule.run.adapter.to_dict()}})

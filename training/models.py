@@ -108,6 +108,10 @@ class PolicyVersion(models.Model):
     delta_bytes = models.BigIntegerField(null=True, blank=True)
     delta_ratio = models.FloatField(null=True, blank=True)
     config = models.JSONField(default=dict, blank=True)
+    # A LoRA version is an adapter over this version's weights (stored once, by its own row): its
+    # checkpoint and delta are the adapter only, `delta_ratio` is adapter bytes / base bytes. Null:
+    # a version of full weights.
+    adapter_base = models.ForeignKey("self", on_delete=models.PROTECT, null=True, blank=True, related_name="adapters")
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 

@@ -19,4 +19,5 @@ urlpatterns = [
     path("lineage", lineage_apis.LineageApi.as_view(), name="api-lineage"),
     path("erasures", lineage_apis.ErasureApi.as_view(), name="api-erasures"),
     path("midtrain", MidtrainApi.as_view(), name="api-midtrain"),
+    path("training-config", apis.TrainingConfigApi.as_view(), name="api-training-config"),
 ]

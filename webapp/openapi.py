@@ -52,6 +52,8 @@ for _action in _ACTIONS:
 
 _BODY_REQUIRED = [("/api/v1/events", "post"), *((f"/api/v1/versions/{{version_id}}/{a}", "post") for a in _ACTIONS)]
 _BODY_REQUIRED += [("/api/v1/consent/opt-outs", "post"), ("/api/v1/erasures", "post")]
+_EXTRA[("/api/v1/training-config", "put")] = (415,)  # JSON only
+_BODY_REQUIRED += [("/api/v1/training-config", "put")]
 # (path, method, status) -> link name -> (target path, target method, parameter, runtime expression)
 _LINKS: dict[tuple[str, str, str], dict[str, tuple[str, str, str, str]]] = {
     ("/api/v1/events", "post", "202"): {

@@ -1,10 +1,13 @@
 """vLLM in-process (kind "vllm"): the uni executor, eager, sampled-token log-probs, in-place weight
-reload. The request and answer translation here is shared with the async engine (`vllm_async`)."""
+reload, and LoRA adapters over the base (`enable_lora=True`: a PEFT adapter folder loads as a new
+LoRARequest, never reusing a name). The request and answer translation here is shared with the
+async engine (`vllm_async`)."""
 
 from __future__ import annotations
 
+import itertools
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +25,7 @@ from inference.engines.patches import patch_cpu_moe_reload
 # Loaded by vLLM in its own processes (by import path): the worker's sampled-token gather
 # (inference/vllm_worker.py).
 WORKER_EXTENSION = "inference.vllm_worker.SampledLogprobs"
+ADAPTER_CONFIG = "adapter_config.json"  # PEFT's: a folder holding it is an adapter, loaded as a LoRA
 
 
 def _set_vllm_env(kv_cache_gib: int) -> None:
@@ -63,6 +67,11 @@ class VLLMEngine(Engine):
             logprobs_mode=logprobs_mode, worker_extension_cls=WORKER_EXTENSION, **llm_kwargs,
         )
         self._tokenizer = self.llm.get_tokenizer()
+        # LoRA (with enable_lora=True): the adapter served over the base weights, None: the base.
+        # Every load gets a new name and id, never reused: vLLM keys its LoRA cache and the
+        # prefix cache's blocks by them, so a reused id would serve the old adapter's weights or KV.
+        self.lora: Any = None
+        self._lora_ids = itertools.count(1)
 
     @property
     def tokenizer(self) -> Any:
@@ -73,7 +82,7 @@ class VLLMEngine(Engine):
     ) -> list[Completion]:
         params = self._vllm_params(n, sampling)
         requests = [{"prompt_token_ids": p} for p in prompts]
-        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        outputs = self.llm.generate(requests, params, use_tqdm=False, lora_request=self.lora)
         completions = [c for i, out in enumerate(outputs) for c in self._completions(i, out)]
         if not params.detokenize:  # the text once per completion, as the torch engine decodes it
             for c in completions:
@@ -90,12 +99,38 @@ class VLLMEngine(Engine):
         return vllm_completions(index, out, self.version)
 
     def _load_weights(self, source: WeightsSource) -> None:
+        if not isinstance(source, Mapping) and (Path(source) / ADAPTER_CONFIG).is_file():
+            self._load_adapter(Path(source))
+            return
+        self._unload_adapter()  # new base weights: an adapter of the old ones means nothing over them
         state = read_state_dict(source)
         # reload_weights restores each layer's checkpoint-shaped params, loads, and re-runs
         # process_weights_after_loading, so CPU linear layers get fresh oneDNN handles and
         # (with patch_cpu_moe_reload) MoE experts are re-packed.
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(state.items())})
         self.llm.reset_prefix_cache()  # cached KV blocks were computed by the old weights
+
+    def _load_adapter(self, folder: Path) -> None:
+        """A PEFT adapter folder (adapter_config.json, adapter_model.safetensors) over the base
+        weights this engine holds, under a new name and id; the previous adapter is unloaded."""
+        from vllm.lora.request import LoRARequest
+
+        if self.llm.llm_engine.vllm_config.lora_config is None:
+            raise ValueError(f"{folder} is a LoRA adapter but this engine was started without LoRA; "
+                             "start it with enable_lora=True (and max_lora_rank >= the adapter's rank), "
+                             "or load the adapter merged into its base")
+        lora_id = next(self._lora_ids)
+        request = LoRARequest(f"adapter-{lora_id}-{folder.name}", lora_id, str(folder))
+        if not self.llm.llm_engine.add_lora(request):
+            raise ValueError(f"vLLM refused the adapter in {folder}")
+        previous, self.lora = self.lora, request
+        if previous is not None:
+            self.llm.llm_engine.remove_lora(previous.lora_int_id)
+
+    def _unload_adapter(self) -> None:
+        if self.lora is not None:
+            self.llm.llm_engine.remove_lora(self.lora.lora_int_id)
+            self.lora = None
 
     def _close(self) -> None:
         llm = getattr(self, "llm", None)

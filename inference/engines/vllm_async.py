@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import os
 import tempfile
 import threading
@@ -24,7 +25,7 @@ from inference.engines.base import (
     new_event_loop,
     register_engine,
 )
-from inference.engines.vllm import WORKER_EXTENSION, vllm_completions, vllm_params
+from inference.engines.vllm import ADAPTER_CONFIG, WORKER_EXTENSION, vllm_completions, vllm_params
 
 # Loaded by vLLM in the engine core's process (by import path): inference/vllm_scheduler.py.
 SCHEDULER = "inference.vllm_scheduler.HeldLogprobsScheduler"
@@ -72,6 +73,10 @@ class AsyncVLLMEngine(Engine):
         self.drain_timeout_s = drain_timeout_s
         self.peak_batch = 0
         self._in_flight, self._swapping, self._closed = 0, False, False
+        # LoRA (enable_lora=True): the adapter served over the base, None: the base. A new name
+        # and id per load, never reused (vLLM keys its adapter and prefix caches by them).
+        self.lora: Any = None
+        self._lora_ids = itertools.count(1)
         self._loop = new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="vllm-async-engine", daemon=True)
         self._thread.start()
@@ -124,17 +129,18 @@ class AsyncVLLMEngine(Engine):
 
     async def _run(self, prompts: list[list[int]], n: int, sampling: SamplingParams) -> list[Completion]:
         version = await self._admit()
+        lora = self.lora  # fixed for the call: a swap waits for it (the swap gate)
         try:
             params = vllm_params(n, sampling, final_only=True)
-            outs = await asyncio.gather(*(self._one(p, params) for p in prompts))
+            outs = await asyncio.gather(*(self._one(p, params, lora) for p in prompts))
         finally:
             await self._release()
         decoder = None if params.detokenize else self._tokenizer
         return [c for i, out in enumerate(outs) for c in vllm_completions(i, out, version, decoder)]
 
-    async def _one(self, prompt: list[int], params: Any) -> Any:
+    async def _one(self, prompt: list[int], params: Any, lora: Any = None) -> Any:
         final = None
-        async for out in self.llm.generate({"prompt_token_ids": prompt}, params, uuid.uuid4().hex):
+        async for out in self.llm.generate({"prompt_token_ids": prompt}, params, uuid.uuid4().hex, lora_request=lora):
             final = out
         return final
 
@@ -180,12 +186,35 @@ class AsyncVLLMEngine(Engine):
     async def _swap(self, folder: str, version: int) -> None:
         try:
             await self._drained()
-            # Same in-place reload as VLLMEngine (re-runs process_weights_after_loading).
-            await self.llm.collective_rpc("reload_weights", kwargs={"weights_path": folder})
-            await self.llm.reset_prefix_cache()  # cached KV blocks were computed by the old weights
+            if (Path(folder) / ADAPTER_CONFIG).is_file():
+                await self._swap_adapter(Path(folder))
+            else:
+                if self.lora is not None:  # new base weights: an adapter of the old ones means nothing
+                    await self.llm.remove_lora(self.lora.lora_int_id)
+                    self.lora = None
+                # Same in-place reload as VLLMEngine (re-runs process_weights_after_loading).
+                await self.llm.collective_rpc("reload_weights", kwargs={"weights_path": folder})
+                await self.llm.reset_prefix_cache()  # cached KV blocks were computed by the old weights
             self._version = version
         finally:
             await self._reopen()
+
+    async def _swap_adapter(self, folder: Path) -> None:
+        """A PEFT adapter folder over the base this engine holds, as a new LoRA (requests held
+        back meanwhile); the previous adapter unloaded once nothing uses it."""
+        from vllm.lora.request import LoRARequest
+
+        if self.llm.vllm_config.lora_config is None:
+            raise ValueError(f"{folder} is a LoRA adapter but this engine was started without LoRA; "
+                             "start it with enable_lora=True (and max_lora_rank >= the adapter's rank), "
+                             "or load the adapter merged into its base")
+        lora_id = next(self._lora_ids)
+        request = LoRARequest(f"adapter-{lora_id}-{folder.name}", lora_id, str(folder))
+        if not await self.llm.add_lora(request):
+            raise ValueError(f"vLLM refused the adapter in {folder}")
+        previous, self.lora = self.lora, request
+        if previous is not None:
+            await self.llm.remove_lora(previous.lora_int_id)
 
     def _load_weights(self, source: WeightsSource) -> None:  # load_weights is overridden
         raise NotImplementedError

@@ -98,8 +98,11 @@ def call_kwargs(case, seeded: dict[str, Any]) -> dict[str, Any]:
 # (every other check still runs on these operations): a corpus upload must hold text files, not
 # binary or empty ones (a schema cannot say so); a pagination cursor is opaque, valid only as the
 # API gave it (a forged one is a 400, never a 500); a mid-training request gives steps or
-# minutes, exactly one (to publish as a oneOf in the schema, then drop it from here).
-CONTENT_CHECKED = {"POST /api/v1/corpora", "GET /api/v1/trajectories", "POST /api/v1/midtrain"}
+# minutes, exactly one (to publish as a oneOf in the schema, then drop it from here); a project's
+# training config is a run's whole settings, checked by their typed home (training/runs/settings.py:
+# its keys, bounds and cross-field rules, a LoRA's target modules against the project's policy).
+CONTENT_CHECKED = {"POST /api/v1/corpora", "GET /api/v1/trajectories", "POST /api/v1/midtrain",
+                   "PUT /api/v1/training-config"}
 
 
 def overridden(case) -> list:

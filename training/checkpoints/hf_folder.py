@@ -56,3 +56,24 @@ def _tokenizer_config(folder: Path) -> dict[str, Any]:
                             "(tokenizer.save_pretrained(folder)).")
     path = folder / "tokenizer_config.json"
     return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def weight_shapes(path: str | Path) -> dict[str, list[int]]:
+    """Every tensor's name and shape in the folder's *.safetensors, from their JSON headers only
+    (no torch: the web process validates a LoRA's target modules with it)."""
+    shapes: dict[str, list[int]] = {}
+    for shard in sorted(Path(path).glob("*.safetensors")):
+        with shard.open("rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(size))
+        shapes.update({k: v["shape"] for k, v in header.items() if k != "__metadata__"})
+    return shapes
+
+
+def linear_module_names(path: str | Path) -> list[str]:
+    """The leaf names of the folder's matrix weights (`q_proj`, `down_proj`, `lm_head`, ...): the
+    names a LoRA's `target_modules` may give. Norms and 1-D or fused 3-D expert tensors are not
+    modules PEFT's LoRA wraps."""
+    names = {k.removesuffix(".weight").rsplit(".", 1)[-1]
+             for k, shape in weight_shapes(path).items() if k.endswith(".weight") and len(shape) == 2}
+    return sorted(n for n in names if "norm" not in n)

@@ -9,6 +9,8 @@ No Django here: Django services and the inference engine call it.
     store.materialise(h1, "var/serve/v1")               # HF folder: transformers/vLLM load it
     state = store.load_state_dict(h1)                   # same chain walk, in memory
     info = store.manifest(h1)                           # kind, parent, depth, sizes, hashes
+    h2 = store.put_adapter("path/to/peft_adapter", base_hash=h0)  # LoRA: the adapter only
+    store.materialise(h2, "var/adapter")                # adapter_model.safetensors + adapter_config.json
 
 Every object (delta/full blob, config and tokenizer files, version manifests) is stored under
 the SHA-256 of its bytes; a version is named by the hash of its manifest JSON, so a hash names
@@ -18,6 +20,11 @@ parent or the parent is `full_every - 1` deltas away from its snapshot, else a d
 every tensor hash and every parent link, and writes into a temporary folder that is renamed to
 `out_dir` only once complete: a mismatch, truncation or missing link raises
 `CheckpointCorrupt` (or its subclass `CheckpointMissing`) and leaves `out_dir` untouched.
+
+A LoRA version is kind "adapter": its blob holds only the adapter's tensors (PEFT's names), its
+files only `adapter_config.json`, and `base` names the manifest of the weights it sits on (one
+stored base per project; every adapter of it points at the same objects). `verify` checks the
+base's chain too; `materialise` writes PEFT's folder (`training.rl.lora.merge_adapter` merges it).
 
 `Storage` is the backend interface (an S3-compatible one can follow); `make_storage(url)` picks
 one from a config value. Tests: `.venv/bin/python -m pytest tests/training/checkpoints/test_checkpoint_store.py -q -p no:django`
@@ -43,6 +50,7 @@ from kernels.delta import CheckpointCorrupt, decode, encode, read_manifest
 FORMAT = "flywheel.checkpoint/2"  # /1 named the checkpoint hash `checkpoint_sha256`; still read
 _FORMAT_1 = "flywheel.checkpoint/1"
 WEIGHTS = "model.safetensors"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"  # PEFT's file name: an adapter folder loads as PEFT's
 DEFAULT_FULL_EVERY = 8
 # Weight files are re-encoded; everything else in an HF folder (config, tokenizer, chat template)
 # is kept byte for byte. Sharded-index files would point at shards we don't write.
@@ -192,11 +200,12 @@ class CheckpointStore:
         state, folder_files = _read_source(source)
         parent = self.manifest(parent_hash) if parent_hash else None
         every = full_every or self.full_every
-        as_delta = parent is not None and parent["depth"] + 1 < every
+        # Full weights are never a delta against an adapter (other tensors): a full snapshot then.
+        as_delta = parent is not None and parent["kind"] != "adapter" and parent["depth"] + 1 < every
         parent_state = self.load_state_dict(parent_hash) if as_delta and parent_hash else None
         blob = encode(state, parent_state, parent_hash=parent["checkpoint_hash"] if as_delta and parent else None)
         side = dict(files or folder_files or {})
-        inherited = parent["files"] if parent and not side else {}
+        inherited = parent["files"] if parent and not side and parent["kind"] != "adapter" else {}
         manifest = {
             "format": FORMAT,
             "kind": "delta" if as_delta else "full",
@@ -208,6 +217,29 @@ class CheckpointStore:
             "raw_bytes": sum(t.numel() * t.element_size() for t in state.values()),
             "checkpoint_hash": _blob_checkpoint_hash(blob),
             "files": {**inherited, **{name: self.storage.put(data) for name, data in side.items()}},
+            "meta": dict(meta or {}),
+        }
+        return self.storage.put(json.dumps(manifest, sort_keys=True, indent=1).encode())
+
+    def put_adapter(self, folder: str | os.PathLike[str], base_hash: str, meta: Mapping[str, Any] | None = None
+                    ) -> str:
+        """Store a PEFT adapter folder as a version over the stored weights `base_hash`; returns
+        its manifest hash. Only the adapter is written (its tensors, adapter_config.json): the
+        base is the object already stored, and `base_raw_bytes` lets the registry show the ratio."""
+        base = self.manifest(base_hash)
+        if base["kind"] == "adapter":
+            raise ValueError("an adapter's base must be full weights, not another adapter")
+        path = Path(folder)
+        state = dict(load_file(path / ADAPTER_WEIGHTS))
+        blob = encode(state, None)
+        files = {p.name: p.read_bytes() for p in path.iterdir() if p.is_file() and p.suffix != ".safetensors"}
+        manifest = {
+            "format": FORMAT, "kind": "adapter", "parent": None, "depth": 0, "version": base["version"] + 1,
+            "base": base_hash, "base_raw_bytes": base["raw_bytes"],
+            "blob": self.storage.put(blob), "blob_bytes": len(blob),
+            "raw_bytes": sum(t.numel() * t.element_size() for t in state.values()),
+            "checkpoint_hash": _blob_checkpoint_hash(blob),
+            "files": {name: self.storage.put(data) for name, data in files.items()},
             "meta": dict(meta or {}),
         }
         return self.storage.put(json.dumps(manifest, sort_keys=True, indent=1).encode())
@@ -235,6 +267,8 @@ class CheckpointStore:
                 raise CheckpointCorrupt("blob does not hold the checkpoint its manifest names")
             for key in manifest["files"].values():
                 self.storage.get(key)
+        if chain[-1]["kind"] == "adapter":  # an adapter is served merged into its base: both must be whole
+            self.verify(chain[-1]["base"])
         return chain[-1]
 
     def load_state_dict(self, manifest_hash: str) -> dict[str, torch.Tensor]:
@@ -260,7 +294,8 @@ class CheckpointStore:
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
         try:
-            save_file({k: v.contiguous() for k, v in state.items()}, tmp / WEIGHTS, metadata={"format": "pt"})
+            weights = ADAPTER_WEIGHTS if self.manifest(manifest_hash)["kind"] == "adapter" else WEIGHTS
+            save_file({k: v.contiguous() for k, v in state.items()}, tmp / weights, metadata={"format": "pt"})
             for name, data in files.items():
                 (tmp / name).write_bytes(data)
             _publish(tmp, out)

@@ -149,9 +149,13 @@ class PushPlanner:
 
         self.push, self.target, self.store = push, target, checkpoint_store()
         numbers = {n for r in replicas for n in (r.version, r.canary)} | {target.production, target.canary}
-        self.hashes: dict[int, str] = dict(
-            PolicyVersion.objects.filter(project_id=target.project_id, number__in=[n for n in numbers if n is not None])
-            .values_list("number", "manifest_hash"))
+        rows = list(PolicyVersion.objects.filter(project_id=target.project_id,
+                                                 number__in=[n for n in numbers if n is not None])
+                    .values_list("number", "manifest_hash", "adapter_base_id"))
+        self.hashes: dict[int, str] = {number: manifest for number, manifest, _ in rows}
+        # LoRA versions: their stored blob is the adapter, while a replica serves (and holds) the
+        # merged weights, so no delta is pushed to or from them; the replica merges from the store.
+        self.adapters = {number for number, _, base in rows if base is not None}
         self._cache: dict[tuple[Any, ...], bytes] = {}
 
     def bodies(self, replica: ServingReplica) -> list[bytes]:
@@ -169,10 +173,12 @@ class PushPlanner:
     def _body(self, role: str, number: int, share: float | None, held: list[int | None]) -> bytes:
         target_hash = self.hashes.get(number) or ""
         header: dict[str, Any] = {"role": role, "version": number, "share": share}
-        if not target_hash or not self.store.storage.exists(target_hash):
-            # Not in this machine's store: the replica loads it from its own (catch-up path).
+        if not target_hash or not self.store.storage.exists(target_hash) or number in self.adapters:
+            # Not in this machine's store, or an adapter: the replica loads it from its own store
+            # (catch-up path; an adapter's folder there is its base with the adapter merged in).
             return self.push.push_encode(header, [], {})
-        bases = list(dict.fromkeys(self.hashes.get(n) for n in held if n is not None and self.hashes.get(n)))
+        bases = list(dict.fromkeys(self.hashes.get(n) for n in held
+                                   if n is not None and self.hashes.get(n) and n not in self.adapters))
         best: bytes | None = None
         for base in bases or [None]:
             key = (role, number, share, base)

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -129,3 +130,84 @@ def agent_config(agent: Any) -> dict[str, Any] | None:
             raise ValueError(f"agent.{key} must be an integer in [{low}, {high}], got {value!r}")
         out[key] = value
     return out
+
+
+# The linear projections of the policy families we train (Qwen2/Llama/Mistral, their MoE twins):
+# attention's four by default, as PEFT's own LoRA recipes and OpenPipe ART do.
+LORA_DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+@dataclass(frozen=True)
+class AdapterConfig:
+    """What a run trains: `full` (every weight; the default) or `lora` (a PEFT LoRA adapter of
+    `rank` and `alpha` on the `target_modules` linear layers, the base frozen). A LoRA version is
+    an adapter over a named base version; its checkpoint and delta are the adapter only.
+
+    JSON: "full", or {"kind": "lora", "rank": 8, "alpha": 16, "dropout": 0.0,
+    "target_modules": ["q_proj", "v_proj"]} (any key but kind may be left out)."""
+
+    kind: str = "full"
+    rank: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: tuple[str, ...] = LORA_DEFAULT_TARGETS
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "target_modules", tuple(self.target_modules))
+        problems = self.problems()
+        if problems:
+            raise ValueError("invalid adapter: " + "; ".join(problems))
+
+    def problems(self) -> list[str]:
+        names = self.target_modules
+        checks = [
+            (self.kind in ("full", "lora"), f'adapter.kind must be "full" or "lora", got {self.kind!r}'),
+            (isinstance(self.rank, int) and not isinstance(self.rank, bool) and 1 <= self.rank <= 1024,
+             f"adapter.rank must be an integer in [1, 1024], got {self.rank!r}"),
+            (_number(self.alpha) and self.alpha > 0, f"adapter.alpha must be a number > 0, got {self.alpha!r}"),
+            (_number(self.dropout) and 0 <= self.dropout < 1,
+             f"adapter.dropout must be a number in [0, 1), got {self.dropout!r}"),
+            (len(names) > 0 and all(isinstance(n, str) and n.isidentifier() for n in names),
+             f"adapter.target_modules must be a non-empty list of module names, got {list(names)!r}"),
+        ]
+        return [msg for ok, msg in checks if not ok]
+
+    @property
+    def lora(self) -> bool:
+        return self.kind == "lora"
+
+    @property
+    def scale(self) -> float:
+        """alpha / rank: what B @ A is multiplied by (PEFT's `scaling`, without rsLoRA)."""
+        return float(self.alpha) / self.rank
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "target_modules": list(self.target_modules)}
+
+    def same_adapter(self, other: AdapterConfig) -> bool:
+        """Whether a run with `self` can go on training an adapter trained with `other` (the
+        shapes and the layers it sits on are the same; dropout is a training-time choice)."""
+        return (self.rank, float(self.alpha), set(self.target_modules)) == (
+            other.rank, float(other.alpha), set(other.target_modules))
+
+    @classmethod
+    def from_value(cls, data: Any) -> AdapterConfig:
+        """From JSON: None or "full" (full fine-tuning), "lora" (the LoRA defaults), or an object."""
+        if data is None or data == "full":
+            return cls()
+        if data == "lora":
+            return cls(kind="lora")
+        if not isinstance(data, dict):
+            raise ValueError(f'adapter must be "full", "lora" or an object with "kind", got {data!r}')
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown adapter keys: {unknown}; known keys: {sorted(known)}")
+        targets = data.get("target_modules", LORA_DEFAULT_TARGETS)
+        if isinstance(targets, str) or not isinstance(targets, list | tuple):
+            raise ValueError(f"adapter.target_modules must be a list of module names, got {targets!r}")
+        return cls(**{**data, "kind": data.get("kind", "lora"), "target_modules": tuple(targets)})
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)

@@ -29,14 +29,15 @@ from training.corpora.config import ReplayConfig
 from training.gate.config import SuiteSpec
 from training.gate.services import eval_suite_active
 from training.gate.stats import kl_estimate
-from training.models import Reward, RewardSpec, TrainingRun
+from training.models import PolicyVersion, Reward, RewardSpec, TrainingRun
 from training.replicas.background import ReplicaSampler
 from training.rewards.agents import run_agent_rollouts
 from training.rewards.reward_model import CONTEXT_MIN_LABELS, Labelled, UsersModel, fit_users_model
 from training.rewards.selectors import agent_tasks, labelled_suggestions, rewarded_trajectories_since
 from training.rewards.services import agent_reward_of, suggestions_reward
 from training.rl.advantages import RunningBaseline
-from training.rl.config import RLConfig
+from training.rl.config import AdapterConfig, RLConfig
+from training.rl.lora import AdapterMismatch, lora_attach, merged_state_dict
 from training.rl.loss import k3
 from training.rl.trainer import Batch, Sample, chunked_logprobs, filter_stale, pi_old, prepare_batch
 from training.runs.replay import ReplayRollouts, replay_prompt_count, with_replay
@@ -46,7 +47,7 @@ from training.runs.trust_region import TrustRegion
 from training.runs.turns import BadSample, ModelLimits, prompt_token_ids, samples_from
 from training.runs.updates import StepCallback, Updates, make_updates, save_candidate
 from training.versions.selectors import policy_get, policy_production
-from training.versions.services import policy_folder
+from training.versions.services import policy_adapter_folder, policy_folder
 
 SUITE_PROMPTS = 64  # eval-suite prompts (x2 samples) per round for the trust region's KL, as the gate measures it
 REFERENCE_N = 2  # completions per prompt from the trust region's reference, for its length
@@ -73,7 +74,7 @@ def run(run: TrainingRun, folder: Path, on_step: StepCallback) -> dict[str, Any]
     torch.manual_seed(settings.seed)
     base_dir = policy_folder(run.base_version)
     tokenizer = AutoTokenizer.from_pretrained(str(base_dir))
-    model = setup_model(base_dir)
+    model = setup_policy(run.base_version, settings.adapter)
     data = setup_data(run, settings, model, base_dir, tokenizer)
     rollouts, not_sampled = GroupRollouts.setup(run, settings, base_dir, data.rewards, tokenizer)
     rollouts = with_replay(rollouts, ReplayRollouts.setup(run, settings, base_dir))  # prompts cut from the corpus
@@ -186,6 +187,21 @@ def kl_reference(run: TrainingRun, cfg: RLConfig, base_dir: Path) -> Path:
 
 def setup_model(folder: Path) -> PreTrainedModel:
     return AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).train()
+
+
+def setup_policy(version: PolicyVersion, adapter: AdapterConfig) -> PreTrainedModel:
+    """The weights a run trains, computing exactly `version`'s policy: all of them ("full"), or a
+    LoRA adapter over the frozen weights of its named base: `version` itself when it is full
+    weights (a fresh adapter, B = 0), or `version`'s own base when it is an adapter (which the run
+    goes on training: every version of the lineage stays an adapter over one stored base)."""
+    if not adapter.lora:
+        return setup_model(policy_folder(version))
+    if version.adapter_base is None:
+        return lora_attach(setup_model(policy_folder(version)), adapter)
+    try:
+        return lora_attach(setup_model(policy_folder(version.adapter_base)), adapter, policy_adapter_folder(version))
+    except AdapterMismatch as exc:
+        raise ValueError(f"v{version.number}: {exc}") from exc
 
 
 def setup_baseline(run: TrainingRun, cfg: RLConfig) -> RunningBaseline:
@@ -374,7 +390,7 @@ class GroupRollouts:
     def round(self, r: int, weights: PreTrainedModel | None = None) -> list[Sample]:
         """Round r's G completions per prompt, scored; from `weights` when given (else the base)."""
         if weights is not None:
-            self.engine.load_weights(weights.state_dict(), self.run.base_version.number)
+            self.engine.load_weights(merged_state_dict(weights), self.run.base_version.number)
         self.holds_reference = False
         seed = self.seed + 7919 * r
         keys = self.round_prompts(r)
@@ -419,7 +435,7 @@ class GroupRollouts:
         """The reference's weights into the engine, once per round (the round's own are loaded by
         `round`)."""
         if not self.holds_reference:
-            self.engine.load_weights(reference.state_dict(), self.run.base_version.number)
+            self.engine.load_weights(merged_state_dict(reference), self.run.base_version.number)
             self.holds_reference = True
 
     def use_suite(self) -> SuiteSpec | None:

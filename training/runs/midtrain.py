@@ -1,6 +1,7 @@
 """A mid-training run, top to bottom: the base weights (production or a given version), the
 corpus's training files packed into fixed-length rows (training/corpora/packing.py), next-token
-AdamW steps for `steps` or `minutes` (each step's metrics handed to `on_step`), the candidate
+AdamW steps for `steps` or `minutes` (each step's metrics handed to `on_step`) of every weight or,
+with `"adapter"` in the run's settings, of a LoRA adapter over the frozen base, the candidate
 saved to a folder. `training.runs.services.train_policy` owns the run's state around it, as for RL
 runs, so the candidate goes through the same store, delta, gate, approval and audit.
 
@@ -19,7 +20,8 @@ from training.corpora.config import MidtrainConfig
 from training.corpora.packing import pack_rows, train_rows
 from training.corpora.selectors import corpus_get, corpus_texts
 from training.models import TrainingRun
-from training.runs.job import setup_model
+from training.rl.config import AdapterConfig
+from training.runs.job import setup_policy
 from training.runs.updates import StepCallback, save_candidate
 from training.versions.services import policy_folder
 
@@ -43,7 +45,7 @@ def run(run: TrainingRun, folder: Path, on_step: StepCallback) -> dict[str, Any]
     torch.manual_seed(cfg.seed)
     base_dir = policy_folder(run.base_version)
     tokenizer = AutoTokenizer.from_pretrained(str(base_dir))
-    model = setup_model(base_dir)
+    model = setup_policy(run.base_version, AdapterConfig.from_value(run.settings.get("adapter")))
     rows = corpus_rows(run, cfg, tokenizer, int(getattr(model.config, "max_position_embeddings", cfg.seq_len)))
 
     def step(done: int, m: dict[str, Any]) -> None:  # the RL columns of a TrainingStep row mean nothing here

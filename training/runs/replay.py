@@ -22,6 +22,7 @@ from training.corpora.lines import Continuation, continuation_prompts
 from training.corpora.selectors import corpus_get, corpus_texts
 from training.models import TrainingRun
 from training.rewards.usefulness import accepted_chars
+from training.rl.lora import merged_state_dict
 from training.rl.trainer import Sample
 from training.runs.settings import RunSettings
 
@@ -68,7 +69,7 @@ class ReplayRollouts:
 
     def round(self, r: int, weights: Any = None) -> list[Sample]:
         if weights is not None:
-            self.engine.load_weights(weights.state_dict(), self.run.base_version.number)
+            self.engine.load_weights(merged_state_dict(weights), self.run.base_version.number)
         prompts = self.prompts(r)
         completions = [c for c in self.engine.generate([p.prompt for p in prompts], n=self.G, sampling=SamplingParams(
             max_tokens=self.max_tokens, seed=self.seed + 104_729 * r)) if c.token_ids]

@@ -28,6 +28,7 @@ from core.tasks import enqueue_after_commit
 from core.workers import WorkerRef
 from feedback.models import Project
 from feedback.services import service_account_get
+from training.checkpoints.hf_folder import linear_module_names
 from training.corpora.config import MidtrainConfig
 from training.corpora.selectors import corpus_get
 from training.gate.tasks import gate_run_enqueue
@@ -35,10 +36,11 @@ from training.lineage.services import erasure_taint_candidate, lineage_record
 from training.models import AgentTask, PolicyVersion, RunState, TrainingRun, TrainingStep, VersionState
 from training.rewards.selectors import rewarded_trajectories_since
 from training.rewards.services import reward_spec_current
+from training.rl.config import AdapterConfig
 from training.runs import job, midtrain, selectors
-from training.runs.settings import RunSettings, Schedule
+from training.runs.settings import RunSettings, Schedule, SettingsInvalid
 from training.versions.selectors import policy_get, policy_production, versions_erased_from
-from training.versions.services import policy_register
+from training.versions.services import policy_folder, policy_register
 
 log = logging.getLogger(__name__)
 
@@ -116,12 +118,29 @@ def training_run_start(
 
 def run_settings_check(project: Project, settings: RunSettings) -> None:
     """What the settings alone cannot know: agent rollouts need the project's agent tasks, replay
-    rollouts its corpus."""
+    rollouts its corpus, a LoRA adapter target modules its policy has."""
+    adapter_check(project, settings.adapter)
     if settings.agent and not AgentTask.objects.filter(project=project).exists():
         raise BadRequest(f"project {project.slug!r} has no agent tasks to roll out",
                          "Register some: manage.py agent_tasks --project SLUG --add DIR (docs/agents.md).")
     if settings.replay:
         corpus_get(project, settings.replay.get("corpus"))  # a 404 that says how to add one
+
+
+def adapter_check(project: Project, adapter: AdapterConfig) -> None:
+    """A LoRA's target modules must name linear layers of the project's policy (production's:
+    every version of a project shares its shape); a 400 lists the ones it has."""
+    production = policy_production(project)
+    if not adapter.lora or production is None:
+        return
+    # The names from the safetensors headers (no torch); of an adapter version, its base's (the
+    # same layers, and no merge for a check). Materialising a version never seen on this machine
+    # does load torch: the folder is usually there already (served or trained from).
+    have = linear_module_names(policy_folder(production.adapter_base or production))
+    missing = sorted(set(adapter.target_modules) - set(have))
+    if missing:
+        raise SettingsInvalid([("adapter", f"adapter.target_modules {missing} name no module of "
+                                           f"{project.slug!r}'s policy (v{production.number}); its modules: {have}")])
 
 
 def _lineage_claim(project: Project) -> TrainingRun | None:
@@ -140,12 +159,15 @@ def _lineage_claim(project: Project) -> TrainingRun | None:
 
 def midtrain_start(project: Project, *, corpus: int | None = None, steps: int | None = None,
                    minutes: float | None = None, from_version: int | None = None, started_by: Any = None,
-                   enqueue: bool = True, **options: Any) -> tuple[TrainingRun, bool]:
+                   enqueue: bool = True, adapter: Any = None, **options: Any) -> tuple[TrainingRun, bool]:
     """A mid-training run (kind "midtrain") of production, or of version `from_version`, on the
     project's corpus `corpus` (its newest when None): (new run, True), or (the active run, False).
     `options`: the rest of MidtrainConfig (seq_len, batch_size, lr, warmup, seed). Its settings
-    are {"midtrain": MidtrainConfig.to_dict()}."""
+    are {"midtrain": MidtrainConfig.to_dict(), "adapter": AdapterConfig.to_dict()}; `adapter`: "full"
+    (None) or a LoRA's settings, as a RunSettings' `adapter`."""
     chosen = corpus_get(project, corpus)
+    adapter = RunSettings.from_dict({"adapter": adapter}).adapter  # a 400 with the fix when refused
+    adapter_check(project, adapter)
     try:
         cfg = MidtrainConfig.from_dict({"corpus": chosen.pk, "steps": steps, "minutes": minutes, **options})
     except (TypeError, ValueError) as exc:
@@ -163,7 +185,8 @@ def midtrain_start(project: Project, *, corpus: int | None = None, steps: int | 
                            "Run `manage.py bootstrap_policy --project SLUG` first, or name a version that exists "
                            "(--from-version N).")
         run = TrainingRun.objects.create(project=project, base_version=base, state=RunState.QUEUED, kind="midtrain",
-                                         started_by=started_by, settings={"midtrain": cfg.to_dict()})
+                                         started_by=started_by,
+                                         settings={"midtrain": cfg.to_dict(), "adapter": adapter.to_dict()})
         if enqueue:
             enqueue_after_commit("training.tasks.train_policy", run.pk)
     project_event(project.pk, {"type": "training_queued", "run": run.pk, "base": base.number, "kind": "midtrain"})
@@ -282,7 +305,8 @@ def training_run_finish(run: TrainingRun, folder: Path, result: dict[str, Any]) 
         candidate = policy_register(
             run.project, folder, parent=run.base_version, state=VersionState.CANDIDATE,
             config={"run": run.pk, "kind": run.kind, "base": run.base_version.number,
-                    **{k: run.settings[k] for k in ("rl", "midtrain") if k in run.settings}},
+                    **{k: run.settings[k] for k in ("rl", "midtrain", "adapter") if k in run.settings}},
+            adapter_base=adapter_base_of(run, folder),
         )
         flag = erasure_taint_candidate(run, candidate) or mismatch_flag(result) or region_flag(result)
         TrainingRun.objects.filter(pk=run.pk).update(
@@ -294,6 +318,15 @@ def training_run_finish(run: TrainingRun, folder: Path, result: dict[str, Any]) 
             gate_run_enqueue(candidate.pk)
     project_event(run.project_id, {"type": "training_succeeded", "run": run.pk, "candidate": candidate.number})
     return candidate
+
+
+def adapter_base_of(run: TrainingRun, folder: Path) -> PolicyVersion | None:
+    """The version a LoRA run's candidate is an adapter over (training.runs.job.setup_policy
+    trained it over that base): the base version's own base when it is an adapter, else the base
+    version. None: the run trained full weights."""
+    if not (folder / "adapter_config.json").is_file():
+        return None
+    return run.base_version.adapter_base or run.base_version
 
 
 def train_maybe(project: Project, schedule: Schedule | None = None) -> TrainingRun | None:

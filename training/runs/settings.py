@@ -19,7 +19,7 @@ from typing import Any
 
 from core.errors import BadRequest
 from training.corpora.config import ReplayConfig
-from training.rl.config import RLConfig, agent_config, group_config
+from training.rl.config import AdapterConfig, RLConfig, agent_config, group_config
 
 # How to fix each setting, for the error a refused one gets.
 FIXES = {
@@ -35,6 +35,8 @@ FIXES = {
     "trajectory_ids": "Give a list of trajectory ids (or leave it out: the run's data window).",
     "min_new": "Give the number of new rewarded trajectories that starts a run, e.g. 64.",
     "every_minutes": "Give the minutes after which any new data starts a run, e.g. 60.",
+    "adapter": ('Give "full", or {"kind": "lora", "rank": 8, "alpha": 16, "dropout": 0.0, '
+                '"target_modules": ["q_proj", "v_proj"]} (rank an integer in [1, 1024], alpha > 0, dropout in [0, 1)).'),
     "keys": "Leave out the unknown keys.",
 }
 
@@ -55,7 +57,7 @@ def _number(data: Mapping[str, Any], name: str, kind: type, problems: list[tuple
         return None
     try:
         return kind(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # OverflowError: JSON's 1e400 is an infinite float
         problems.append((name, f"{name} must be a number, got {value!r}"))
         return None
 
@@ -83,6 +85,8 @@ class RunSettings:
     replay: dict[str, Any] | None = None
     max_samples: int = 4096  # the newest rewarded trajectories a run reads
     trajectory_ids: tuple[int, ...] | None = None
+    # What the run trains: every weight ("full", the default) or a LoRA adapter over the frozen base.
+    adapter: AdapterConfig = field(default_factory=AdapterConfig)
 
     def __post_init__(self) -> None:
         problems = self._problems()
@@ -112,6 +116,7 @@ class RunSettings:
         only those, so its runs follow the library's defaults for the rest)."""
         out: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self)}
         out["rl"] = self.rl.to_dict()
+        out["adapter"] = self.adapter.to_dict()
         if self.trajectory_ids is not None:
             out["trajectory_ids"] = list(self.trajectory_ids)
         if not only_changed:
@@ -143,7 +148,7 @@ class RunSettings:
 
 
 _ORDER = ["keys", "steps", "batch_size", "seed", "max_samples", "epochs", "rl", "group", "agent", "replay",
-          "trajectory_ids"]
+          "trajectory_ids", "adapter"]
 
 
 def _run_problems(values: Mapping[str, Any], skip: Collection[str] = ()) -> list[tuple[str, str]]:
@@ -154,6 +159,7 @@ def _run_problems(values: Mapping[str, Any], skip: Collection[str] = ()) -> list
         ("max_samples", values["max_samples"] >= 1, "max_samples must be >= 1"),
         ("epochs", epochs is None or 0 < epochs <= 16, f"epochs must be in (0, 16], got {epochs!r}"),
         ("rl", isinstance(values["rl"], RLConfig), "rl must be an RLConfig"),
+        ("adapter", isinstance(values["adapter"], AdapterConfig), "adapter must be an AdapterConfig"),
     ]
     out = [(name, message) for name, ok, message in checks if not ok and name not in skip]
     for name, check in (("group", group_config), ("agent", agent_config), ("replay", ReplayConfig.from_dict)):
@@ -168,7 +174,7 @@ def _run_problems(values: Mapping[str, Any], skip: Collection[str] = ()) -> list
 
 
 def _parsed(data: Mapping[str, Any], problems: list[tuple[str, str]]) -> dict[str, Any]:
-    """The structured settings (rl, group, agent, trajectory ids), each checked by its own home."""
+    """The structured settings (rl, group, agent, trajectory ids, adapter), each checked by its own home."""
     kw: dict[str, Any] = {}
     if data.get("rl") is not None:
         try:
@@ -185,6 +191,11 @@ def _parsed(data: Mapping[str, Any], problems: list[tuple[str, str]]) -> dict[st
         kw["replay"] = replay.to_dict() if replay else None
     except (TypeError, ValueError) as exc:
         problems.append(("replay", str(exc)))
+    if "adapter" in data:
+        try:
+            kw["adapter"] = AdapterConfig.from_value(data["adapter"])
+        except (TypeError, ValueError) as exc:
+            problems.append(("adapter", str(exc)))
     ids = data.get("trajectory_ids")
     if ids is not None:
         if isinstance(ids, list | tuple) and all(isinstance(i, int) and not isinstance(i, bool) for i in ids):

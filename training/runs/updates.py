@@ -18,6 +18,7 @@ from django.conf import settings as django_settings
 from transformers import PreTrainedModel
 
 from training.rl.distributed import JobSpec, launch
+from training.rl.lora import is_lora, lora_save
 from training.rl.trainer import Batch, rl_step
 from training.runs.settings import RunSettings
 
@@ -31,6 +32,9 @@ def make_updates(model: PreTrainedModel, ref_model: PreTrainedModel | None, ref_
     nproc = int(django_settings.FLYWHEEL_TRAIN_NPROC)
     if nproc <= 1:
         return Updates(model, ref_model, settings, plan, on_step)
+    if settings.adapter.lora:
+        raise ValueError(f"LoRA runs train in one process; this worker has FLYWHEEL_TRAIN_NPROC={nproc}. "
+                         "Train the adapter on a worker with FLYWHEEL_TRAIN_NPROC=1, or train \"full\"")
     work = Path(django_settings.FLYWHEEL_CHECKPOINT_DIR) / "torchrun" / f"run-{run_id}"
     return DistributedUpdates(model, ref_model, settings, plan, on_step, ref_dir=ref_dir, base_dir=base_dir,
                               nproc=nproc, work=work)
@@ -46,8 +50,9 @@ class Updates:
         self.size, self.seed = settings.batch_size, settings.seed
         self.first_steps, self.planned = plan
         # fused: one kernel over all the parameters (5x faster a step on CPU than the per-tensor loop)
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=self.cfg.lr, weight_decay=self.cfg.weight_decay,
-                                           fused=True)
+        # Only what trains: every weight, or a LoRA adapter's (its frozen base has no AdamW state).
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(trainable, lr=self.cfg.lr, weight_decay=self.cfg.weight_decay, fused=True)
         self.done = 0
 
     def take(self, batch: Batch, steps: int, seed: int) -> None:
@@ -125,7 +130,11 @@ def _fresh(folder: Path) -> Path:
 
 
 def save_candidate(model: PreTrainedModel, base_dir: Path, folder: Path) -> None:
-    """The base folder's tokenizer and side files, with the trained weights."""
+    """The base folder's tokenizer and side files, with the trained weights; of a LoRA model, the
+    adapter alone in PEFT's layout (its base's files are the base version's)."""
+    if is_lora(model):
+        lora_save(model, folder)
+        return
     for path in base_dir.iterdir():
         if path.is_file() and path.suffix != ".safetensors" and not path.name.endswith(".index.json"):
             shutil.copy2(path, folder / path.name)

@@ -109,38 +109,80 @@ def version_checkpoint_verify(version: PolicyVersion) -> str | None:
 
 
 def policy_folder(version: PolicyVersion) -> Path:
-    """An HF folder with `version`'s weights (materialised from the store, verified, if needed)."""
-    if version.manifest_hash:
-        out = Path(settings.VAR_DIR) / "materialised" / version.manifest_hash
+    """An HF folder with `version`'s weights (materialised from the store, verified, if needed). An
+    adapter version's folder is its base's weights with the adapter merged in, so every engine,
+    the gate and serving load it as any version's."""
+    if version.adapter_base_id is not None:
+        out = Path(settings.VAR_DIR) / "materialised" / f"{version.manifest_hash}-merged"
         if not (out / "config.json").exists():
-            try:
-                checkpoint_store().materialise(version.manifest_hash, out)
-            except FileExistsError:  # another process materialised it meanwhile
-                pass
+            # Imported here: merging needs torch and PEFT, which the web process never loads.
+            from training.rl.lora import merge_adapter
+
+            merge_adapter(policy_folder(version.adapter_base), policy_adapter_folder(version), out)
         return out
+    if version.manifest_hash:
+        return _materialised(version.manifest_hash)
     if version.checkpoint_path and Path(version.checkpoint_path).is_dir():
         return Path(version.checkpoint_path)
     raise NotFound(f"policy v{version.number} has no checkpoint on this machine",
                    "Register it with a checkpoint (bootstrap_policy or a training run).")
 
 
+def policy_adapter_folder(version: PolicyVersion) -> Path:
+    """An adapter version's adapter alone, in PEFT's layout (adapter_model.safetensors,
+    adapter_config.json): what a run goes on training, and what a LoRA-serving engine loads."""
+    if version.adapter_base_id is None:
+        raise Conflict(f"policy v{version.number} is full weights, not an adapter",
+                       "Load its folder (policy_folder) instead.")
+    return _materialised(version.manifest_hash)
+
+
+def _materialised(manifest_hash: str) -> Path:
+    out = Path(settings.VAR_DIR) / "materialised" / manifest_hash
+    if not any(out.glob("*.json")):
+        try:
+            checkpoint_store().materialise(manifest_hash, out)
+        except FileExistsError:  # another process materialised it meanwhile
+            pass
+    return out
+
+
 def policy_register(
     project: Project, folder: str | Path, parent: PolicyVersion | None = None, state: str = VersionState.CANDIDATE,
-    config: dict[str, Any] | None = None,
+    config: dict[str, Any] | None = None, adapter_base: PolicyVersion | None = None,
 ) -> PolicyVersion:
     """Stores the HF folder in the checkpoint store (a delta against `parent` where it has one)
-    and creates the next PolicyVersion of the project."""
+    and creates the next PolicyVersion of the project. With `adapter_base`, `folder` is a PEFT
+    adapter over that version's weights: only the adapter is stored, and its ratio is to the base."""
     if state not in dict(PolicyVersion.STATES):
         raise BadRequest(f"unknown policy state {state!r}", f"Use one of {[s for s, _ in PolicyVersion.STATES]}.")
     store = checkpoint_store()
-    parent_hash = parent.manifest_hash if parent is not None and parent.manifest_hash else None
-    manifest_hash = store.put(str(folder), parent_hash=parent_hash, meta={"project": project.slug})
+    if adapter_base is not None:
+        manifest_hash = store.put_adapter(str(folder), base_hash=_stored_base(store, adapter_base),
+                                          meta={"project": project.slug})
+    else:
+        parent_hash = parent.manifest_hash if parent is not None and parent.manifest_hash else None
+        manifest_hash = store.put(str(folder), parent_hash=parent_hash, meta={"project": project.slug})
     manifest = store.manifest(manifest_hash)
+    raw = manifest["base_raw_bytes"] if adapter_base is not None else manifest["raw_bytes"]
     with transaction.atomic():
         Project.objects.select_for_update().filter(pk=project.pk).first()  # serialises numbering
         last = PolicyVersion.objects.filter(project=project).order_by("-number").first()
         return PolicyVersion.objects.create(
             project=project, number=(last.number if last else 0) + 1, parent=parent, state=state,
             manifest_hash=manifest_hash, delta_bytes=manifest["blob_bytes"],
-            delta_ratio=manifest["blob_bytes"] / max(manifest["raw_bytes"], 1), config=config or {},
+            delta_ratio=manifest["blob_bytes"] / max(raw, 1), config=config or {}, adapter_base=adapter_base,
         )
+
+
+def _stored_base(store: Any, base: PolicyVersion) -> str:
+    """The manifest of an adapter's base weights: the base version's own (stored once; every
+    adapter of it names the same objects), written to the store from its folder if it had none."""
+    if base.adapter_base_id is not None:
+        raise Conflict(f"policy v{base.number} is an adapter; an adapter's base is full weights",
+                       f"Name its base, v{base.adapter_base.number}.")
+    if base.manifest_hash:
+        return str(base.manifest_hash)
+    manifest_hash = store.put(str(policy_folder(base)), meta={"project": base.project.slug})
+    PolicyVersion.objects.filter(pk=base.pk).update(manifest_hash=manifest_hash)
+    return str(manifest_hash)

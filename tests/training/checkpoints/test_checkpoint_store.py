@@ -143,3 +143,33 @@ def test_it_refuses_a_non_empty_target_and_unknown_storage_urls(store: Checkpoin
 def test_the_store_never_imports_django() -> None:
     code = "import sys, training.checkpoints, kernels.delta; assert 'django' not in sys.modules, 'django'"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[3])
+
+
+def test_an_adapter_is_stored_alone_over_its_base_and_verified_with_it(store: CheckpointStore, chain,  # noqa: ANN001
+                                                                      tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    hashes, _ = chain
+    folder = tmp_path / "adapter"
+    folder.mkdir()
+    lora = {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.randn(4, 32),
+            "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": torch.randn(32, 4)}
+    save_file(lora, folder / "adapter_model.safetensors")
+    (folder / "adapter_config.json").write_text('{"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]}')
+    adapter = store.put_adapter(folder, base_hash=hashes[0])
+    manifest = store.manifest(adapter)
+    assert (manifest["kind"], manifest["base"]) == ("adapter", hashes[0])
+    assert manifest["raw_bytes"] == 2 * 4 * 32 * 4 and manifest["base_raw_bytes"] == store.manifest(hashes[0])["raw_bytes"]
+    out = store.materialise(adapter, tmp_path / "out")
+    assert sorted(p.name for p in out.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    assert all(torch.equal(store.load_state_dict(adapter)[k], v) for k, v in lora.items())
+    with pytest.raises(ValueError, match="must be full weights"):
+        store.put_adapter(folder, base_hash=adapter)
+    # Full weights after an adapter are a full snapshot, never a delta against the adapter's tensors.
+    assert store.manifest(store.put(_tiny_model().state_dict(), parent_hash=adapter))["kind"] == "full"
+    # The adapter is served merged into its base: a damaged base refuses the adapter too.
+    blob = store.manifest(hashes[0])["blob"]
+    path = store.storage._path(blob)
+    path.write_bytes(path.read_bytes()[:-10])
+    with pytest.raises(CheckpointCorrupt):
+        store.verify(adapter)

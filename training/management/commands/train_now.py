@@ -37,6 +37,9 @@ class Command(BaseCommand):
                             help='group rollouts, e.g. \'{"prompts": 32, "G": 8, "max_tokens": 16}\'')
         parser.add_argument("--replay", default=None, metavar="JSON",
                             help='replay rollouts from the corpus (needs --group), e.g. \'{"share": 0.5}\'')
+        parser.add_argument("--adapter", default=None, metavar="JSON|lora|full",
+                            help='train a LoRA adapter over the frozen base, e.g. lora or '
+                                 '\'{"kind": "lora", "rank": 8, "target_modules": ["q_proj", "v_proj"]}\' (default full)')
         parser.add_argument("--as", dest="as_user", default=None, metavar="USERNAME",
                             help="who starts the run (recorded: under the two-person rule they cannot approve "
                                  "its candidate); default the scheduler's service account")
@@ -53,10 +56,11 @@ class Command(BaseCommand):
                 raise CommandError(f"no active account {opts['as_user']!r}")
         try:
             agent, group, replay = (json.loads(opts[k]) if opts[k] else None for k in ("agent", "group", "replay"))
+            adapter = opts["adapter"] if opts["adapter"] in (None, "lora", "full") else json.loads(opts["adapter"])
         except ValueError as exc:
-            raise CommandError(f"--agent, --group or --replay is not JSON: {exc}") from exc
+            raise CommandError(f"--agent, --group, --replay or --adapter is not JSON: {exc}") from exc
         given = {"steps": opts["steps"], "batch_size": opts["batch_size"], "agent": agent, "group": group,
-                 "replay": replay,
+                 "replay": replay, "adapter": adapter,
                  "rl": {"lr": opts["lr"]} if opts["lr"] is not None else None}
         try:
             settings = RunSettings.from_dict({k: v for k, v in given.items() if v is not None})
