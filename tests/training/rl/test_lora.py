@@ -2,7 +2,7 @@
 is saved in PEFT's layout and loads back, the merged weights are the adapter model's, and the
 adapter settings are validated with the fix.
 
-    .venv/bin/python -m pytest tests/training/test_lora.py -q -p no:django
+    .venv/bin/python -m pytest tests/training/rl/test_lora.py -q -p no:django
 """
 
 from __future__ import annotations

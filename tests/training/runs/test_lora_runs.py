@@ -3,7 +3,7 @@
 the checkpoint store, the next run goes on training it, the gate evaluates it as any version,
 and the training config API refuses a bad adapter with the fix.
 
-    .venv/bin/python -m pytest tests/training/test_lora_runs.py -q
+    .venv/bin/python -m pytest tests/training/runs/test_lora_runs.py -q
 """
 
 from __future__ import annotations
