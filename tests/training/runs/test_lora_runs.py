@@ -239,7 +239,7 @@ def test_a_replica_is_pushed_no_adapter_bytes_and_serves_the_merged_adapter_vers
     carries no delta to or from it, and the replica merges the version from its store."""
     from django.utils import timezone
 
-    from tests.training.test_replicas import _agent, _make_production
+    from tests.training.replicas.test_replicas import _agent, _make_production
     from training.models import ServingReplica
     from training.replicas import push
     from training.replicas.services import PushPlanner
