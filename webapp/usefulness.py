@@ -72,9 +72,10 @@ def hour_after(at: datetime) -> datetime:
 
 
 # Each version's newest live suggestions, read backwards on the index traj_live_version_id (never a
-# rank over the whole range), with the completion their assistant steps make.
+# rank over the whole range), with their last prompt message (a prompt may carry whole files) and
+# the completion their assistant steps make.
 _NEWEST = """
-SELECT t.id, t.policy_version, t.prompt::text,
+SELECT t.id, t.policy_version, (CASE WHEN jsonb_typeof(t.prompt) = 'array' THEN t.prompt -> -1 END)::text,
        coalesce((SELECT string_agg(s.content, '' ORDER BY s.index) FROM feedback_step s
                  WHERE s.trajectory_id = t.id AND s.role = 'assistant'), '')
 FROM unnest(%s::int[]) v(number) CROSS JOIN LATERAL (
@@ -98,13 +99,12 @@ def newest_suggestions(project: Project, numbers: list[int], since: datetime,
     """The newest `per_version` live suggestions of each version in the range (one query)."""
     with connection.cursor() as cur:
         cur.execute(_NEWEST, [numbers, project.id, since, per_version])
-        return [Suggestion(id_, version, _last_message(json.loads(prompt)), completion)
-                for id_, version, prompt, completion in cur.fetchall()]
+        return [Suggestion(id_, version, _content(json.loads(last) if last else None), completion)
+                for id_, version, last, completion in cur.fetchall()]
 
 
-def _last_message(messages: Any) -> str:
-    messages = messages if isinstance(messages, list) else []
-    return str(messages[-1].get("content", "")) if messages and isinstance(messages[-1], dict) else ""
+def _content(message: Any) -> str:
+    return str(message.get("content", "")) if isinstance(message, dict) else ""
 
 
 def _clicks(trajectory_ids: list[int]) -> dict[int, list[str]]:

@@ -148,12 +148,13 @@ def _usefulness_raw(project, numbers, since) -> dict[int, tuple]:
     return {v: (n, a / n, float(chars.get(v) or 0) / n) for v, (n, a) in counts.items()}
 
 
-def _newest_raw(project, numbers, since) -> list[tuple[int, str]]:
+def _newest_raw(project, numbers, since) -> list[tuple[int, str, str]]:
     out = []
     for number in sorted(numbers):
         rows = (Trajectory.objects.filter(project=project, source="live", policy_version=number, occurred_at__gte=since)
                 .order_by("-id").prefetch_related("steps")[:usefulness.NAME_SAMPLE])
-        out += [(t.id, "".join(s.content for s in t.steps.all() if s.role == "assistant")) for t in rows]
+        out += [(t.id, str(t.prompt[-1].get("content", "")),
+                 "".join(s.content for s in t.steps.all() if s.role == "assistant")) for t in rows]
     return out
 
 
@@ -168,7 +169,7 @@ def _assert_overview_matches_raw(project) -> None:
     shown = {r["number"]: (r["served"], r["live"], r["accepted_chars"]) for r in rows if r["served"]}
     assert shown == raw
     newest = usefulness.newest_suggestions(project, numbers, since)
-    assert [(s.id, s.completion) for s in newest] == _newest_raw(project, numbers, since)
+    assert [(s.id, s.prompt, s.completion) for s in newest] == _newest_raw(project, numbers, since)
 
 
 # --- the tests ----------------------------------------------------------------------------------
