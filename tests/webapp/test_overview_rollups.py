@@ -218,14 +218,14 @@ def test_the_overview_reads_a_fixed_number_of_queries(seeded, bob, post_events, 
     client.force_login(bob)
     url = f"/p/{seeded.slug}/"
     assert client.get(url).status_code == 200
-    # session, user, project, membership; charts 6; versions; run 2; usefulness 5 (versions, hourly,
-    # raw part hours, gate reports, newest suggestions, their clicks); errors 3
-    with django_assert_num_queries(22):
+    # session, user, project, membership; charts 5; versions; run 2; usefulness 5 (versions, served,
+    # gate reports, newest suggestions, their clicks); errors 3
+    with django_assert_num_queries(20):
         assert client.get(url).status_code == 200
     post_events([_served(f"t-more-{i}", timedelta(minutes=10 + i), 8) for i in range(30)]
                 + [feedback(f"f-more-{i}", f"t-more-{i}", "accept", value=i) for i in range(30)])
     rollups_refresh()
-    with django_assert_num_queries(22):
+    with django_assert_num_queries(20):
         assert client.get(url).status_code == 200
 
 
@@ -240,3 +240,12 @@ def test_the_application_role_erases_and_its_delete_triggers_mark_the_units(seed
         kinds = set(RollupDirty.objects.filter(project_id=seeded.id).values_list("kind", flat=True))
         cur.execute("RESET ROLE")
     assert kinds == {"feedback_hour", "trajectory_hour"}
+
+
+def test_a_project_without_versions_or_rows_has_an_empty_overview(creds, bob):
+    assert usefulness.served_by_version(creds.project, [], timezone.now() - timedelta(days=1), timezone.now()) == {}
+    assert usefulness.newest_suggestions(creds.project, [], timezone.now() - timedelta(days=1)) == []
+    client = Client()
+    client.force_login(bob)
+    body = client.get(f"/p/{creds.project.slug}/").content.decode()
+    assert "No version yet." in body
