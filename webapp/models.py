@@ -88,8 +88,9 @@ class AgreementRollup(models.Model):
 
 
 class RollupDirty(models.Model):
-    """A unit whose raw rows were deleted (an erasure, the retention sweep, the admin), written by
-    the delete triggers of migration 0003 in the deleting transaction; the next refresh recomputes
+    """A unit whose raw rows were deleted (an erasure, the admin; not the retention sweep: rollups
+    outlive retention, migration 0004), written by the delete triggers of migration 0003 in the
+    deleting transaction; the next refresh recomputes
     the unit and deletes the row. kind: "feedback_hour" and "trajectory_hour" (`hour` set) or
     "version" (`policy_version`, null for rows of no version)."""
 

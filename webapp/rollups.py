@@ -4,9 +4,14 @@
 
 A refresh finds the units touched since the watermarks (feedback and trajectory hours, rubric
 project × version) and the units whose raw rows were deleted since (RollupDirty, written by the
-delete triggers of migration 0003: an erasure, the retention sweep), deletes their rollup rows and
-recomputes them from the raw rows, in one transaction under an advisory lock: running it twice, or
-concurrently, gives the same tables, and the tables always count the raw rows that exist.
+delete triggers of migration 0003: an erasure, the admin), deletes their rollup rows and recomputes
+them from the raw rows, in one transaction under an advisory lock: running it twice, or
+concurrently, gives the same tables, and the tables count the raw rows that exist plus those the
+retention sweep expired. Rollups outlive retention: the sweep deletes with `flywheel.rollups_keep`
+on, so the triggers mark nothing (migration 0004) and the expired hours keep their counts. A unit
+recomputed later for another reason (a new row or reward in a partly expired hour,
+`rollups_rebuild()`) counts only the raw rows left in it; an hour whose rows all expired keeps
+its counts.
 Each project is recomputed in a savepoint of its own: rows that break one project's SQL (say, a
 label of 1e308 stored before ingest refused it: its sums overflow) quarantine that project's
 refresh and the others go on.

@@ -133,7 +133,7 @@ def reward_series(project: Project, since: datetime, cut: datetime) -> dict[int 
     """Per version: mean reward (latest spec per trajectory), per hour before `cut`, per minute after."""
     rows = list(TrajectoryHourly.objects.filter(project=project, hour__gte=since, hour__lt=cut)
                 .values_list("hour", "policy_version", "trajectories", "rewarded", "reward_sum").order_by("hour"))
-    spec = RewardSpec.objects.filter(project=project).order_by("-version").values_list("id", flat=True).first()
+    spec = Subquery(RewardSpec.objects.filter(project=project).order_by("-version").values("id")[:1])
     # The reward by one index lookup per recent trajectory: a join would hash every reward.
     reward = Subquery(Reward.objects.filter(trajectory=OuterRef("pk"), spec_id=spec).values("total")[:1])
     rows += list(Trajectory.objects.filter(project=project, occurred_at__gte=max(since, cut))

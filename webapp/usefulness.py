@@ -13,12 +13,10 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from django.db import connection
-from django.db.models import Sum
 
 from feedback.models import FeedbackEvent, Project
 from training.gate.naturalness import invented_counts
 from training.rewards.usefulness import first_line, known_names
-from webapp.models import TrajectoryHourly
 
 NAME_SAMPLE = 100  # newest suggestions per version the invented-name share is measured on
 RECENT = 5  # suggestions per version in "what it writes now"
@@ -31,17 +29,24 @@ class Served:
     chars: float  # characters their accepts kept (the accepts' values)
 
 
-# What webapp.rollups' TrajectoryHourly.live* columns count, over the raw rows of a part hour: one
-# lookup of a trajectory's accepts each, on the trajectory index of the feedback events.
-_SERVED_RAW = """
-SELECT t.policy_version, count(*), count(*) FILTER (WHERE a.n > 0), coalesce(sum(a.chars), 0)
-FROM feedback_trajectory t
-CROSS JOIN LATERAL (
-    SELECT count(*) AS n, sum(fe.value) AS chars FROM feedback_feedbackevent fe
-    WHERE fe.trajectory_id = t.id AND fe.project_id = t.project_id AND fe.signal = 'accept'
-) a
-WHERE t.project_id = %(project)s AND t.source = 'live' AND t.policy_version = ANY(%(numbers)s)
-    AND t.occurred_at >= %(since)s AND (t.occurred_at < %(head)s OR t.occurred_at >= %(cut)s)
+# Whole hours from TrajectoryHourly, the rest counted from the raw rows as the rollup counts them:
+# one lookup of a trajectory's accepts each, on the trajectory index of the feedback events.
+_SERVED = """
+SELECT policy_version, sum(n)::bigint, sum(a)::bigint, sum(c)::float FROM (
+    SELECT h.policy_version, h.live AS n, h.live_accepted AS a, h.live_accepted_chars AS c
+    FROM webapp_trajectoryhourly h
+    WHERE h.project_id = %(project)s AND h.policy_version = ANY(%(numbers)s::int[])
+        AND h.hour >= %(head)s AND h.hour < %(cut)s
+    UNION ALL
+    SELECT t.policy_version, 1, (a.n > 0)::int, coalesce(a.chars, 0)
+    FROM feedback_trajectory t
+    CROSS JOIN LATERAL (
+        SELECT count(*) AS n, sum(fe.value) AS chars FROM feedback_feedbackevent fe
+        WHERE fe.trajectory_id = t.id AND fe.project_id = t.project_id AND fe.signal = 'accept'
+    ) a
+    WHERE t.project_id = %(project)s AND t.source = 'live' AND t.policy_version = ANY(%(numbers)s::int[])
+        AND t.occurred_at >= %(since)s AND (t.occurred_at < %(head)s OR t.occurred_at >= %(cut)s)
+) parts
 GROUP BY 1
 """
 
@@ -49,20 +54,11 @@ GROUP BY 1
 def served_by_version(project: Project, numbers: list[int], since: datetime, cut: datetime) -> dict[int, Served]:
     """version -> its live completions since `since` (by the trajectory's occurred_at): whole hours
     from `hour_after(since)` to `cut` from TrajectoryHourly, the part hour before and everything
-    from `cut` on from the raw rows (both bounded by the (project, occurred_at) index). Two queries."""
+    from `cut` on from the raw rows (bounded by the (project, occurred_at) index). One query."""
     head = min(hour_after(since), cut)
-    hourly = (TrajectoryHourly.objects.filter(project=project, policy_version__in=numbers, hour__gte=head, hour__lt=cut)
-              .values("policy_version")
-              .annotate(n=Sum("live"), a=Sum("live_accepted"), c=Sum("live_accepted_chars"))
-              .values_list("policy_version", "n", "a", "c").order_by())
     with connection.cursor() as cur:
-        cur.execute(_SERVED_RAW, {"project": project.id, "numbers": numbers, "since": since, "head": head, "cut": cut})
-        raw = cur.fetchall()
-    totals: dict[int, list[float]] = {}
-    for number, served, accepted, kept in [*hourly, *raw]:
-        row = totals.setdefault(number, [0, 0, 0.0])
-        row[0], row[1], row[2] = row[0] + served, row[1] + accepted, row[2] + kept
-    return {number: Served(int(n), int(a), float(c)) for number, (n, a, c) in totals.items()}
+        cur.execute(_SERVED, {"project": project.id, "numbers": numbers, "since": since, "head": head, "cut": cut})
+        return {number: Served(n, a, c) for number, n, a, c in cur.fetchall()}
 
 
 def hour_after(at: datetime) -> datetime:
@@ -72,9 +68,10 @@ def hour_after(at: datetime) -> datetime:
 
 
 # Each version's newest live suggestions, read backwards on the index traj_live_version_id (never a
-# rank over the whole range), with the completion their assistant steps make.
+# rank over the whole range), with their last prompt message (a prompt may carry whole files) and
+# the completion their assistant steps make.
 _NEWEST = """
-SELECT t.id, t.policy_version, t.prompt::text,
+SELECT t.id, t.policy_version, (CASE WHEN jsonb_typeof(t.prompt) = 'array' THEN t.prompt -> -1 END)::text,
        coalesce((SELECT string_agg(s.content, '' ORDER BY s.index) FROM feedback_step s
                  WHERE s.trajectory_id = t.id AND s.role = 'assistant'), '')
 FROM unnest(%s::int[]) v(number) CROSS JOIN LATERAL (
@@ -98,13 +95,12 @@ def newest_suggestions(project: Project, numbers: list[int], since: datetime,
     """The newest `per_version` live suggestions of each version in the range (one query)."""
     with connection.cursor() as cur:
         cur.execute(_NEWEST, [numbers, project.id, since, per_version])
-        return [Suggestion(id_, version, _last_message(json.loads(prompt)), completion)
-                for id_, version, prompt, completion in cur.fetchall()]
+        return [Suggestion(id_, version, _content(json.loads(last) if last else None), completion)
+                for id_, version, last, completion in cur.fetchall()]
 
 
-def _last_message(messages: Any) -> str:
-    messages = messages if isinstance(messages, list) else []
-    return str(messages[-1].get("content", "")) if messages and isinstance(messages[-1], dict) else ""
+def _content(message: Any) -> str:
+    return str(message.get("content", "")) if isinstance(message, dict) else ""
 
 
 def _clicks(trajectory_ids: list[int]) -> dict[int, list[str]]:

@@ -29,6 +29,9 @@ from feedback.services import data_policy_of, user_hash_of
 from feedback.userdata import redaction
 
 RETENTION_BATCH = 1000  # rows deleted per statement: a sweep never holds long locks
+# Transaction-local setting: while 'on', the rollups' delete triggers (webapp migration 0004) skip
+# the deleted rows, so the hourly rollups keep them (the retention sweep).
+ROLLUPS_KEEP = "flywheel.rollups_keep"
 
 
 def data_policy_set(project: Project, **fields: Any) -> DataPolicy:
@@ -189,7 +192,12 @@ def _holds(line: str, wanted: set[str]) -> bool:
 def retention_sweep(project: Project, now=None, batch: int = RETENTION_BATCH, max_batches: int = 100) -> dict[str, int]:
     """Deletes the project's raw events older than its retention (feedback events, then
     trajectories with their steps, rewards and scores), `batch` rows a statement and at most
-    `max_batches` statements a call (the next beat tick goes on). Rollups and versions are kept."""
+    `max_batches` statements a call (the next beat tick goes on).
+
+    Rollups and versions outlive retention: each batch runs in a transaction with `ROLLUPS_KEEP`
+    on, so the delete triggers (webapp migration 0004) mark no rollup units dirty and the hourly
+    rollups keep counting the expired rows. An erasure (`user_rows_erase`) leaves it off: the next
+    refresh recomputes the user's hours without their rows."""
     days = data_policy_of(project).retention_days
     if not days:
         return {"feedback": 0, "trajectories": 0}
@@ -197,14 +205,23 @@ def retention_sweep(project: Project, now=None, batch: int = RETENTION_BATCH, ma
     counts = {"feedback": 0, "trajectories": 0}
     for _ in range(max_batches):
         with transaction.atomic():
+            _rollups_keep(True)
             gone = _delete_batch(FeedbackEvent.objects.filter(project=project, received_at__lt=cutoff), batch)
             counts["feedback"] += gone
             if not gone:
                 gone = _delete_batch(Trajectory.objects.filter(project=project, received_at__lt=cutoff), batch)
                 counts["trajectories"] += gone
+            _rollups_keep(False)  # a caller's outer transaction goes on marking its deletes
         if not gone:
             break
     return counts
+
+
+def _rollups_keep(on: bool) -> None:
+    """SET LOCAL ROLLUPS_KEEP: the rest of the transaction (or until set off) deletes raw rows
+    without marking their rollup units dirty. A batch that fails takes it back with its rollback."""
+    with connection.cursor() as cur:
+        cur.execute("SELECT set_config(%s, %s, true)", [ROLLUPS_KEEP, "on" if on else "off"])
 
 
 def _delete_batch(queryset, batch: int) -> int:

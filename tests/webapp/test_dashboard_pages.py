@@ -77,7 +77,7 @@ def _queries(client: Client, url: str) -> int:
 def test_query_count_is_bounded_and_independent_of_row_count(page, loaded, bob, django_assert_max_num_queries):
     client = _client(bob)
     url = "/" if page == "index" else _url(page, loaded.slug)
-    with django_assert_max_num_queries(25):  # the overview: 22 (tests/webapp/test_overview_rollups.py counts them)
+    with django_assert_max_num_queries(25):  # the overview: 20 (tests/webapp/test_overview_rollups.py counts them)
         assert client.get(url).status_code == 200
     small = _queries(client, url)
     _seed(loaded.slug, 3000, 400)

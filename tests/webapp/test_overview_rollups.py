@@ -1,13 +1,13 @@
 """The overview read from rollups shows what the raw rows say: its charts, totals and usefulness per
 version equal the same figures computed from the raw rows, after late feedback, feedback linked to
-a trajectory that came later, an erasure and the retention sweep; and it reads a fixed number of
-queries."""
+a trajectory that came later and an erasure; the retention sweep leaves the rollups' history (the
+hours whose raw rows expired) as it was; and it reads a fixed number of queries."""
 
 from __future__ import annotations
 
 import os
 from collections import defaultdict
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 import pytest
 from django.core.management import call_command
@@ -148,12 +148,13 @@ def _usefulness_raw(project, numbers, since) -> dict[int, tuple]:
     return {v: (n, a / n, float(chars.get(v) or 0) / n) for v, (n, a) in counts.items()}
 
 
-def _newest_raw(project, numbers, since) -> list[tuple[int, str]]:
+def _newest_raw(project, numbers, since) -> list[tuple[int, str, str]]:
     out = []
     for number in sorted(numbers):
         rows = (Trajectory.objects.filter(project=project, source="live", policy_version=number, occurred_at__gte=since)
                 .order_by("-id").prefetch_related("steps")[:usefulness.NAME_SAMPLE])
-        out += [(t.id, "".join(s.content for s in t.steps.all() if s.role == "assistant")) for t in rows]
+        out += [(t.id, str(t.prompt[-1].get("content", "")),
+                 "".join(s.content for s in t.steps.all() if s.role == "assistant")) for t in rows]
     return out
 
 
@@ -168,7 +169,7 @@ def _assert_overview_matches_raw(project) -> None:
     shown = {r["number"]: (r["served"], r["live"], r["accepted_chars"]) for r in rows if r["served"]}
     assert shown == raw
     newest = usefulness.newest_suggestions(project, numbers, since)
-    assert [(s.id, s.completion) for s in newest] == _newest_raw(project, numbers, since)
+    assert [(s.id, s.prompt, s.completion) for s in newest] == _newest_raw(project, numbers, since)
 
 
 # --- the tests ----------------------------------------------------------------------------------
@@ -193,12 +194,55 @@ def test_an_erasure_leaves_the_overview_equal_to_the_raw_rows(seeded):
     assert after[6] == before[6] - 1  # t-erased is no longer served
 
 
-def test_the_retention_sweep_leaves_the_overview_equal_to_the_raw_rows(seeded):
+def _whole_hours(project, since, cut) -> tuple[dict, dict, dict]:
+    """The overview's figures of the whole hours from `since` (an hour) to `cut`, from the rollups:
+    feedback (volume, rate) and rewards (trajectories, mean) per (hour, version); and each version's
+    usefulness (these hours and the raw minutes after `cut`)."""
+    def whole(x: str) -> bool:
+        return datetime.fromisoformat(x) < cut
+
+    feedback = {(x, v): (n, rate) for x, v, n, rate in _feedback_shown(project, since, cut)[0] if whole(x)}
+    rewards = {key: row for key, row in _rewards_shown(project, since, cut).items() if whole(key[0])}
+    return feedback, rewards, usefulness.served_by_version(project, list(range(1, 10)), since, cut)
+
+
+def _before(figures: dict, at: datetime) -> dict:
+    return {key: row for key, row in figures.items() if datetime.fromisoformat(key[0]) < at}
+
+
+def test_the_retention_sweep_keeps_the_rollups_history_and_an_erasure_still_removes_the_user(seeded):
+    now = timezone.now()
+    since, cut = usefulness.hour_after(now - timedelta(days=DAYS)), selectors.recent_cut(now)
+    expired = now - timedelta(days=7)
+    swept_hours = expired.replace(minute=0, second=0, microsecond=0)  # before it, every hour expired whole
+    before = _whole_hours(seeded, since, cut)
+    assert _before(before[0], swept_hours) and _before(before[1], swept_hours)
+
     data_policy_set(seeded, retention_days=7)
-    swept = retention_sweep(seeded)
+    swept = retention_sweep(seeded, now=now, batch=500)
     assert swept["feedback"] > 0 and swept["trajectories"] > 0
+    assert not FeedbackEvent.objects.filter(project=seeded, received_at__lt=expired).exists()
+    assert not FeedbackEvent.objects.filter(project=seeded, occurred_at__lt=swept_hours).exists()
+    # t-head came now, so it is kept
+    assert list(Trajectory.objects.filter(project=seeded, occurred_at__lt=swept_hours)
+                .values_list("external_id", flat=True)) == ["t-head"]
+    assert not RollupDirty.objects.exists()  # the sweep marked no unit dirty
     rollups_refresh()
-    _assert_overview_matches_raw(seeded)
+    assert _whole_hours(seeded, since, cut) == before  # the rollups outlive the raw rows
+
+    user_rows_erase(seeded, "u-erase")
+    assert RollupDirty.objects.filter(project_id=seeded.id).exists()  # an erasure still marks its units
+    rollups_refresh()
+    feedback, rewards, served = _whole_hours(seeded, since, cut)
+    assert _before(feedback, swept_hours) == _before(before[0], swept_hours)  # history still kept
+    assert _before(rewards, swept_hours) == _before(before[1], swept_hours)
+    # Hours within retention equal the raw rows: the user's rows are no longer counted. (A sweep's
+    # trajectory takes its feedback of the next minutes along: the hour after the cut off may keep it.)
+    kept = swept_hours + timedelta(hours=2)
+    assert _feedback_shown(seeded, kept, cut) == _feedback_raw(seeded, kept, cut)
+    _assert_rewards_equal(_rewards_shown(seeded, kept, cut), _rewards_raw(seeded, kept, cut))
+    assert sum(n for n, _ in feedback.values()) == sum(n for n, _ in before[0].values()) - 2  # erased-own, -other
+    assert served[6].served == before[2][6].served - 1  # t-erased
 
 
 def test_a_refresh_that_rolls_back_leaves_the_deleted_units_for_the_next(seeded):
@@ -217,14 +261,14 @@ def test_the_overview_reads_a_fixed_number_of_queries(seeded, bob, post_events, 
     client.force_login(bob)
     url = f"/p/{seeded.slug}/"
     assert client.get(url).status_code == 200
-    # session, user, project, membership; charts 6; versions; run 2; usefulness 5 (versions, hourly,
-    # raw part hours, gate reports, newest suggestions, their clicks); errors 3
-    with django_assert_num_queries(22):
+    # session, user, project, membership; charts 5; versions; run 2; usefulness 5 (versions, served,
+    # gate reports, newest suggestions, their clicks); errors 3
+    with django_assert_num_queries(20):
         assert client.get(url).status_code == 200
     post_events([_served(f"t-more-{i}", timedelta(minutes=10 + i), 8) for i in range(30)]
                 + [feedback(f"f-more-{i}", f"t-more-{i}", "accept", value=i) for i in range(30)])
     rollups_refresh()
-    with django_assert_num_queries(22):
+    with django_assert_num_queries(20):
         assert client.get(url).status_code == 200
 
 
@@ -239,3 +283,12 @@ def test_the_application_role_erases_and_its_delete_triggers_mark_the_units(seed
         kinds = set(RollupDirty.objects.filter(project_id=seeded.id).values_list("kind", flat=True))
         cur.execute("RESET ROLE")
     assert kinds == {"feedback_hour", "trajectory_hour"}
+
+
+def test_a_project_without_versions_or_rows_has_an_empty_overview(creds, bob):
+    assert usefulness.served_by_version(creds.project, [], timezone.now() - timedelta(days=1), timezone.now()) == {}
+    assert usefulness.newest_suggestions(creds.project, [], timezone.now() - timedelta(days=1)) == []
+    client = Client()
+    client.force_login(bob)
+    body = client.get(f"/p/{creds.project.slug}/").content.decode()
+    assert "No version yet." in body
