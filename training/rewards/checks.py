@@ -56,7 +56,7 @@ from training.rewards.sandbox import (
     read_until_eof,
     spawn,
 )
-from training.rewards.usefulness import MIN_ACCEPT_CHARS, accepted_chars, first_line
+from training.rewards.usefulness import MIN_ACCEPT_CHARS, accepted_chars, first_line, kept_share
 
 __all__ = ["CHECKS", "Check", "CheckConfigError", "CheckResult", "SandboxLimits", "SandboxUnavailable",
            "make_check", "register_check", "run_sandboxed"]
@@ -324,6 +324,5 @@ class IntentMatch(Check):
                                    "type (a non-empty string) for every prompt it scores")
         if not completion.strip():
             return NOTHING_SUGGESTED
-        target = first_line(rest)
-        kept = accepted_chars(completion, rest, self.min_chars)
-        return CheckResult(kept / len(target), f"{kept} of {len(target)} characters of the line kept")
+        kept, target = accepted_chars(completion, rest, self.min_chars), len(first_line(rest))
+        return CheckResult(kept_share(completion, rest, self.min_chars), f"{kept} of {target} characters of the line kept")

@@ -42,6 +42,13 @@ def accepted_chars(suggestion: str, intended: str, min_chars: int = MIN_ACCEPT_C
     return n if n >= min_chars else 0
 
 
+def kept_share(suggestion: str, intended: str, min_chars: int = MIN_ACCEPT_CHARS) -> float:
+    """`accepted_chars` over the length of the line the user was about to type, in [0, 1] (0 when
+    nothing was intended): the reward of replay rollouts and the `intent_match` check."""
+    target = first_line(intended)
+    return accepted_chars(suggestion, intended, min_chars) / len(target) if target else 0.0
+
+
 @dataclass(frozen=True)
 class IntentReaction:
     """`signal` is accept | reject | "" (not shown); `value` the accepted characters (accept only)."""

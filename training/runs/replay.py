@@ -21,7 +21,7 @@ from training.corpora.config import ReplayConfig
 from training.corpora.lines import Continuation, continuation_prompts
 from training.corpora.selectors import corpus_get, corpus_texts
 from training.models import TrainingRun
-from training.rewards.usefulness import accepted_chars
+from training.rewards.usefulness import kept_share
 from training.rl.lora import merged_state_dict
 from training.rl.trainer import Sample
 from training.runs.settings import RunSettings
@@ -30,7 +30,7 @@ from training.runs.settings import RunSettings
 def replay_reward(completion: str, rest: str) -> float:
     """The share of the rest of the real line the completion got right (0 below the rule's
     minimum of accepted characters)."""
-    return accepted_chars(completion, rest) / len(rest) if rest else 0.0
+    return kept_share(completion, rest)
 
 
 def replay_prompt_count(group: dict[str, Any], replay: ReplayConfig | None) -> int:
