@@ -7,7 +7,10 @@ base registered as a corpus, the base mid-trained on it, the candidate gated (we
 
 from __future__ import annotations
 
+import json
+
 import pytest
+from django_celery_beat.models import PeriodicTask
 
 from tests.training.conftest import checkpoint_root, ckpt_settings, production, tiny_policy_dir  # noqa: F401
 from tests.training.runs.test_midtrain import code_base  # noqa: F401 - the fixture
@@ -30,6 +33,15 @@ def test_the_code_base_becomes_a_corpus_and_a_gated_mid_trained_candidate(creds,
     assert out["steps"] == 20 and out["loss_last"] < out["loss_first"]
     suite = EvalSuite.objects.get(project=creds.project)  # it had none: the held-out lines make one
     assert suite.checks == [{"name": "intent_match", "weight": 1.0}]
+    # from now on the beat's runs replay the code base beside the users' prompts
+    entry = PeriodicTask.objects.get(name=f"flywheel train {creds.project.slug}")
+    assert json.loads(entry.kwargs)["replay"]["share"] == demo.DEMO_REPLAY_SHARE
+
+
+def test_the_demo_schedule_replays_only_a_corpus_the_project_has(creds):
+    demo._demo_schedule(creds.project)  # no corpus yet: a replay run would have nothing to cut from
+    entry = PeriodicTask.objects.get(name=f"flywheel train {creds.project.slug}")
+    assert json.loads(entry.kwargs).get("replay") is None
 
 
 def test_onboarding_happens_once_and_only_for_the_users_who_type_their_own_code(creds, production, code_base,  # noqa: F811

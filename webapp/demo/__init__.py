@@ -146,6 +146,7 @@ def demo_onboard(project, folder: str | Path, *, minutes: float | None = None, s
         shutil.rmtree(copy, ignore_errors=True)
     if not EvalSuite.objects.filter(project=project).exists():  # the gate needs one: the held-out lines
         eval_suite_from_corpus(corpus)
+    _demo_schedule(project)  # from now on the runs replay the corpus too
     started = time.monotonic()
     run, _ = midtrain_start(project, corpus=corpus.pk, minutes=minutes, steps=steps, enqueue=False, **options)
     run = train_policy(run.pk)
@@ -227,6 +228,7 @@ def _demo_state() -> dict:
 # with bench/learning_curve.py (docs/learning.md, "The demo's recipe"). The train check runs
 # every 20 s, so a run starts as soon as the last one ended and data came.
 DEMO_TRAIN_CHECK_EVERY_S = 20
+DEMO_REPLAY_SHARE = 0.5  # of a run's rollout prompts cut from the onboarded code base (docs/learning.md)
 # The gate's drift bounds (KL budget, length ratio, median floor, log-prob tolerance) are not set
 # here: they are derived from the project's own base at the gate's first run (training/gate/
 # defaults.py), as for any new project. docs/learning.md keeps the hand-opened bounds this demo
@@ -307,8 +309,6 @@ def _demo_loop_config(project, taste: str | None = None, corpus: str | None = No
     from training.promotion.selectors import gate_policy_active
     from training.promotion.services import gate_policy_update
     from training.rewards.services import reward_spec_current, reward_spec_update
-    from training.runs.settings import PRESETS
-    from training.schedule import training_schedule_install
 
     taste = taste or demo_population()[0]
     prompts, checks = _demo_suite_prompts(taste, corpus), _demo_suite_checks(taste)
@@ -324,7 +324,7 @@ def _demo_loop_config(project, taste: str | None = None, corpus: str | None = No
     signals = {**spec.signal_rewards, **DEMO_SIGNAL_REWARDS}
     if spec.settle_seconds != 10 or spec.checks != DEMO_CHECKS or spec.signal_rewards != signals:
         reward_spec_update(project, settle_seconds=10, checks=DEMO_CHECKS, signal_rewards=signals)
-    training_schedule_install([project], PRESETS["demo"], train_check_every_s=DEMO_TRAIN_CHECK_EVERY_S)
+    _demo_schedule(project)
     gate = gate_policy_active(project)
     # a demo set up before the bounds were derived holds the ones it opened by hand: give them back
     thresholds = {k: v for k, v in gate.thresholds.items() if _HAND_OPENED.get(k) != v}
@@ -333,6 +333,24 @@ def _demo_loop_config(project, taste: str | None = None, corpus: str | None = No
         # auto-approver's service account) approves them.
         gate_policy_update(project, "system:demo", "the two-person rule; drift bounds derived from the base",
                            thresholds=thresholds, two_person_rule=True)
+
+
+def _demo_schedule(project) -> None:
+    """The demo's runs: the "demo" preset, and once the project has a corpus (the users' code base,
+    onboarded), `DEMO_REPLAY_SHARE` of each round's rollout prompts cut from its training lines,
+    rewarded by what was actually written next (verifiable, where the users' side has only the
+    reward model's guess). Idempotent."""
+    # after django.setup() (see _environment)
+    from dataclasses import replace
+
+    from training.models import Corpus
+    from training.runs.settings import PRESETS
+    from training.schedule import training_schedule_install
+
+    schedule = PRESETS["demo"]
+    if Corpus.objects.filter(project=project).exists():
+        schedule = replace(schedule, run=replace(schedule.run, replay={"share": DEMO_REPLAY_SHARE}))
+    training_schedule_install([project], schedule, train_check_every_s=DEMO_TRAIN_CHECK_EVERY_S)
 
 
 _HAND_OPENED = {"kl_budget": 4.0, "length_ratio_max": 2.0, "min_median_chars": 6}  # the demo's bounds until 2026-12
