@@ -3,6 +3,7 @@
     .venv/bin/python bench/reward_model.py            # table
     .venv/bin/python bench/reward_model.py --json     # table, then one JSON line last
     .venv/bin/python bench/reward_model.py --quick    # 5 steps, 100 clicks on 1,000 lines: that it runs
+    .venv/bin/python bench/reward_model.py --base var/policies/pretrained/dense-1000steps   # the demo's base
 
 A tiny policy (the tests' shape) is pretrained `--steps` steps on standard-library lines; clicks
 are built offline (training.rewards.intent_clicks: users accept what they were about to type;
@@ -38,8 +39,9 @@ SEEN, UNSEEN = slice(0, 8000), slice(8000, 16000)
 def _policy(folder: Path, lines: list[str], steps: int) -> tuple[Any, Any]:
     from transformers import AutoModelForCausalLM
 
-    build_policy(folder, PolicyConfig(**TINY), lines[:3000])
-    pretrain(folder, lines, seconds=float("inf"), batch_size=16, seq_len=64, max_steps=steps)
+    if lines:  # else: a pretrained folder, read as it is
+        build_policy(folder, PolicyConfig(**TINY), lines[:3000])
+        pretrain(folder, lines, seconds=float("inf"), batch_size=16, seq_len=64, max_steps=steps)
     tokenizer = load_tokenizer(folder)
     return AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval(), tokenizer
 
@@ -67,6 +69,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300, help="pretraining steps of the tiny policy")
     parser.add_argument("--sizes", default="500,1000,2000", help="click counts")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--base", default=None, metavar="FOLDER",
+                        help="a pretrained policy folder (e.g. the demo's base) instead of the tiny policy")
     parser.add_argument("--quick", action="store_true", help="5 steps, 100 clicks on 1,000 lines: that the bench runs")
     args = parser.parse_args()
     seen, unseen = (slice(0, 1000), slice(1000, 2000)) if args.quick else (SEEN, UNSEEN)
@@ -74,17 +78,33 @@ def main() -> None:
         args.steps, args.sizes = 5, "100"
     sizes = [int(s) for s in args.sizes.split(",")]
     corpus = stdlib_corpus(unseen.stop)
+    seen_lines, unseen_lines = corpus[seen], corpus[unseen]
+    if args.base:
+        unseen_lines = _django_lines(unseen.stop - unseen.start)
     with tempfile.TemporaryDirectory() as tmp:
-        policy, tokenizer = _policy(Path(tmp), corpus[seen], args.steps)
-        rows = _rows("seen", corpus[seen], policy, tokenizer, sizes, args.seed)
-        rows += _rows("unseen", corpus[unseen], policy, tokenizer, sizes, args.seed)
+        policy, tokenizer = (_policy(Path(args.base), [], 0) if args.base
+                             else _policy(Path(tmp), seen_lines, args.steps))
+        rows = _rows("seen", seen_lines, policy, tokenizer, sizes, args.seed)
+        rows += _rows("unseen", unseen_lines, policy, tokenizer, sizes, args.seed)
     print(f"{'lines':<7} {'clicks':>6} {'accept':>6} {'features AUC':>12} {'context AUC':>11} {'chosen':>8} {'fit s':>6}")
     for r in rows:
         print(f"{r['lines']:<7} {r['clicks']:>6} {r['accept_rate']:>6.3f} {_auc(r['features_auc']):>12} "
               f"{_auc(r['context_auc']):>11} {r['chosen']!s:>8} {r['fit_s']:>6}")
     if args.json:
-        print(json.dumps({"bench": "reward_model", "steps": args.steps, "seed": args.seed, "quick": args.quick,
+        print(json.dumps({"bench": "reward_model", "steps": args.steps, "base": args.base, "seed": args.seed, "quick": args.quick,
                           "rows": rows}))
+
+
+def _django_lines(n: int) -> list[str]:
+    """The first `n` non-blank lines of django's sources, files in a fixed (sorted) order."""
+    import django
+
+    lines: list[str] = []
+    for path in sorted(Path(django.__file__).parent.rglob("*.py")):
+        lines += [line for line in path.read_text(encoding="utf-8").splitlines() if len(line.strip()) >= 8]
+        if len(lines) >= n:
+            break
+    return lines[:n]
 
 
 def _auc(value: float | None) -> str:

@@ -229,6 +229,7 @@ def _demo_state() -> dict:
 # every 20 s, so a run starts as soon as the last one ended and data came.
 DEMO_TRAIN_CHECK_EVERY_S = 20
 DEMO_REPLAY_SHARE = 0.5  # of a run's rollout prompts cut from the onboarded code base (docs/learning.md)
+DEMO_ONBOARDED_LR = 5e-4  # RL on a policy mid-trained on the users' code (docs/learning.md)
 # The gate's drift bounds (KL budget, length ratio, median floor, log-prob tolerance) are not set
 # here: they are derived from the project's own base at the gate's first run (training/gate/
 # defaults.py), as for any new project. docs/learning.md keeps the hand-opened bounds this demo
@@ -349,7 +350,8 @@ def _demo_schedule(project) -> None:
 
     schedule = PRESETS["demo"]
     if Corpus.objects.filter(project=project).exists():
-        schedule = replace(schedule, run=replace(schedule.run, replay={"share": DEMO_REPLAY_SHARE}))
+        schedule = replace(schedule, run=replace(schedule.run, replay={"share": DEMO_REPLAY_SHARE},
+                                                 rl=replace(schedule.run.rl, lr=DEMO_ONBOARDED_LR)))
     training_schedule_install([project], schedule, train_check_every_s=DEMO_TRAIN_CHECK_EVERY_S)
 
 
