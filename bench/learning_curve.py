@@ -24,9 +24,11 @@ Per version: accepted characters per request (the utility), accept rate, silence
 shown suggestions that invent a name (against the code base's names and Python's), the share of
 the most common suggestion, and the characters matching what the user was about to type against
 the base's. Per minute: the production version's figures and the live accepted characters per
-request and accept rate of that minute's feedback. `--quick`: one minute on a base pretrained 10
-steps and 40 held-out prompts (proves the bench runs; measures nothing). With --json the last line
-is one JSON object.
+request and accept rate of that minute's feedback. `--quick`: the minute-0 reading only, on an
+untrained tiny base (built on 2,000 standard-library lines) served by the torch engine (no vLLM),
+20 held-out prompts: the processes start, the serving process answers, a version is measured and
+the report is written (proves the bench runs; measures nothing). With --json the last line is one
+JSON object.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ EVAL_SEED = 1234
 
 def main() -> int:
     args = _args()
-    db = f"flywheel_bench_learning_{args.seed}"
+    db = f"flywheel_bench_learning_{'quick' if args.quick else args.seed}"
     env = _environment(db, args)
     os.environ.update(env)
     _fresh_database(db)
@@ -63,7 +65,7 @@ def main() -> int:
     held_out = _held_out_prompts(args)  # (requests, the code base's names)
     from webapp.demo import demo_processes
 
-    logs = ROOT / "var" / "bench-learning" / f"seed-{args.seed}" / "log"
+    logs = ROOT / "var" / "bench-learning" / _run_name(args) / "log"
     logs.mkdir(parents=True, exist_ok=True)
     procs = []
     for name, cmd in demo_processes(int(env["BENCH_WEB_PORT"]), state, simulate=True):
@@ -73,6 +75,8 @@ def main() -> int:
         procs.append(subprocess.Popen(cmd, cwd=ROOT, env={**os.environ}, stdout=log, stderr=subprocess.STDOUT))
     try:
         _wait_serving(os.environ["FLYWHEEL_INFERENCE_URL"])
+        if args.quick:
+            print("quick: an untrained base served by the torch engine (vLLM left out), minute 0 only", flush=True)
         rows, evaluations = _observe(args, held_out)
         loop = _loop_record()
         if args.screenshot:
@@ -102,22 +106,33 @@ def _args() -> argparse.Namespace:
                         help="mid-train on the code base this long before the clock starts (0: none)")
     parser.add_argument("--held-out", type=int, default=200, help="held-out prompts per version")
     parser.add_argument("--quick", action="store_true",
-                        help="a minute, a base pretrained 10 steps, 40 held-out prompts: the bench runs end to end")
+                        help="minute 0 only, an untrained tiny base served by the torch engine, 20 held-out "
+                             "prompts: the bench runs end to end")
     parser.add_argument("--screenshot", default=None, metavar="PNG",
                         help="at the end, the dashboard's overview in chromium (Playwright), saved here")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     if args.quick:
-        args.minutes, args.pretrain_steps, args.held_out = 1, 10, 40
+        args.minutes, args.pretrain_steps, args.held_out = 0, 0, 20
+    elif args.minutes < 1:
+        parser.error("--minutes must be at least 1 (--quick reads minute 0 only)")
     return args
+
+
+def _run_name(args: argparse.Namespace) -> str:
+    """The run's database and var/ folder: a quick run (the suite's) never drops a long run's."""
+    return "quick" if args.quick else f"seed-{args.seed}"
 
 
 def _environment(db: str, args: argparse.Namespace) -> dict[str, str]:
     from core import embedded
     from webapp.demo import _port
 
-    web, serving, internal = _port(18000 + args.seed), _port(18500 + args.seed), _port(18600 + args.seed)
-    var = ROOT / "var" / "bench-learning" / f"seed-{args.seed}"
+    # quick (the suite's run): any free ports, never a long run's fixed ones that its servers may not
+    # have bound yet (the quick run would then measure that run's serving process)
+    web, serving, internal = ((_free_port(), _free_port(), _free_port()) if args.quick else
+                              (_port(18000 + args.seed), _port(18500 + args.seed), _port(18600 + args.seed)))
+    var = ROOT / "var" / "bench-learning" / _run_name(args)
     return {
         "DATABASE_URL": bench_database_url(db), "REDIS_URL": os.environ.get("REDIS_URL") or embedded.redis_url(),
         "DJANGO_SETTINGS_MODULE": "webapp.settings", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
@@ -126,7 +141,17 @@ def _environment(db: str, args: argparse.Namespace) -> dict[str, str]:
         "FLYWHEEL_CHECKPOINT_DIR": str(var / "checkpoints"), "CELERY_KEY_PREFIX": f"bench-learning-{os.getpid()}:",
         "AUTO_APPROVE": "1", "FLYWHEEL_PRETRAIN_STEPS": str(args.pretrain_steps),
         "BENCH_WEB_PORT": str(web),
+        # quick: the serving process on the torch engine (vLLM takes minutes to start on a busy machine)
+        **({"FLYWHEEL_ENGINE": "torch"} if args.quick else {}),
     }
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _wait_serving(url: str, seconds: float = 900) -> None:
@@ -142,7 +167,7 @@ def _wait_serving(url: str, seconds: float = 900) -> None:
                 return
         except httpx.TransportError:
             pass
-        time.sleep(2)
+        time.sleep(0.5)
     raise SystemExit(f"the serving process at {url} did not answer in {seconds:.0f} s: see its log")
 
 
@@ -178,10 +203,22 @@ def _prepare(args: argparse.Namespace) -> dict:
     os.environ["FLYWHEEL_SERVE_KEY"] = state["serve_key"]
     os.environ["FLYWHEEL_APPROVER_KEY"] = state["approver_key"]
     _demo_loop_config(Project.objects.get(slug="demo"), taste=args.taste, corpus=str(_corpus(args)))
-    call_command("bootstrap_policy", "--project", "demo", "--steps", str(args.pretrain_steps))
+    source = ["--from", str(_quick_base())] if args.quick else ["--steps", str(args.pretrain_steps)]
+    call_command("bootstrap_policy", "--project", "demo", *source)
     if args.midtrain_minutes:
         state["midtrain"] = _midtrain(args)
     return state
+
+
+def _quick_base() -> Path:
+    """An untrained tiny base whose tokenizer read the standard library's first 2,000 lines
+    (pretraining reads the whole standard library, which the quick mode has no time for)."""
+    from training.pretrain import PolicyConfig, build_policy, stdlib_corpus
+
+    folder = ROOT / "var" / "bench-learning" / "quick-base"
+    if not (folder / "config.json").exists():
+        build_policy(folder, PolicyConfig(), stdlib_corpus(2_000))
+    return folder
 
 
 def _midtrain(args: argparse.Namespace) -> dict:
@@ -229,7 +266,7 @@ def _observe(args: argparse.Namespace, held_out: tuple) -> tuple[list[dict], dic
                                                  args.taste)}
     rows: list[dict] = []
     start, started_at = time.monotonic(), timezone.now()
-    minutes = max(int(round(args.minutes)), 1)
+    minutes = int(round(args.minutes))  # 0: the quick mode's one reading
     for minute in range(minutes + 1):
         while time.monotonic() - start < minute * 60:
             time.sleep(1)

@@ -6,7 +6,7 @@ never a 500 from `int()`, a calendar, or PostgreSQL (which cannot hold a NUL in 
     task = query_text(request.GET, "task")
     at = query_datetime(request.GET, "at")
 
-Used by the dashboard's views (webapp/views.py, webapp/selectors.py `RolloutFilter`), the read
+Used by the dashboard's views (webapp/views.py, webapp/rollouts.py `RolloutFilter`), the read
 API's path and cursor (feedback/apis.py) and the projects' slugs (feedback/selectors.py).
 """
 

@@ -23,6 +23,7 @@ from training.replicas.selectors import replica_rows
 from training.rewards import selectors as reward_selectors
 from training.versions.selectors import policy_by_number, production_at
 from webapp import charts, selectors, services, userdata
+from webapp.rollouts import RolloutFilter, rollout_list, rollout_replay
 
 View = Callable[..., HttpResponse]
 
@@ -121,17 +122,17 @@ def rubrics(request: HttpRequest, slug: str) -> HttpResponse:
 @page
 def rollouts(request: HttpRequest, slug: str) -> HttpResponse:
     project = request.project  # type: ignore[attr-defined]
-    flt = selectors.RolloutFilter.from_query(request.GET)
+    flt = RolloutFilter.from_query(request.GET)
     return render(request, "dashboard/rollouts.html", _ctx(
-        request, project, "rollouts", flt=flt, rollouts=selectors.rollout_list(project, flt),
+        request, project, "rollouts", flt=flt, rollouts=rollout_list(project, flt),
         signals=[*selectors.POSITIVE, *selectors.NEGATIVE, "none"]))
 
 
 @page
 def replay(request: HttpRequest, slug: str, trajectory_id: int) -> HttpResponse:
     project = request.project  # type: ignore[attr-defined]
-    flt = selectors.RolloutFilter.from_query(request.GET)
-    data = selectors.rollout_replay(project, trajectory_id, flt)
+    flt = RolloutFilter.from_query(request.GET)
+    data = rollout_replay(project, trajectory_id, flt)
     data["learned_by"] = userdata.replay_lineage(project, data["t"])
     figures = {"timeline": data["timeline"]}
     figures.update({f"routing-{s.step.index}": s.routing for s in data["steps"] if s.routing})

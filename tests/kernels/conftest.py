@@ -1,6 +1,6 @@
 """Fixtures for the kernels tests: a tiny random-init Qwen2 (seeded) and its HF folder.
 
-Run: `.venv/bin/python -m pytest tests/kernels -q -p no:django`
+Run: `.venv/bin/python -m pytest tests/kernels -q`
 """
 
 from __future__ import annotations

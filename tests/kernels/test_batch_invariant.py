@@ -1,6 +1,6 @@
 """Batch invariance: a row's output is bitwise the same alone, in any batch size and position.
 
-Run: `.venv/bin/python -m pytest tests/kernels/test_batch_invariant.py -q -p no:django`
+Run: `.venv/bin/python -m pytest tests/kernels/test_batch_invariant.py -q`
 """
 
 from __future__ import annotations

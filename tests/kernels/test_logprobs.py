@@ -1,6 +1,6 @@
 """Selective log-softmax vs its plain-torch reference: values, gradients, memory.
 
-Run: `.venv/bin/python -m pytest tests/kernels/test_logprobs.py -q -p no:django`
+Run: `.venv/bin/python -m pytest tests/kernels/test_logprobs.py -q`
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ runs `python -m tests.kernels.reorder` in a fresh interpreter. Settings above th
 (read from torch's CPU checks): torch trusts ATEN_CPU_CAPABILITY, so avx512 on an AVX2-only CPU
 dies of SIGILL, and MKL and oneDNN cap theirs at the CPU, which would only repeat a lower one.
 
-Run: `.venv/bin/python -m pytest tests/kernels/test_probe_isa.py -q -p no:django`
+Run: `.venv/bin/python -m pytest tests/kernels/test_probe_isa.py -q`
 """
 
 from __future__ import annotations

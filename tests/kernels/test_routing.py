@@ -1,6 +1,6 @@
 """Router replay on a tiny transformers Qwen3-MoE.
 
-    .venv/bin/python -m pytest tests/kernels/test_routing.py -q -p no:django
+    .venv/bin/python -m pytest tests/kernels/test_routing.py -q
 """
 
 import pytest

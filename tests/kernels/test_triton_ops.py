@@ -1,6 +1,6 @@
 """Triton kernels vs the plain-torch references (interpreter on CPU; real kernels on CUDA).
 
-Run: `TRITON_INTERPRET=1 .venv/bin/python -m pytest tests/kernels/test_triton_ops.py -q -p no:django`
+Run: `TRITON_INTERPRET=1 .venv/bin/python -m pytest tests/kernels/test_triton_ops.py -q`
 (conftest sets TRITON_INTERPRET=1 itself when there is no CUDA device). Shapes stay small: the
 interpreter runs each program in numpy.
 """

@@ -7,6 +7,11 @@ users' reward model) → the gate → approval through the versions API by a ser
 serving process hot-swaps → the next completions name the new version. Then: lineage intact,
 and the new version beats the old on held-out prompts the users never sent (one-sided test).
 
+The run is the demo's (PRESETS["demo"]); only beat's cadence is quicker (rewards and the train
+check every 5 s instead of 30 s and 20 s), and once the first run has taken its data the users stop
+and beat starts no other run: the run, the gate and the held-out comparison have the machine's
+cores (the later users and runs only competed with them; what is asserted is the first run's).
+
     .venv/bin/python -m pytest tests/loop -q
 """
 
@@ -16,7 +21,6 @@ import math
 import os
 import subprocess
 import threading
-import time
 import uuid
 
 import httpx
@@ -36,6 +40,7 @@ from training.versions.selectors import policy_production
 pytestmark = pytest.mark.django_db(transaction=True)
 
 PRETRAIN_STEPS = "1000"  # the demo's base (cached under var/policies/pretrained/, shared with it)
+BEAT_EVERY_S = 5  # rewards and the train check: a run starts within seconds of its data, not a beat period
 USERS, SEED, TASTE = 4, 3, "compiles"
 DEADLINE_S = 900  # generous: a busy 2-core machine; the loop is measured by bench/learning_curve.py
 
@@ -43,10 +48,14 @@ DEADLINE_S = 900  # generous: a busy 2-core machine; the loop is measured by ben
 @pytest.fixture
 def loop(creds, tmp_path, monkeypatch):
     """The demo's loop settings on the test project, its base policy, and its processes."""
+    from training.runs.settings import PRESETS
+    from training.schedule import training_schedule_install
     from webapp.demo import _demo_loop_config, demo_processes
 
     call_command("bootstrap_policy", "--project", creds.project.slug, "--steps", PRETRAIN_STEPS)
     _demo_loop_config(creds.project, taste=TASTE)
+    training_schedule_install([creds.project], PRESETS["demo"], rewards_every_s=BEAT_EVERY_S,
+                              train_check_every_s=BEAT_EVERY_S)
     web, serving, internal = free_port(), free_port(), free_port()
     env = subprocess_env(
         FLYWHEEL_INFERENCE_URL=f"http://127.0.0.1:{serving}", FLYWHEEL_INTERNAL_TOKEN=uuid.uuid4().hex,
@@ -83,7 +92,8 @@ def _serve_key(creds) -> dict[str, str]:
     return {"Authorization": f"Bearer {creds.api_key}"}  # the project's default key has scope serve
 
 
-def _users(loop: dict, creds, stop: threading.Event) -> list[threading.Thread]:
+def _users(loop: dict, creds, stop: threading.Event, users_stop: threading.Event) -> list[threading.Thread]:
+    """The population (until `users_stop`) and the auto-approver (until `stop`)."""
     from webapp.demo.simulator import auto_approve, run_users
 
     lines = stdlib_corpus(max_lines=20_000)
@@ -92,7 +102,7 @@ def _users(loop: dict, creds, stop: threading.Event) -> list[threading.Thread]:
 
     def population() -> None:
         seed = SEED
-        while not stop.is_set():  # bounded rounds, so the stop is seen between them
+        while not users_stop.is_set():  # bounded rounds, so the stop is seen between them
             run_users(loop["serving"], sender, model, lines, serve_key=creds.api_key, requests=40, pause_s=0.1,
                       seed=seed, users=USERS, taste=TASTE)
             seed += 1
@@ -111,20 +121,26 @@ def test_users_feedback_trains_a_version_that_is_gated_approved_served_and_bette
     from training.models import GateReport
 
     v1 = policy_production(creds.project)
-    stop = threading.Event()
-    threads = _users(loop, creds, stop)
+    stop, users_stop = threading.Event(), threading.Event()
+    threads = _users(loop, creds, stop, users_stop)
     for t in threads:
         t.start()
+
+    def verdict() -> bool:
+        if not users_stop.is_set() and TrainingRun.objects.filter(project=creds.project).exists():
+            _one_run(creds.project)
+            users_stop.set()  # the run's data window closed when it was created
+        return (policy_production(creds.project).number != v1.number
+                or GateReport.objects.filter(version__project=creds.project, passed=False).exists()
+                or TrainingRun.objects.filter(project=creds.project, state="failed").exists())
+
     try:
-        deadline = time.monotonic() + DEADLINE_S
-        while time.monotonic() < deadline:
-            if policy_production(creds.project).number != v1.number:
-                break
-            if GateReport.objects.filter(version__project=creds.project, passed=False).exists():
-                break
-            time.sleep(5)
+        wait_until(verdict, timeout=DEADLINE_S, every=1, what="a promotion, a refusal or a failed run")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; {_why_not(creds.project)}") from None
     finally:
         stop.set()
+        users_stop.set()
         for t in threads:
             t.join(120)
     new = policy_production(creds.project)
@@ -171,6 +187,15 @@ def test_users_feedback_trains_a_version_that_is_gated_approved_served_and_bette
 
 
 HELD_OUT = 300
+
+
+def _one_run(project) -> None:
+    """Beat starts no further run for the project (its train check off, as in the admin)."""
+    from django_celery_beat.models import PeriodicTask
+
+    entry = PeriodicTask.objects.get(name=f"flywheel train {project.slug}")
+    entry.enabled = False
+    entry.save()  # save(), not update(): beat rereads its schedule when a saved entry changed it
 
 
 def _recorded(project, trajectory_id: str, seconds: float = 60) -> Trajectory:

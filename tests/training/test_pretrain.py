@@ -1,6 +1,6 @@
 """Tiny HF-format policies: loadable by transformers, deterministic, one tokenisation everywhere.
 
-    .venv/bin/python -m pytest tests/inference/test_policies.py -q -p no:django
+    .venv/bin/python -m pytest tests/training/test_pretrain.py -q
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from tests.factories import trajectory
 
 # The training fixtures (a tiny policy in production) for the lineage panels.
 from tests.training.conftest import checkpoint_root, ckpt_settings, production, tiny_policy_dir, tokenizer  # noqa: F401
-from tests.training.test_lineage import ingest_users, run_once
+from tests.training.lineage.test_lineage import ingest_users, run_once
 from tests.training.test_services import plain_spec
 from training.lineage.services import user_erase
 

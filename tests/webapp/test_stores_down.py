@@ -465,7 +465,7 @@ def test_with_redis_stopped_a_hand_off_waits_in_the_outbox_and_beat_delivers_it_
     stack.redis_down()
     try:
         # What a commit leaves when the broker is away at that moment (the hand-off itself:
-        # tests/training/test_self_healing.py): a pending row, older than the delivery grace.
+        # tests/training/runs/test_self_healing.py): a pending row, older than the delivery grace.
         stack.sql("INSERT INTO core_outboxmessage (task, args, kwargs, created_at, attempts, last_error) "
                   "VALUES ('feedback.tasks.feedback_link_orphans_all', '[]', '{}', now() - interval '1 minute', "
                   "1, 'ConnectionError: Redis is away')")

@@ -1,7 +1,7 @@
 """Reads of the training lineage of data: which runs and versions learned from a user, a
 trajectory or a time window (the rows each run trained on are `RunLineage` id ranges).
 
-    .venv/bin/python -m pytest tests/training/test_lineage.py -q
+    .venv/bin/python -m pytest tests/training/lineage/test_lineage.py -q
 """
 
 from __future__ import annotations

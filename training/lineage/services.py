@@ -3,7 +3,7 @@ erasure of one user's data with the report of the versions that learned from it,
 changes of a project's data policy and opt-out list (their rows are the feedback app's, the audit
 log is ours: imports only point down).
 
-    .venv/bin/python -m pytest tests/training/test_lineage.py -q
+    .venv/bin/python -m pytest tests/training/lineage/test_lineage.py -q
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ requeues or fails it, with an audit row each time.
 Hand-offs go through the outbox (core/outbox.py): a message still pending there is not lost, so
 the sweeper leaves its work alone. Every version state change goes through `version_transition`.
 
-    .venv/bin/python -m pytest tests/training/test_self_healing.py -q
+    .venv/bin/python -m pytest tests/training/runs/test_self_healing.py -q
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Checkpoint store: round trips through full snapshots and deltas, refuses corruption and
 missing links without writing anything, and writes HF folders that transformers loads.
 
-Run: `.venv/bin/python -m pytest tests/training/checkpoints/test_checkpoint_store.py -q -p no:django`
+Run: `.venv/bin/python -m pytest tests/training/checkpoints/test_checkpoint_store.py -q`
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Judge calibration on fixtures with known agreement.
 
-    .venv/bin/python -m pytest tests/training/rewards/test_calibration.py -q -p no:django
+    .venv/bin/python -m pytest tests/training/rewards/test_calibration.py -q
 """
 
 import pytest

@@ -1,6 +1,6 @@
 """Verifiable checks, including hostile completions: each scores 0 with a reason, caller unharmed.
 
-    .venv/bin/python -m pytest tests/training/rewards/test_checks.py -q -p no:django
+    .venv/bin/python -m pytest tests/training/rewards/test_checks.py -q
 """
 
 import os

@@ -2,7 +2,7 @@
 
 The model endpoint is the one true external boundary, so a tiny local HTTP server stands in for it.
 
-    .venv/bin/python -m pytest tests/training/rewards/test_judges.py -q -p no:django
+    .venv/bin/python -m pytest tests/training/rewards/test_judges.py -q
 """
 
 import json

@@ -1,6 +1,6 @@
 """Reward computation from a spec: signals, checks and aspects.
 
-    .venv/bin/python -m pytest tests/training/rewards/test_reward_spec.py -q -p no:django
+    .venv/bin/python -m pytest tests/training/rewards/test_reward_spec.py -q
 """
 
 import pytest

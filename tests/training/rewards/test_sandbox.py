@@ -5,7 +5,7 @@ as if the hook had been bypassed); `make_check(...)` is what a completion or an 
 Where a check is the attacker's only channel, the completion is correct only if the attack
 worked, so a pass would mean an escape.
 
-    .venv/bin/python -m pytest tests/training/rewards/test_sandbox.py -q -p no:django
+    .venv/bin/python -m pytest tests/training/rewards/test_sandbox.py -q
 """
 
 import ast

@@ -10,7 +10,7 @@ import pytest
 
 from tests.processes import wait_until
 from tests.training.runs.test_midtrain import CODE
-from tests.training.test_self_healing import doomed_worker, kill  # noqa: F401 - the fixture
+from tests.training.runs.test_self_healing import doomed_worker, kill  # noqa: F401 - the fixture
 from training.corpora.services import corpus_add_paths
 from training.models import PolicyVersion, TrainingRun, TrainingStep
 from training.runs.services import midtrain_start, train_policy

@@ -3,7 +3,7 @@ id and no occurrence of their text is left in a pg_dump of the database, in the 
 in the checkpoint folder; the versions that learned from it are reported and the project's policy
 (keep | flag | retrain) is applied.
 
-    .venv/bin/python -m pytest tests/training/test_erasure.py -q
+    .venv/bin/python -m pytest tests/training/lineage/test_erasure.py -q
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from feedback.models import FeedbackEvent, Quarantine, Trajectory
 from feedback.services import api_key_create, feedback_ingest, quarantine_record, user_hash_of
 from feedback.userdata.services import data_policy_set
 from tests.factories import feedback, member, trajectory
-from tests.training.test_lineage import ids_of, ingest_users, run_once, trained_trajectories
+from tests.training.lineage.test_lineage import ids_of, ingest_users, run_once, trained_trajectories
 from tests.training.test_services import later, plain_spec
 from training.lineage.services import consent_opt_out_update, user_erase
 from training.models import AuditLog, Erasure, PolicyVersion, RubricScore, TrainingRun

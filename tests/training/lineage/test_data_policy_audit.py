@@ -2,7 +2,7 @@
 and the command line, one row a change, with the fields it changed before and after; an opt-out's
 row names the user by a peppered reference, never by their id or the hash their rows carry.
 
-    .venv/bin/python -m pytest tests/training/test_data_policy_audit.py -q
+    .venv/bin/python -m pytest tests/training/lineage/test_data_policy_audit.py -q
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 the sweeper (training/runs/sweep.py) requeues or fails the work with an audit row, and the
 transactional outbox (core/outbox.py) keeps a hand-off made while the broker was down.
 
-    .venv/bin/python -m pytest tests/training/test_self_healing.py -q
+    .venv/bin/python -m pytest tests/training/runs/test_self_healing.py -q
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 (no_train, the project default, the opt-out list) and the lineage of every run (which versions
 learned from a user, a trajectory, a time window).
 
-    .venv/bin/python -m pytest tests/training/test_lineage.py -q
+    .venv/bin/python -m pytest tests/training/lineage/test_lineage.py -q
 """
 
 from __future__ import annotations
