@@ -3,6 +3,13 @@
     .venv/bin/python bench/ingest.py [--events 20000] [--clients 4] [--json]
     nice -n 0 .venv/bin/python bench/ingest.py --redaction-only --pairs 15 --json   # the redaction goal
     .venv/bin/python bench/ingest.py --quick --json                                   # seconds (CI)
+    .venv/bin/python bench/ingest.py --before ../wt-before --rounds 3 --json          # before/after, interleaved
+
+`--before PATH` serves another checkout (a git worktree of main) beside this one on the same
+database and Redis and runs both at batch 100 and 1,000 in interleaved rounds (the order swapped
+every round): the median events/s with their range, and the CPU each event cost the web server
+and the database (microseconds, from /proc: a figure the load of a shared machine disturbs far
+less than the wall clock). Every run counts the rows stored against the events sent.
 
 The redaction column: a project with every built-in redactor on (the default of a new project:
 e-mail, API keys and tokens, IPv4, IPv6; one prompt in ten holds an address to replace) against
@@ -94,14 +101,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _serve(url: str) -> tuple[subprocess.Popen, str]:
+def _serve(url: str, root: Path = ROOT) -> tuple[subprocess.Popen, str]:
+    """uvicorn serving the checkout at `root` (this one, or the --before one) on database `url`."""
     import httpx
 
+    from core import embedded
+
     port = _free_port()
-    env = {**os.environ, "DATABASE_URL": url, "DJANGO_SETTINGS_MODULE": "webapp.settings"}
+    # Both sides on the same Redis too: a checkout without var/ would start a server of its own.
+    redis = os.environ.get("REDIS_URL") or embedded.redis_url()
+    env = {**os.environ, "DATABASE_URL": url, "REDIS_URL": redis, "DJANGO_SETTINGS_MODULE": "webapp.settings"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "uvicorn", "webapp.asgi:application", "--host", "127.0.0.1", "--port", str(port),
-         "--log-level", "warning", "--no-access-log"], cwd=ROOT, env=env)
+         "--log-level", "warning", "--no-access-log"], cwd=root, env=env)
     base = f"http://127.0.0.1:{port}"
     for _ in range(300):
         try:
@@ -137,7 +149,112 @@ def bench_endpoint(base: str, n: int, batch: int, clients: int, redact: bool = F
     elapsed = time.perf_counter() - start
     if accepted != len(events):
         raise RuntimeError(f"only {accepted} of {len(events)} events were accepted")
+    stored_count_check(creds.project, len(events) + 10)  # and the 10 of the warm-up
     return len(events) / elapsed
+
+
+def stored_count_check(project, sent: int) -> None:
+    """An acknowledged event is in the database: the rows stored equal the events sent (each
+    trajectory with its one step), counted after the run, not taken from the answers."""
+    from feedback.models import FeedbackEvent, Step, Trajectory
+
+    trajectories = Trajectory.objects.filter(project=project).count()
+    stored = trajectories + FeedbackEvent.objects.filter(project=project).count()
+    steps = Step.objects.filter(trajectory__project=project).count()
+    if stored != sent or steps != trajectories:
+        raise RuntimeError(f"{sent} events were sent and acknowledged but the database holds {stored} "
+                           f"({trajectories} trajectories with {steps} steps): events were lost")
+
+
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def _cpu_s(pid: int, children: bool = False) -> float:
+    """CPU seconds of process `pid` (user + system), with its waited-for children when asked."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    ticks = int(fields[11]) + int(fields[12]) + ((int(fields[13]) + int(fields[14])) if children else 0)
+    return ticks / _TICK
+
+
+def _postmaster_pid() -> int | None:
+    """The database server's main process when it runs on this machine and we may read it."""
+    from django.db import connection
+
+    try:
+        with connection.cursor() as cur:
+            cur.execute("SHOW data_directory")
+            return int((Path(cur.fetchone()[0]) / "postmaster.pid").read_text().split()[0])
+    except Exception:  # noqa: BLE001 - a remote or locked-down server: no CPU column
+        return None
+
+
+def _db_cpu_s(postmaster: int | None) -> float | None:
+    """CPU seconds of the whole database server: the postmaster, the backends it has reaped, the
+    ones alive (connections, the WAL writer, the checkpointer, autovacuum)."""
+    if postmaster is None:
+        return None
+    total = _cpu_s(postmaster, children=True)
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                stat = Path(entry.path, "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(stat[1]) == postmaster:
+                total += (int(stat[11]) + int(stat[12])) / _TICK
+    return total
+
+
+def bench_side(base: str, pid: int, postmaster: int | None, n: int, batch: int, clients: int) -> dict[str, float]:
+    """One run of `bench_endpoint` with the CPU it cost: the web server's and the database's,
+    in microseconds an event (noise-free next to the wall clock on a shared machine)."""
+    web0, db0 = _cpu_s(pid), _db_cpu_s(postmaster)
+    rate = bench_endpoint(base, n, batch, clients)
+    web1, db1 = _cpu_s(pid), _db_cpu_s(postmaster)
+    out = {"rate": rate, "web_us": (web1 - web0) / n * 1e6}
+    if db0 is not None and db1 is not None:
+        out["db_us"] = (db1 - db0) / n * 1e6
+    return out
+
+
+def compare(url: str, before: Path, n: int, clients: int, rounds: int) -> tuple[list[str], dict[str, object]]:
+    """The checkout at `before` against this one, both served at once on the same database,
+    interleaved: every round runs both sides at batch 100 and 1,000, the order swapped every
+    round. Medians over the rounds, with the range; the load is the 1-minute average."""
+    import statistics
+
+    servers = {"before": _serve(url, before), "after": _serve(url, ROOT)}
+    postmaster, loads = _postmaster_pid(), []
+    runs: dict[tuple[str, int], list[dict[str, float]]] = {}
+    try:
+        for _, base in servers.values():  # first requests import and connect: not measured
+            bench_endpoint(base, 1000, 100, clients)
+        for k in range(rounds):
+            for side in (("before", "after") if k % 2 == 0 else ("after", "before")):
+                proc, base = servers[side]
+                for batch in (100, 1000):
+                    runs.setdefault((side, batch), []).append(bench_side(base, proc.pid, postmaster, n, batch, clients))
+                    loads.append(os.getloadavg()[0])
+    finally:
+        for proc, _ in servers.values():
+            proc.terminate()
+            proc.wait(20)
+    lines = [f"{'batch':>5} {'side':<7} {'events/s median':>16} {'range':>15} {'web CPU us/ev':>14} {'db CPU us/ev':>13}"]
+    out: dict[str, object] = {"rounds": rounds, "events": n, "clients": clients,
+                              "load_1m": [round(min(loads), 1), round(statistics.median(loads), 1), round(max(loads), 1)],
+                              "cores": os.cpu_count()}
+    for (side, batch), got in sorted(runs.items(), key=lambda kv: (kv[0][1], kv[0][0] != "before")):
+        rates = [g["rate"] for g in got]
+        web = statistics.median(g["web_us"] for g in got)
+        db = statistics.median(g["db_us"] for g in got) if all("db_us" in g for g in got) else float("nan")
+        lines.append(f"{batch:>5} {side:<7} {statistics.median(rates):>16.0f} {min(rates):>7.0f}-{max(rates):<7.0f} "
+                     f"{web:>14.1f} {db:>13.1f}")
+        out[f"{side}_batch{batch}"] = {"events_per_s": round(statistics.median(rates), 1),
+                                       "range": [round(min(rates), 1), round(max(rates), 1)],
+                                       "web_cpu_us_per_event": round(web, 1), "db_cpu_us_per_event": round(db, 1)}
+    lines.append(f"load (1-minute average) during the runs: min {min(loads):.1f}, median {statistics.median(loads):.1f}, "
+                 f"max {max(loads):.1f} on {os.cpu_count()} cores; every run's stored rows counted against what was sent")
+    return lines, out
 
 
 def bench_inprocess(batch: int = 1000, pairs: int = 15) -> dict[str, float]:
@@ -273,11 +390,20 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1000, help="events a batch in the redaction column")
     parser.add_argument("--pairs", type=int, default=15, help="interleaved off/on pairs (at least 7)")
     parser.add_argument("--quick", action="store_true", help="the redaction column at batch 50, 7 pairs")
+    parser.add_argument("--before", help="a checkout to compare with (git worktree add ../before main): both served "
+                                         "on one database, batch 100 and 1,000 interleaved, CPU per event")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of --before")
     args = parser.parse_args()
     if args.pairs < 7:
         parser.error("--pairs must be at least 7: fewer pairs give no spread worth reading")
 
     url = setup_django(BENCH_DB)
+    if args.before is not None:
+        lines, compared = compare(url, Path(args.before).resolve(), args.events, args.clients, args.rounds)
+        print("\n".join(lines))
+        if args.json:
+            print(json.dumps(compared))
+        return
     if args.quick:  # in process only: no server to start
         lines, redaction = redaction_summary(50, 7)
         print("\n".join(lines))

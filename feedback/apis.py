@@ -23,6 +23,7 @@ from rest_framework.pagination import CursorPagination
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from core import dbthreads
 from core.errors import (
     RETRY_AFTER_S,
     STORE_ERRORS,
@@ -63,21 +64,31 @@ class IngestApi(APIView):
     )
     def post(self, request) -> Response:
         body = _body(request)
-        try:
-            # The key or secret is looked up in the database too: an outage answers 503 there as well.
-            principal = _principal(request, body)
-            events = _events(body)
-            ingest_rate_check(principal.project, len(events))
-            webhook_id = request.headers.get("webhook-id") if principal.via == "webhook" else None
-            results = feedback_ingest(principal.project, events, webhook_id=webhook_id,
-                                      on_commit=_notifier(principal.project.id))
-        except STORE_ERRORS as exc:
-            raise store_unavailable(
-                exc, f"Retry after {RETRY_AFTER_S} seconds (Retry-After) with the same body and webhook-id; "
-                     "nothing from this request was stored, and events stored before are answered as duplicates.",
-            ) from exc
-        counts = {s: sum(1 for r in results if r.status == s) for s in ("accepted", "duplicate", "rejected")}
-        return Response({"results": [r.as_dict() for r in results], **counts}, status=202)
+        threads = settings.INGEST_DB_THREADS
+        if threads and isinstance(request._request, ASGIRequest):
+            # Under ASGI each request is a new thread, hence a new connection: the database work
+            # goes to threads that keep theirs (core.dbthreads). Its answer, or its error, comes
+            # back here; the transaction committed (or rolled back) before that.
+            return dbthreads.run("ingest", threads, lambda: _ingest(request, body))
+        return _ingest(request, body)
+
+
+def _ingest(request, body: bytes) -> Response:
+    try:
+        # The key or secret is looked up in the database too: an outage answers 503 there as well.
+        principal = _principal(request, body)
+        events = _events(body)
+        ingest_rate_check(principal.project, len(events))
+        webhook_id = request.headers.get("webhook-id") if principal.via == "webhook" else None
+        results = feedback_ingest(principal.project, events, webhook_id=webhook_id,
+                                  on_commit=_notifier(principal.project.id))
+    except STORE_ERRORS as exc:
+        raise store_unavailable(
+            exc, f"Retry after {RETRY_AFTER_S} seconds (Retry-After) with the same body and webhook-id; "
+                 "nothing from this request was stored, and events stored before are answered as duplicates.",
+        ) from exc
+    counts = {s: sum(1 for r in results if r.status == s) for s in ("accepted", "duplicate", "rejected")}
+    return Response({"results": [r.as_dict() for r in results], **counts}, status=202)
 
 
 _BYTE_COUNT = re.compile(r"[0-9]+")

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import json
 import math
 import re
 import sys
@@ -62,6 +61,7 @@ EARLIEST = datetime(2000, 1, 1, tzinfo=UTC)
 MAX_AHEAD = timedelta(days=1)
 _FLOAT_MAX = sys.float_info.max
 _BAD_CHAR = re.compile("[\x00\ud800-\udfff]")
+_NUMBERS = {float, int}
 _FINITE = "send a finite number (NaN, Infinity and numbers beyond +-1.8e308 are refused)"
 KNOWN_SIGNALS = frozenset({"happy", "sad", "accept", "reject", "edit_kept", "followup_dissatisfied"})
 SOURCES = frozenset({"live", "simulated", "eval"})
@@ -87,17 +87,21 @@ class EventError(ValueError):
         super().__init__(message.encode("utf-8", "backslashreplace").decode("utf-8"))
 
 
+# A record's JSON fields hold the checked values themselves (not their text): the service
+# serialises a whole batch once (one json.dumps in C), not every field of every event.
+
+
 @dataclass(slots=True)
 class StepRecord:
     index: int
     role: str
     content: str
-    tool_calls: str | None  # JSON text
-    token_ids: str | None
-    logprobs: str | None
-    routing: str | None
+    tool_calls: Any  # checked JSON value, or None
+    token_ids: list[int] | None
+    logprobs: list[float] | None
+    routing: list | None
     reward: float | None
-    extra: str
+    extra: dict
 
 
 @dataclass(slots=True)
@@ -106,9 +110,9 @@ class TrajectoryRecord:
     policy_version: int | None
     source: str
     task: str
-    tags: str  # JSON text
-    prompt: str
-    extra: str
+    tags: list[str]
+    prompt: list
+    extra: dict
     occurred_at: datetime
     steps: list[StepRecord] = field(default_factory=list)
     user_hash: str = ""
@@ -123,8 +127,8 @@ class FeedbackRecord:
     value: float | None
     step: int | None
     user_hash: str
-    aspect_labels: str | None
-    extra: str
+    aspect_labels: dict | None
+    extra: dict
     occurred_at: datetime
     consent: str | None = None
 
@@ -175,9 +179,9 @@ def parse_trajectory(raw: dict, now: datetime, user_key: str = "") -> Trajectory
         policy_version=_optional_int(raw.get("policy_version"), "policy_version"),
         source=source,
         task=_optional_str(raw.get("task"), "task", MAX_TASK_CHARS),
-        tags=_json_text(tags, "tags"),
-        prompt=_json_text(_prompt(raw.get("prompt")), "prompt"),
-        extra=_json_text(_extra(raw, _TRAJECTORY_FIELDS), ""),
+        tags=_json_value(tags, "tags"),
+        prompt=_json_value(_prompt(raw.get("prompt")), "prompt"),
+        extra=_json_value(_extra(raw, _TRAJECTORY_FIELDS), ""),
         occurred_at=_timestamp(raw.get("occurred_at"), now),
         steps=[_step(i, s, prompt_ids if i == first else None) for i, s in enumerate(steps)],
         user_hash=hash_user(user, user_key) if user is not None else "",
@@ -200,8 +204,8 @@ def parse_feedback(raw: dict, now: datetime, user_key: str) -> FeedbackRecord:
         value=_signal_value(signal, raw.get("value")),
         step=_optional_int(raw.get("step"), "step"),
         user_hash=hash_user(user, user_key) if user is not None else "",
-        aspect_labels=_json_text(labels, "aspect_labels") if labels is not None else None,
-        extra=_json_text(_extra(raw, _FEEDBACK_FIELDS), ""),
+        aspect_labels=labels,
+        extra=_json_value(_extra(raw, _FEEDBACK_FIELDS), ""),
         occurred_at=_timestamp(raw.get("occurred_at"), now),
         consent=_consent(raw.get("consent")),
     )
@@ -316,12 +320,12 @@ def _step(index: int, raw: Any, prompt_ids: list[int] | None) -> StepRecord:
         index=index,
         role=role,
         content=content,
-        tool_calls=_json_text(calls, f"{where}.tool_calls") if calls is not None else None,
-        token_ids=json.dumps(token_ids) if token_ids is not None else None,
-        logprobs=json.dumps(logprobs) if logprobs is not None else None,
-        routing=json.dumps(routing) if routing is not None else None,
+        tool_calls=_json_value(calls, f"{where}.tool_calls") if calls is not None else None,
+        token_ids=token_ids,
+        logprobs=logprobs,
+        routing=routing,
         reward=_bounded(raw.get("reward"), f"{where}.reward", -VALUE_LIMIT, VALUE_LIMIT),
-        extra=_json_text(_extra(raw, _STEP_FIELDS), where),
+        extra=_json_value(_extra(raw, _STEP_FIELDS), where),
     )
 
 
@@ -336,6 +340,8 @@ def _tokens(token_ids: Any, logprobs: Any, where: str) -> None:
         raise EventError(
             f"{where}: {len(token_ids)} token_ids but {n} logprobs; send one log-prob per token id"
         )
+    if _all_logprobs(logprobs):
+        return
     for i, lp in enumerate(logprobs):
         value = _as_float(lp)
         # The ceiling tolerates rounding above 0; the floor keeps exp() and float32 meaningful.
@@ -387,6 +393,13 @@ def _routing(raw: Any, token_ids: Any, prompt_ids: list[int] | None, where: str)
         i, j = next((i, j) for i, p in enumerate(raw) for j, e in enumerate(p) if not _all_ints(e, 0, MAX_EXPERT_ID))
         raise EventError(f"{where}[{i}][{j}] must be {top_k} expert ids, integers in [0, {MAX_EXPERT_ID}], "
                          f"got {_show(raw[i][j])}")
+
+
+def _all_logprobs(values: list) -> bool:
+    """values are floats or ints (not bools) in [MIN_LOGPROB, 1e-6], at C speed. A NaN can slip
+    past min() and max() but not past the sum (NaN too); an infinity fails the range itself."""
+    return not values or (set(map(type, values)) <= _NUMBERS and MIN_LOGPROB <= min(values)
+                          and max(values) <= 1e-6 and not math.isnan(sum(values)))
 
 
 def _all_ints(values: list, low: int, high: int) -> bool:
@@ -498,14 +511,14 @@ def _char_problem(bad: re.Match) -> str:
             "send text as UTF-8 (a \\ud800-\\udfff escape must be half of a pair)")
 
 
-def _json_text(value: Any, name: str) -> str:
-    """Free-form JSON (prompt, tool calls, extra fields) as text for a jsonb column."""
+def _json_value(value: Any, name: str) -> Any:
+    """Free-form JSON (prompt, tool calls, extra fields) checked for a jsonb column."""
     problem = _json_problem(value, 0)
     if problem is not None:
         path, what = problem
         where = f"{name}{path}".lstrip(".")
         raise EventError(f"'{where}' {what}" if where else f"the event {what}")
-    return json.dumps(value, allow_nan=False, ensure_ascii=False)
+    return value
 
 
 def _json_problem(value: Any, depth: int) -> tuple[str, str] | None:

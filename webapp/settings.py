@@ -240,6 +240,9 @@ FLYWHEEL_PUSH_MAX_BYTES = env_int("FLYWHEEL_PUSH_MAX_BYTES", 8 * 1024**3)
 FLYWHEEL_SERVE_RATE_PER_KEY = env_int("FLYWHEEL_SERVE_RATE_PER_KEY", 600)
 FLYWHEEL_SERVE_RATE_PER_PROJECT = env_int("FLYWHEEL_SERVE_RATE_PER_PROJECT", 6000)
 INGEST_STATEMENT_TIMEOUT_MS = env_int("INGEST_STATEMENT_TIMEOUT_MS", 15_000)
+# Threads (each keeping one database connection) that run the ingest endpoint's database work under
+# ASGI (core.dbthreads); 0 runs it in the request's own thread, with a connection of its own.
+INGEST_DB_THREADS = env_int("INGEST_DB_THREADS", 4)
 # What one read may cost: a page of the read API holds at most this much JSON (and `limit` rows),
 # a step's token ids, log-probs and routing at most this many items there (the first ones), and
 # the replay page shows at most this many tokens and heatmap columns per step.

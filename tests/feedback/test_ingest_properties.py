@@ -245,6 +245,6 @@ def test_the_parser_only_ever_raises_event_error(event):
         str(exc).encode("utf-8")  # the reason can be sent back
         return
     assert EARLIEST <= record.occurred_at <= now + timedelta(days=1)
-    texts = [record.extra] + ([record.prompt, record.tags] if hasattr(record, "prompt") else [])
-    for value in texts:
-        _clean(json.loads(value))
+    values = [record.extra] + ([record.prompt, record.tags] if hasattr(record, "prompt") else [])
+    for value in values:
+        _clean(json.loads(json.dumps(value, allow_nan=False)))  # JSON as the service serialises it
