@@ -7,6 +7,7 @@ same seeded mini-batches and hand every step's metrics to `on_step` as the step 
 
 from __future__ import annotations
 
+import json
 import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import asdict
@@ -146,10 +147,9 @@ def save_candidate(model: PreTrainedModel, base_dir: Path, folder: Path, precisi
     if precision == "fp32":
         model.save_pretrained(folder)
         return
-    # The config names the served dtype, so a loader asked for "auto" (vLLM) computes in it.
-    master = model.config.dtype
-    model.config.dtype = torch.bfloat16
-    try:
-        model.save_pretrained(folder, state_dict=serving_state_dict(model.state_dict(), precision))
-    finally:
-        model.config.dtype = master
+    model.save_pretrained(folder, state_dict=serving_state_dict(model.state_dict(), precision))
+    # The config names the served dtype (save_pretrained writes the masters'), so a loader asked
+    # for "auto" (vLLM) computes in it.
+    config = json.loads((folder / "config.json").read_text())
+    config["dtype"] = "bfloat16"
+    (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
