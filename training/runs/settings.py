@@ -19,7 +19,14 @@ from typing import Any
 
 from core.errors import BadRequest
 from training.corpora.config import ReplayConfig
-from training.rl.config import PRECISIONS, AdapterConfig, RLConfig, agent_config, group_config, precision_value
+from training.rl.config import (
+    PRECISIONS,
+    AdapterConfig,
+    RLConfig,
+    agent_config,
+    group_config,
+    precision_value,
+)
 
 # How to fix each setting, for the error a refused one gets.
 FIXES = {
