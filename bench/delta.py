@@ -18,7 +18,17 @@ reference). Hashes follow torch's thread count: 1 here.
 The level sweep at the end is how kernels.delta.LEVEL / FULL_LEVEL were chosen.
 (c) LoRA adapters (training/rl/lora.py) on the demo policy's shape (bootstrap_policy's default,
 fp32 as its versions are stored), trained 3 AdamW steps on random tokens: the base's raw bytes over
-the stored adapter blob (`adapter_ratio`: the default rank 8 on q/k/v/o), per rank and targets.
+the stored adapter blob (`adapter_ratio`: the default, rank 8 on q/v, PEFT's default targets for
+Qwen2/Llama), per rank, targets and the adapter's stored dtype (a bf16 run stores it in bf16).
+(d) real RL updates on bench/rl_step.py's 25M shape: the training job's loop (torch engine
+rollouts of 8 prompts x G=8, the toy reward, `rl_step` with fused AdamW at lr 1e-5), in fp32 and in
+bf16 (training.rl.precision: float32 masters, bf16 autocast, each step's weights cast to bf16 and
+delta'd against the previous step's bf16 weights, as a bf16 run's versions are stored). Step 1 is
+AdamW's first step (lr x sign(g): every weight moves by lr), the later ones its running estimate;
+`real_delta_ratio_bf16` is the last step's ratio (raw bytes / delta bytes), `_vs_full` the same
+delta against the full snapshot's compressed bytes.
+
+    .venv/bin/python bench/delta.py --quick --json   # seconds: small tensors, the 0.6M shape, 2 steps
 """
 
 from __future__ import annotations
@@ -41,10 +51,12 @@ from kernels import delta  # noqa: E402
 
 torch.set_num_threads(1)  # "same core": every codec here runs on one thread
 N_SYNTH = 8_000_000
+REPEAT = 5  # best of; 1 in --quick
 
 
-def best_seconds(fn: Callable[[], Any], repeat: int = 5) -> float:
+def best_seconds(fn: Callable[[], Any], repeat: int | None = None) -> float:
     times = []
+    repeat = min(repeat or REPEAT, REPEAT)
     for _ in range(repeat):
         start = time.perf_counter()
         fn()
@@ -196,6 +208,15 @@ def full_snapshot(state: dict[str, torch.Tensor], full_level: int) -> dict[str, 
             "of_bound": raw / len(blob) / bound, "enc_mb_s": raw / enc / 1e6}  # fmt: skip
 
 
+ADAPTER_CASES = [  # (rank, targets, stored dtype); the first is the default
+    (8, ("q_proj", "v_proj"), torch.float32),
+    (8, ("q_proj", "v_proj"), torch.bfloat16),
+    (8, ("q_proj", "k_proj", "v_proj", "o_proj"), torch.float32),
+    (4, ("q_proj", "v_proj"), torch.float32),
+    (16, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"), torch.float32),
+]
+
+
 def adapter_sizes(steps: int = 3) -> list[dict[str, Any]]:
     """Base raw bytes / stored adapter bytes for LoRA adapters of the demo policy's shape."""
     # Imported here: the codec tables above need neither transformers nor PEFT.
@@ -206,9 +227,9 @@ def adapter_sizes(steps: int = 3) -> list[dict[str, Any]]:
     from training.rl.lora import adapter_state_dict, lora_attach
 
     rows = []
-    for adapter in (AdapterConfig(kind="lora"), AdapterConfig(kind="lora", rank=4, target_modules=("q_proj", "v_proj")),
-                    AdapterConfig(kind="lora", rank=16, target_modules=("q_proj", "k_proj", "v_proj", "o_proj",
-                                                                       "gate_proj", "up_proj", "down_proj"))):
+    assert AdapterConfig(kind="lora").target_modules == ADAPTER_CASES[0][1]
+    for rank, targets, dtype in ADAPTER_CASES:
+        adapter = AdapterConfig(kind="lora", rank=rank, target_modules=targets)
         torch.manual_seed(0)
         model = Qwen2ForCausalLM(model_config(PolicyConfig(), 0))
         base = raw_bytes(model.state_dict())
@@ -219,20 +240,68 @@ def adapter_sizes(steps: int = 3) -> list[dict[str, Any]]:
             model(input_ids=ids, labels=ids).loss.backward()
             opt.step()
             opt.zero_grad()
-        blob = delta.encode(adapter_state_dict(model))
-        rows.append({"case": f"r{adapter.rank} {'/'.join(t.split('_')[0] for t in adapter.target_modules)}",
+        blob = delta.encode(adapter_state_dict(model, dtype))
+        kind = "bf16" if dtype == torch.bfloat16 else "fp32"
+        rows.append({"case": f"r{adapter.rank} {'/'.join(t.split('_')[0] for t in adapter.target_modules)} {kind}",
                      "base_bytes": base, "adapter_bytes": len(blob), "ratio": base / len(blob)})
     return rows
 
 
+def real_rl_rows(precision: str, steps: int, shape: str) -> tuple[list[dict[str, Any]], float]:
+    """Per-step deltas of real RL updates (bench/rl_step.py's loop, lr 1e-5) in `precision`, each
+    step's weights in that precision's serving dtype against the step before; and the full
+    snapshot's compressed bytes of the starting weights."""
+    from bench import rl_step
+    from training.rl.precision import compute_context, serving_state_dict
+
+    size = "" if shape == "tiny" else f"-{shape}"
+    folder = rl_step.build_model(Path(rl_step.ROOT / "var" / f"bench-rl-model{size}"), rl_step.SIZES[shape])
+    torch.manual_seed(0)
+    ours = rl_step.Ours(folder, rl_step.make_prompts(folder, 8, 30), 8, 24, 1e-5, "torch")
+    parent = serving_state_dict(ours.model.state_dict(), precision)
+    full = len(delta.encode(parent))
+    rows = []
+    for step in range(steps):
+        batch = ours.batch(ours.rollout(), step)
+        with compute_context(precision):
+            ours.update(batch)
+        ours.sync_weights(step + 1)
+        child = serving_state_dict(ours.model.state_dict(), precision)
+        blob = delta.encode(child, parent)
+        rows.append({"case": f"rl {shape} {precision} s{step + 1}", "changed": changed_fraction(child, parent),
+                     "ratio": raw_bytes(child) / len(blob), "vs_full": full / len(blob)})
+        parent = child
+    ours.close()
+    return rows, raw_bytes(parent) / full
+
+
+def real_rl_table(steps: int, shape: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    rows = []
+    for precision in ("fp32", "bf16"):
+        got, full_ratio = real_rl_rows(precision, steps, shape)
+        rows += got
+        out[precision] = {"last": got[-1], "first": got[0], "full_ratio": full_ratio}
+    print(f"real RL updates ({shape} shape, lr 1e-5, 8 prompts x G=8); ratio = raw bytes of the serving dtype / "
+          "delta bytes; vs_full = the full snapshot's bytes / delta bytes")
+    print_table(rows, ["case", "changed", "ratio", "vs_full"])
+    return out
+
+
 def main() -> None:
+    global N_SYNTH, REPEAT
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print one JSON line last")
+    parser.add_argument("--quick", action="store_true", help="seconds: 1M-weight tensors, the 0.6M shape, 2 steps")
+    parser.add_argument("--rl-steps", type=int, default=8, help="real RL steps per precision (25M shape)")
     args = parser.parse_args()
+    if args.quick:
+        N_SYNTH, REPEAT = 1_000_000, 1
+    rl = real_rl_table(2 if args.quick else args.rl_steps, "tiny" if args.quick else "small")
 
     rows = []
     for lr in (1e-5, 1e-4):
-        states = real_checkpoints(lr)
+        states = real_checkpoints(lr, steps=1 if args.quick else 3)
         rows += [measure_pair(f"real lr={lr:g} s{i + 1}", states[i + 1], states[i], delta.LEVEL) for i in range(len(states) - 1)]
     synth = {frac: synthetic(frac) for frac in (0.01, 0.03, 0.17)}
     rows += [measure_pair(f"synth {frac:.0%}", *pair, delta.LEVEL) for frac, pair in synth.items()]
@@ -242,7 +311,7 @@ def main() -> None:
 
     fast_enc, _ = zstd1_speed(synth[0.01][0], level=-1)
     one = next(r for r in rows if r["case"] == "synth 1%")
-    h = head_to_head(*synth[0.01])
+    h = head_to_head(*synth[0.01], rounds=1 if args.quick else 9)
     z_enc, z_dec = h["z_enc"], h["z_dec"]
     nohash = 1 / (1 / h["enc"] - 1 / h["blake3"])  # MB/s of the codec alone
     with_sha = 1 / (1 / nohash + 1 / h["sha256"])  # the same codec with format 1's SHA-256
@@ -290,7 +359,15 @@ def main() -> None:
             "level": delta.LEVEL,
             "full_level": delta.FULL_LEVEL,
             "adapter_ratio": round(adapters[0]["ratio"], 1),
+            "adapter_ratio_bf16": round(adapters[1]["ratio"], 1),
             "adapter_ratios": {a["case"]: round(a["ratio"], 1) for a in adapters},
+            "real_delta_ratio_bf16": round(rl["bf16"]["last"]["ratio"], 2),
+            "real_delta_ratio_bf16_vs_full": round(rl["bf16"]["last"]["vs_full"], 2),
+            "real_delta_ratio_bf16_first": round(rl["bf16"]["first"]["ratio"], 2),
+            "real_delta_changed_bf16": round(rl["bf16"]["last"]["changed"], 4),
+            "real_delta_ratio_fp32": round(rl["fp32"]["last"]["ratio"], 2),
+            "real_delta_ratio_fp32_first": round(rl["fp32"]["first"]["ratio"], 2),
+            "real_delta_rl_steps": 2 if args.quick else args.rl_steps,
         }))  # fmt: skip
 
 

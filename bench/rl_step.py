@@ -42,6 +42,11 @@ Figures (per size; `_small` suffix for the small size):
   generated in 0.038 s against vLLM's 0.086; at small 1.03 s against the torch engine's 1.10,
   one thread: a sync step 2.27x TRL against 2.24x, and the async loop no faster).
 
+* `_bf16` keys (`--precisions`, on by default): the extra figure with both sides in bf16 mixed
+  precision, float32 master weights and bf16 autocast: ours as a run with `precision: "bf16"` trains
+  (training.rl.precision: the update under autocast; the torch engine's rollouts stay float32), TRL
+  with `bf16=True`, its own default. vLLM loops are left out of it.
+
 Every phase of every loop is timed and printed (median s/step). The machine may be shared: runs
 are interleaved (`--reps` rounds of TRL 1 thread, ours, TRL 2 threads, ...), each figure is a
 median over rounds of each run's median step, and the load average is printed with the table.
@@ -53,6 +58,7 @@ subprocess too (its thread count set before torch starts, and no vLLM state in i
 
     .venv/bin/python bench/rl_step.py                       # both sizes, table
     .venv/bin/python bench/rl_step.py --sizes tiny --json   # table, then one JSON line last
+    .venv/bin/python bench/rl_step.py --quick --json        # seconds: ours only, tiny, bf16
 """
 
 from __future__ import annotations
@@ -223,8 +229,10 @@ def bench_production(folder: Path, prompts: list[list[int]], args: argparse.Name
     into the in-process torch engine, generate + reward + pack, pi_old as the job takes it (the
     engine's log-probs), one rl_step. Runs in this process (the caller sets the
     thread count); also times the plain-torch floor on each batch, outside the step."""
+    from training.rl.precision import compute_context
     from training.rl.trainer import pi_old
 
+    precision = getattr(args, "precision", "fp32")
     ours = Ours(folder, prompts, args.G, args.completion, args.lr, "torch")
     assert ours.engine is not None
     parts: dict[str, list[float]] = {k: [] for k in ("full_s", "push_s", "gen_s", "batch_s", "pi_old_s", "update_s",
@@ -239,7 +247,8 @@ def bench_production(folder: Path, prompts: list[list[int]], args: argparse.Name
         # every row was sampled here from the weights the step starts from: pi_old is the engine's
         t_old, old = timed(lambda b=batch: pi_old(ours.model, b, [True] * b.size, ours.cfg))
         batch.old_logprobs = old
-        t_update, _ = timed(lambda b=batch: ours.update(b))
+        with compute_context(precision):  # bf16: float32 masters, bf16 autocast (the training job's Updates)
+            t_update, _ = timed(lambda b=batch: ours.update(b))
         full = time.perf_counter() - start
         t_plain, _ = timed(lambda b=batch: plain_update(ours.model, b, ours.opt))
         if v >= args.warmup:
@@ -450,7 +459,8 @@ def trl_worker(config_path: str) -> None:
         output_dir=tempfile.mkdtemp(), per_device_train_batch_size=n_seq, num_generations=c["G"],
         max_completion_length=c["completion"], generation_kwargs={"min_new_tokens": c["completion"]},
         learning_rate=c["lr"], beta=0.0, max_steps=c["warmup"] + c["steps"], use_cpu=True, report_to="none",
-        logging_steps=1, save_strategy="no", shuffle_dataset=False, temperature=1.0, bf16=False,
+        logging_steps=1, save_strategy="no", shuffle_dataset=False, temperature=1.0,
+        bf16=c.get("precision") == "bf16",  # TRL's own default: mixed precision, float32 masters
         disable_tqdm=True, seed=0,
     )
     trainer = GRPOTrainer(model=c["folder"], reward_funcs=lambda completions, **kw: [reward_of(t) for t in completions],
@@ -499,9 +509,10 @@ def measure_size(name: str, args: argparse.Namespace) -> dict[str, Any]:
     runs: dict[str, list[dict[str, Any]]] = {}
     for _ in range(args.reps):
         for t in threads:
-            runs.setdefault(f"trl{t}", []).append(bench_trl(folder, prompts, size_args, threads=t))
+            if args.trl:
+                runs.setdefault(f"trl{t}", []).append(bench_trl(folder, prompts, size_args, threads=t))
             runs.setdefault(f"prod{t}", []).append(run_production(folder, prompts, size_args, threads=t))
-        if args.vllm:
+        if args.vllm and size_args.precision == "fp32":
             runs.setdefault("sync", []).append(bench_ours(folder, prompts, size_args, "vllm"))
             runs.setdefault("async", []).append(bench_async(folder, prompts, size_args))
     med = {k: {f: statistics.median(r[f] for r in v) for f in v[0]} for k, v in runs.items()}
@@ -529,8 +540,24 @@ def _rate(r: dict[str, Any], key: str = "full_s") -> float:
     return r["tokens"] / r[key]
 
 
+def report_ours(m: dict[str, Any]) -> dict[str, Any]:
+    """Our loop alone (--quick, or --no-trl): its phases, no comparison."""
+    a, threads = m["args"], m["threads"]
+    print(f"\n[{m['name']}: {m['params'] / 1e6:.1f}M params, {a.precision}] ours only (TRL left out); "
+          f"load average {m['load']}")
+    out: dict[str, Any] = {"params": m["params"]}
+    for t in threads:
+        p = m[f"prod{t}"]
+        print(f"ours: production loop, {t} thr: {p['full_s']:.3f} s/step, update {p['update_s']:.3f} s, "
+              f"{_rate(p):,.0f} tokens/s")
+        out[f"ours_tokens_per_s_{t}thr"] = _rate(p)
+    return out
+
+
 def report(m: dict[str, Any]) -> dict[str, Any]:
     a, threads = m["args"], m["threads"]
+    if f"trl{threads[0]}" not in m:
+        return report_ours(m)
     best_prod = max((m[f"prod{t}"] for t in threads), key=_rate)
     best_trl = max((m[f"trl{t}"] for t in threads), key=_rate)
     t_prod = next(t for t in threads if m[f"prod{t}"] is best_prod)
@@ -557,7 +584,7 @@ def report(m: dict[str, Any]) -> dict[str, Any]:
                  ("  update", sync["tokens"], sync["update_s"]),
                  ("  push weights to vLLM", sync["tokens"], sync["push_s"]),
                  ("ours: vLLM async rollouts+train+push", overlap["tokens"], overlap["step_s"])]
-    print(f"\n[{m['name']}: {m['params'] / 1e6:.1f}M params] {a.prompts} prompts x G={a.G}, "
+    print(f"\n[{m['name']}: {m['params'] / 1e6:.1f}M params, {a.precision}] {a.prompts} prompts x G={a.G}, "
           f"{a.prompt_len}+{a.completion} tokens, median of {a.steps} steps after {a.warmup} warm-up, "
           f"{a.reps} interleaved round(s); load average {m['load']}")
     print(f"{'part':<40}{'tokens':>8}{'s/step':>10}{'tokens/s':>12}")
@@ -604,6 +631,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--vllm", action=argparse.BooleanOptionalAction, default=True,
                         help="also time our vLLM sync and async loops (extra figures)")
     parser.add_argument("--model-dir", default=str(ROOT / "var" / "bench-rl-model"))
+    parser.add_argument("--precisions", default="fp32,bf16",
+                        help="fp32: the headline figures; bf16: the extra figure (`_bf16` keys), both sides in "
+                             "bf16 mixed precision (TRL's own default, bf16=True), vLLM loops left out")
+    parser.add_argument("--trl", action=argparse.BooleanOptionalAction, default=True, help="time TRL too")
+    parser.add_argument("--quick", action="store_true",
+                        help="seconds: the tiny size in bf16, one step, one thread, TRL and vLLM left out")
     parser.add_argument("--trl-worker", help=argparse.SUPPRESS)
     parser.add_argument("--prod-worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -611,15 +644,19 @@ def main(argv: list[str] | None = None) -> None:
         return trl_worker(args.trl_worker)
     if args.prod_worker:
         return production_worker(args.prod_worker)
+    if args.quick:
+        args.sizes, args.trl, args.vllm, args.threads, args.precisions = "tiny", False, False, "1", "bf16"
+        args.tiny_steps, args.tiny_warmup = 1, 1
     result: dict[str, Any] = {}
-    for name in args.sizes.split(","):
-        before = os.getloadavg()[0]
-        m = measure_size(name, args)
-        m["load"] = f"{before:.1f} -> {os.getloadavg()[0]:.1f}"
-        figures = report(m)
-        suffix = "" if name == "tiny" else f"_{name}"
-        result.update({f"{k}{suffix}": v for k, v in figures.items()})
-        result[f"load{suffix}"] = m["load"]
+    for precision in args.precisions.split(","):
+        for name in args.sizes.split(","):
+            before = os.getloadavg()[0]
+            m = measure_size(name, argparse.Namespace(**{**vars(args), "precision": precision}))
+            m["load"] = f"{before:.1f} -> {os.getloadavg()[0]:.1f}"
+            figures = report(m)
+            suffix = ("" if name == "tiny" else f"_{name}") + ("" if precision == "fp32" else f"_{precision}")
+            result.update({f"{k}{suffix}": v for k, v in figures.items()})
+            result[f"load{suffix}"] = m["load"]
     if args.json:
         print(json.dumps(result))
 

@@ -21,7 +21,10 @@ ROOT = Path(__file__).resolve().parents[2]
 # A quick mode that needs vLLM or TRL's venv leaves that side out and says so in its output.
 QUICK = ["dashboard.py", "offpeak.py", "agent_rollouts.py", "broadcast.py", "demo_base.py", "gate_base.py",
          "learning_curve.py",
-         "inference.py", "ingest.py", "lineage.py", "midtrain.py", "numerics.py", "reward_model.py", "serving.py", "soak.py"]
+         "inference.py", "ingest.py", "lineage.py", "midtrain.py", "numerics.py", "reward_model.py", "serving.py", "soak.py",
+         # CPU time of each quick mode here (2 cores shared, measured loaded): delta.py 11 s,
+         # rehearsal.py 14 s, rl_step.py ~13 s (one bf16 pass, ours only)
+         "delta.py", "rehearsal.py", "rl_step.py"]
 
 
 @pytest.mark.django_db

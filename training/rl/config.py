@@ -132,9 +132,30 @@ def agent_config(agent: Any) -> dict[str, Any] | None:
     return out
 
 
-# The linear projections of the policy families we train (Qwen2/Llama/Mistral, their MoE twins):
-# attention's four by default, as PEFT's own LoRA recipes and OpenPipe ART do.
-LORA_DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+# A run's compute precision. "fp32": everything in float32 (the default: the trainer's log-probs
+# equal the torch engine's bit for bit, tests/training/rl/test_engine_parity.py). "bf16": float32
+# master weights and AdamW state, forward and backward under bf16 autocast, the candidate's weights
+# saved (served, and delta'd against their parent) in bf16. "auto": bf16 where the hardware computes
+# it natively (a CPU with AVX-512 BF16 or AMX, a CUDA GPU of compute capability >= 8), else fp32;
+# resolved by the worker that trains (training.rl.precision.resolve_precision), recorded in the result.
+PRECISIONS = ("fp32", "bf16", "auto")
+
+
+def precision_value(value: Any) -> str:
+    """A run's `precision` setting, checked (None: "fp32")."""
+    if value is None:
+        return "fp32"
+    if value not in PRECISIONS:
+        raise ValueError(f"precision must be one of {list(PRECISIONS)}, got {value!r}")
+    return str(value)
+
+
+# The linear projections a LoRA adapter sits on by default: q_proj and v_proj, PEFT's own default
+# for Qwen2/Llama/Mistral (peft.utils.constants TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING),
+# what its users expect when they name no targets. Measured on the demo policy (bench/delta.py):
+# rank 8 on q/v stores ~130x fewer bytes than the base, on q/k/v/o 65x. Name more in
+# `target_modules` (attention's four, the MLP's three) for more capacity.
+LORA_DEFAULT_TARGETS = ("q_proj", "v_proj")
 
 
 @dataclass(frozen=True)

@@ -77,15 +77,19 @@ def is_lora(model: nn.Module) -> bool:
     return any(isinstance(m, LoraLayer) for m in model.modules())
 
 
-def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The adapter's tensors under PEFT's saved names (`base_model.model.<module>.lora_A.weight`)."""
-    return {PEFT_PREFIX + k: v.detach().contiguous() for k, v in get_peft_model_state_dict(model).items()}
+def adapter_state_dict(model: nn.Module, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """The adapter's tensors under PEFT's saved names (`base_model.model.<module>.lora_A.weight`),
+    cast to `dtype` when given (a bf16 run's adapter is served in bf16)."""
+    return {PEFT_PREFIX + k: v.detach().to(dtype or v.dtype).contiguous()
+            for k, v in get_peft_model_state_dict(model).items()}
 
 
-def lora_save(model: nn.Module, folder: Path) -> None:
-    """The adapter as PeftModel.save_pretrained writes it: weights and config, nothing of the base."""
+def lora_save(model: nn.Module, folder: Path, precision: str = "fp32") -> None:
+    """The adapter as PeftModel.save_pretrained writes it: weights (in the serving dtype of a
+    resolved `precision`) and config, nothing of the base."""
     folder.mkdir(parents=True, exist_ok=True)
-    save_file(adapter_state_dict(model), folder / ADAPTER_WEIGHTS, metadata={"format": "pt"})
+    dtype = torch.bfloat16 if precision == "bf16" else None
+    save_file(adapter_state_dict(model, dtype), folder / ADAPTER_WEIGHTS, metadata={"format": "pt"})
     config = model.peft_config[ADAPTER_NAME]
     config.save_pretrained(str(folder))
 

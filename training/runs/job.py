@@ -39,6 +39,7 @@ from training.rl.advantages import RunningBaseline
 from training.rl.config import AdapterConfig, RLConfig
 from training.rl.lora import AdapterMismatch, lora_attach, merged_state_dict
 from training.rl.loss import k3
+from training.rl.precision import resolve_precision
 from training.rl.trainer import Batch, Sample, chunked_logprobs, filter_stale, pi_old, prepare_batch
 from training.runs.replay import ReplayRollouts, replay_prompt_count, with_replay
 from training.runs.selectors import training_run_last
@@ -83,8 +84,9 @@ def run(run: TrainingRun, folder: Path, on_step: StepCallback) -> dict[str, Any]
     finally:
         if rollouts:
             rollouts.close()
-    save_candidate(model, base_dir, folder)
-    return {**report, **(rollouts.report() if rollouts else not_sampled), **data.agent_report,
+    precision = resolve_precision(settings.precision)  # what "auto" picked here: the result says
+    save_candidate(model, base_dir, folder, precision)
+    return {**report, **(rollouts.report() if rollouts else not_sampled), **data.agent_report, "precision": precision,
             # popped by training_run_finish into the run's lineage (training.lineage), not the result
             "trained_on": sorted({r.trajectory_id for r in data.rewards} | set(rollouts.learned_from if rollouts else ()))}
 

@@ -19,7 +19,14 @@ from typing import Any
 
 from core.errors import BadRequest
 from training.corpora.config import ReplayConfig
-from training.rl.config import AdapterConfig, RLConfig, agent_config, group_config
+from training.rl.config import (
+    PRECISIONS,
+    AdapterConfig,
+    RLConfig,
+    agent_config,
+    group_config,
+    precision_value,
+)
 
 # How to fix each setting, for the error a refused one gets.
 FIXES = {
@@ -37,6 +44,8 @@ FIXES = {
     "every_minutes": "Give the minutes after which any new data starts a run, e.g. 60.",
     "adapter": ('Give "full", or {"kind": "lora", "rank": 8, "alpha": 16, "dropout": 0.0, '
                 '"target_modules": ["q_proj", "v_proj"]} (rank an integer in [1, 1024], alpha > 0, dropout in [0, 1)).'),
+    "precision": ('Give "fp32" (the default), "bf16" (fp32 master weights, bf16 compute, weights served in bf16) '
+                  'or "auto" (bf16 where the hardware computes it natively, else fp32).'),
     "keys": "Leave out the unknown keys.",
 }
 
@@ -87,6 +96,8 @@ class RunSettings:
     trajectory_ids: tuple[int, ...] | None = None
     # What the run trains: every weight ("full", the default) or a LoRA adapter over the frozen base.
     adapter: AdapterConfig = field(default_factory=AdapterConfig)
+    # The compute precision (training.rl.config.PRECISIONS): "fp32", "bf16" or "auto".
+    precision: str = "fp32"
 
     def __post_init__(self) -> None:
         problems = self._problems()
@@ -148,7 +159,7 @@ class RunSettings:
 
 
 _ORDER = ["keys", "steps", "batch_size", "seed", "max_samples", "epochs", "rl", "group", "agent", "replay",
-          "trajectory_ids", "adapter"]
+          "trajectory_ids", "adapter", "precision"]
 
 
 def _run_problems(values: Mapping[str, Any], skip: Collection[str] = ()) -> list[tuple[str, str]]:
@@ -160,6 +171,8 @@ def _run_problems(values: Mapping[str, Any], skip: Collection[str] = ()) -> list
         ("epochs", epochs is None or 0 < epochs <= 16, f"epochs must be in (0, 16], got {epochs!r}"),
         ("rl", isinstance(values["rl"], RLConfig), "rl must be an RLConfig"),
         ("adapter", isinstance(values["adapter"], AdapterConfig), "adapter must be an AdapterConfig"),
+        ("precision", values["precision"] in PRECISIONS,
+         f"precision must be one of {list(PRECISIONS)}, got {values['precision']!r}"),
     ]
     out = [(name, message) for name, ok, message in checks if not ok and name not in skip]
     for name, check in (("group", group_config), ("agent", agent_config), ("replay", ReplayConfig.from_dict)):
@@ -196,6 +209,11 @@ def _parsed(data: Mapping[str, Any], problems: list[tuple[str, str]]) -> dict[st
             kw["adapter"] = AdapterConfig.from_value(data["adapter"])
         except (TypeError, ValueError) as exc:
             problems.append(("adapter", str(exc)))
+    if "precision" in data:
+        try:
+            kw["precision"] = precision_value(data["precision"])
+        except ValueError as exc:
+            problems.append(("precision", str(exc)))
     ids = data.get("trajectory_ids")
     if ids is not None:
         if isinstance(ids, list | tuple) and all(isinstance(i, int) and not isinstance(i, bool) for i in ids):

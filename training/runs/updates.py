@@ -7,6 +7,7 @@ same seeded mini-batches and hand every step's metrics to `on_step` as the step 
 
 from __future__ import annotations
 
+import json
 import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import asdict
@@ -19,6 +20,7 @@ from transformers import PreTrainedModel
 
 from training.rl.distributed import JobSpec, launch
 from training.rl.lora import is_lora, lora_save
+from training.rl.precision import compute_context, resolve_precision, serving_state_dict
 from training.rl.trainer import Batch, rl_step
 from training.runs.settings import RunSettings
 
@@ -53,12 +55,15 @@ class Updates:
         # Only what trains: every weight, or a LoRA adapter's (its frozen base has no AdamW state).
         trainable = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(trainable, lr=self.cfg.lr, weight_decay=self.cfg.weight_decay, fused=True)
+        # bf16: forward and backward under autocast; the weights and AdamW's state stay float32 (masters).
+        self.precision = resolve_precision(settings.precision)
         self.done = 0
 
     def take(self, batch: Batch, steps: int, seed: int) -> None:
         for mb in _take(_shuffled(batch, self.size, seed), steps):
-            self.on_step(self.done, self.planned, rl_step(self.model, self.ref_model, mb, self.optimizer,
-                                                          self.cfg).to_dict())
+            with compute_context(self.precision):
+                metrics = rl_step(self.model, self.ref_model, mb, self.optimizer, self.cfg).to_dict()
+            self.on_step(self.done, self.planned, metrics)
             self.done += 1
 
     def close(self) -> None:
@@ -129,13 +134,22 @@ def _fresh(folder: Path) -> Path:
     return folder
 
 
-def save_candidate(model: PreTrainedModel, base_dir: Path, folder: Path) -> None:
-    """The base folder's tokenizer and side files, with the trained weights; of a LoRA model, the
-    adapter alone in PEFT's layout (its base's files are the base version's)."""
+def save_candidate(model: PreTrainedModel, base_dir: Path, folder: Path, precision: str = "fp32") -> None:
+    """The base folder's tokenizer and side files, with the trained weights in the serving dtype
+    of `precision` (a resolved one: "fp32" or "bf16"); of a LoRA model, the adapter alone in
+    PEFT's layout (its base's files are the base version's)."""
     if is_lora(model):
-        lora_save(model, folder)
+        lora_save(model, folder, precision)
         return
     for path in base_dir.iterdir():
         if path.is_file() and path.suffix != ".safetensors" and not path.name.endswith(".index.json"):
             shutil.copy2(path, folder / path.name)
-    model.save_pretrained(folder)
+    if precision == "fp32":
+        model.save_pretrained(folder)
+        return
+    model.save_pretrained(folder, state_dict=serving_state_dict(model.state_dict(), precision))
+    # The config names the served dtype (save_pretrained writes the masters'), so a loader asked
+    # for "auto" (vLLM) computes in it.
+    config = json.loads((folder / "config.json").read_text())
+    config["dtype"] = "bfloat16"
+    (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")

@@ -180,7 +180,7 @@ def test_full_fine_tuning_stays_the_default_and_lora_round_trips():
     assert RunSettings.from_dict({}).to_dict()["adapter"]["kind"] == "full"
     s = RunSettings.from_dict({"adapter": {"kind": "lora", "rank": 16, "target_modules": ["q_proj"]}})
     assert RunSettings.from_dict(s.to_dict()) == s and s.adapter.scale == 1.0
-    assert RunSettings.from_dict({"adapter": "lora"}).adapter.target_modules == ("q_proj", "k_proj", "v_proj", "o_proj")
+    assert RunSettings.from_dict({"adapter": "lora"}).adapter.target_modules == ("q_proj", "v_proj")
 
 
 def test_the_rollout_engine_loaded_with_the_merged_weights_scores_as_the_adapter_model(tiny_policy_dir):
