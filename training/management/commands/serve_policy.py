@@ -116,13 +116,7 @@ class Command(BaseCommand):
         if type(opts["background_rollouts"]) is not int or opts["background_rollouts"] < 0:
             raise CommandError("--background-rollouts must be 0 (off) or the most background sequences at once, "
                                f"e.g. 16; got {opts['background_rollouts']!r}")
-        hosts = AdapterHosts(EngineFactory(engine_kind(opts["engine"], opts["serial"]),
-                                           {"max_model_len": opts["max_model_len"]}))
-        try:
-            servers = {slug: self._server(slug, opts, hosts) for slug in projects}
-        except BaseException:
-            hosts.close()
-            raise
+        hosts, servers = self._servers(projects, opts)
         server = servers[projects[0]]
         serving.SERVER, serving.SERVERS = server, servers
         worker = background_start(server, opts["background_rollouts"], opts["max_model_len"])
@@ -156,6 +150,16 @@ class Command(BaseCommand):
                 each.close()
             hosts.close()
             serving.SERVER, serving.SERVERS = None, {}
+
+    def _servers(self, projects: list[str], opts: dict[str, Any]) -> tuple[AdapterHosts, dict[str, PolicyServer]]:
+        """One server per project, the projects' adapter versions on shared base engines."""
+        hosts = AdapterHosts(EngineFactory(engine_kind(opts["engine"], opts["serial"]),
+                                           {"max_model_len": opts["max_model_len"]}))
+        try:
+            return hosts, {slug: self._server(slug, opts, hosts) for slug in projects}
+        except BaseException:
+            hosts.close()
+            raise
 
     def _server(self, slug: str, opts: dict[str, Any], hosts: AdapterHosts) -> PolicyServer:
         project = Project.objects.filter(slug=slug).first()
