@@ -55,10 +55,10 @@ class ProbeReport:
 
 
 def probe_reference(version: PolicyVersion) -> dict[str, Any]:
-    """The trainer's greedy probe tokens and log-probs for `version` (cached per manifest)."""
-    key = version.manifest_hash or f"{version.project_id}-v{version.number}"
-    path = Path(settings.VAR_DIR) / "probes" / f"{key}.json"
-    if path.exists():
+    """The trainer's greedy probe tokens and log-probs for `version` (cached per manifest; a
+    folder-only version, whose folder may change under the same row, is probed each time)."""
+    path = Path(settings.VAR_DIR) / "probes" / f"{version.manifest_hash}.json" if version.manifest_hash else None
+    if path is not None and path.exists():
         return json.loads(path.read_text())
     if version.adapter_base_id is not None:
         host = TorchEngine(policy_folder(version.adapter_base))
@@ -70,6 +70,8 @@ def probe_reference(version: PolicyVersion) -> dict[str, Any]:
     finally:
         engine.close()
         host.close()
+    if path is None:
+        return reference
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".probe-")
     with os.fdopen(fd, "w") as f:
