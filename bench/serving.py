@@ -25,7 +25,9 @@ time) and p50/p95 request latency, and where the CPU went per output token (the 
 vLLM's engine processes, PostgreSQL). With --json the last line is one JSON object with
 ours_tokens_per_s_C, vllm_serve_tokens_per_s_C, serial_tokens_per_s_C, *_p50_s_C, *_p95_s_C,
 and at 16 clients ratio_16 (ours / vllm throughput) and p95_ratio_16 (ours / vllm p95) (and
-baseline_ratio_16, baseline_p95_ratio_16 for the baseline checkout). `--quick` serves ours alone
+baseline_ratio_16, baseline_p95_ratio_16 for the baseline checkout), and the adapter side's
+adapter_tokens_per_s_C, merged_tokens_per_s_C, adapter_ratio_C (bench/serving_adapters.py: two LoRA
+adapters, production + canary, on one engine vs one merged model; --adapters runs it alone). `--quick` serves ours alone
 on the torch engine (vLLM and its server are left out, and it says so), 1 and 2 clients, 1 s each.
 """
 
@@ -49,6 +51,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench._django import setup_django  # noqa: E402
+from bench.serving_adapters import adapter_side, adapter_summary, print_adapter_table  # noqa: E402
 
 BENCH_DB = "flywheel_bench_serving"
 VLLM_SERVE_VENV = ROOT / "var" / "bench-vllm-serve-venv"
@@ -344,6 +347,9 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--no-serial", action="store_true", help="leave out the serialised reference")
     parser.add_argument("--baseline", type=Path, help="another checkout whose serve_policy is driven alike")
+    parser.add_argument("--adapters", action="store_true",
+                        help="only the adapter side: two adapters (production + canary) on one engine vs one "
+                             "merged model, 1/4/16 clients (bench/serving_adapters.py)")
     parser.add_argument("--quick", action="store_true",
                         help="ours alone on the torch engine (no vLLM), 1 and 2 clients, 1 s: that the bench runs")
     args = parser.parse_args()
@@ -360,12 +366,20 @@ def main() -> None:
 
             lines = stdlib_corpus(2_000 if args.quick else 20_000)
             folder = build_policy(Path(tmp) / "policy", PolicyConfig(kind="dense"), lines)
+        side = adapter_side(folder, Path(tmp), "torch" if args.quick else "vllm-async",
+                            (2,) if args.quick else (1, 4, 16), 0.5 if args.quick else args.seconds, args.rounds)
+        if args.adapters:
+            print_adapter_table(side, "torch" if args.quick else "vllm-async")
+            if args.json:
+                print(json.dumps({**adapter_summary(side), "quick": args.quick}))
+            return
         logs = ROOT / "var" / "bench-serving"
         logs.mkdir(parents=True, exist_ok=True)
         results = run(folder, args.seconds, args.rounds, logs, systems, args.baseline, levels, engine)
     print_table(results)
+    print_adapter_table(side, "torch" if args.quick else "vllm-async")
     if args.json:
-        print(json.dumps({**summary(results), "quick": args.quick}))
+        print(json.dumps({**summary(results), **adapter_summary(side), "quick": args.quick}))
 
 
 if __name__ == "__main__":

@@ -100,19 +100,20 @@ def _too_big() -> ServingError:
                         "Send a shorter prompt: it must fit the model's context anyway.")
 
 
-def _serve_auth(request: HttpRequest) -> Principal:
-    """The caller's key: scope `serve` (or admin) of the project this process serves. A process
-    with no policy loaded says so first (503, as /healthz does): no key could be checked yet."""
-    server = serving.current()
-    return _authorised(_principal(_token(request)), server)
+def _serve_auth(request: HttpRequest) -> tuple[Principal, serving.PolicyServer]:
+    """The caller's key (scope `serve`, or admin) and the server of its project, among those this
+    process serves: a request only ever reaches its own project's versions (and adapters). A
+    process with no policy loaded says so first (503, as /healthz does): no key could be checked yet."""
+    serving.current()
+    return _authorised(_principal(_token(request)))
 
 
-async def _aserve_auth(request: HttpRequest) -> Principal:
+async def _aserve_auth(request: HttpRequest) -> tuple[Principal, serving.PolicyServer]:
     """`_serve_auth` for async views: a key not in the cache is looked up on Django's sync thread."""
-    server = serving.current()
+    serving.current()
     token = _token(request)
     principal = _cached_principal(token) or await sync_to_async(_principal)(token)
-    return _authorised(principal, server)
+    return _authorised(principal)
 
 
 def _token(request: HttpRequest) -> str:
@@ -124,14 +125,15 @@ def _token(request: HttpRequest) -> str:
     return token
 
 
-def _authorised(principal: Principal, server: serving.PolicyServer) -> Principal:
-    if principal.project.slug != server.project_slug:
-        raise ServingError(403, "this key belongs to another project",
-                           "Use a key of the project this serving process serves (GET /v1/models names it).")
+def _authorised(principal: Principal) -> tuple[Principal, serving.PolicyServer]:
+    if principal.project.slug not in serving.servers():
+        raise ServingError(403, "this key belongs to another project than the ones this process serves",
+                           "Use a key of a project this serving process serves (GET /v1/models names its "
+                           "models), or send the request to that project's serving process.")
     if not principal.has_scope("serve"):
         raise ServingError(403, "this API key lacks the 'serve' scope",
                            "Create a key with scope 'serve' (manage.py create_key SLUG --scopes serve).")
-    return principal
+    return principal, serving.current(principal.project.slug)
 
 
 def _cached_principal(token: str) -> Principal | None:
@@ -156,8 +158,8 @@ def _principal(token: str) -> Principal:
     return principal
 
 
-def _check_prompt_size(texts: list[str]) -> None:
-    limit = serving.current().max_prompt_chars()
+def _check_prompt_size(texts: list[str], server: serving.PolicyServer) -> None:
+    limit = server.max_prompt_chars()
     size = sum(len(t) for t in texts)
     if size > limit:
         raise ServingError(400, f"the prompt is {size} characters; this model's context holds at most {limit}",
@@ -201,12 +203,13 @@ def _model(body: dict) -> str:
     return model
 
 
-def _check_messages_size(messages: list[dict[str, Any]], offered: list[dict[str, Any]]) -> None:
+def _check_messages_size(messages: list[dict[str, Any]], offered: list[dict[str, Any]],
+                         server: serving.PolicyServer) -> None:
     """The messages the engine will read (a compacted conversation's: its prompt and the messages
     since its summary) within the message and prompt bounds."""
     conversations.check_read_size(messages)
     calls = [json.dumps(m["tool_calls"]) for m in messages if m.get("tool_calls")]
-    _check_prompt_size([m["content"] for m in messages] + calls + ([json.dumps(offered)] if offered else []))
+    _check_prompt_size([m["content"] for m in messages] + calls + ([json.dumps(offered)] if offered else []), server)
 
 
 def _task(body: dict) -> str:
@@ -235,12 +238,12 @@ def _usage(request: CompletionRequest, served: Served) -> dict[str, int]:
             "total_tokens": len(request.prompt_ids) + completion}
 
 
-async def _serve(body: dict[str, Any], messages: list[dict[str, Any]], encode, want_logprobs: bool,
-                 linked: conversations.Link | None = None, **hooks: Any):
+async def _serve(server: serving.PolicyServer, body: dict[str, Any], messages: list[dict[str, Any]], encode,
+                 want_logprobs: bool, linked: conversations.Link | None = None, **hooks: Any):
     """Checks every bound, picks the engine once (a canary draw included), then tokenises with
     it (a conversation over the summary budget is first compacted on it: inference/conversations.py),
     generates (sharing the engine's batches with the other requests in flight), records."""
-    server, model = serving.current(), _model(body)
+    model = _model(body)
     n, sampling, task = _number(body, "n", 1, 1, serving.MAX_N, integer=True), _sampling(body), _task(body)
     engine = server.pick_engine(model)
     if linked is not None:
@@ -266,13 +269,13 @@ def _pairs(served: Served):
 RECORDER_RETRY_S = 5
 
 
-async def _admit(principal: Principal, body: dict[str, Any]) -> None:
+async def _admit(principal: Principal, body: dict[str, Any], server: serving.PolicyServer) -> None:
     """Before anything is generated or a conversation slot is taken: room in the recorder (a
     completion it cannot hold is refused, not answered and lost), then the rate limits per key
     and per project, and the ingest rate the recorded completions count against (Redis, shared
     by the replicas: feedback/ratelimit.py)."""
     n = _number(body, "n", 1, 1, serving.MAX_N, integer=True)
-    recorder = serving.current().recorder
+    recorder = server.recorder
     if recorder is not None and recorder.full():
         metrics.RECORDER_SHED.labels("refused").inc()
         raise ServingError(503, "this serving process is behind on recording completions",
@@ -289,14 +292,14 @@ async def _admit(principal: Principal, body: dict[str, Any]) -> None:
 @require_POST
 @_handles_errors
 async def chat_completions(request: HttpRequest) -> JsonResponse:
-    principal = await _aserve_auth(request)
+    principal, server = await _aserve_auth(request)
     body = _json_body(request)
     offered = tools.tools_of(body)
     messages = tools.messages_of(body.get("messages"), serving.MAX_HISTORY)
-    await _admit(principal, body)
-    linked = conversations.link(serving.current(), body, messages, principal.key_id)
-    _check_messages_size(linked.read() if linked else messages, offered)
-    server, engine, req, served = await _serve(body, messages, lambda e, m: list(e.tokenizer.apply_chat_template(
+    await _admit(principal, body, server)
+    linked = conversations.link(server, body, messages, principal.key_id)
+    _check_messages_size(linked.read() if linked else messages, offered, server)
+    server, engine, req, served = await _serve(server, body, messages, lambda e, m: list(e.tokenizer.apply_chat_template(
         m, tools=offered or None, add_generation_prompt=True, tokenize=True, return_dict=False)),
         bool(body.get("logprobs")), linked, step_fields=tools.recorded_fields(offered),
         record=linked and linked.record)
@@ -321,15 +324,15 @@ async def chat_completions(request: HttpRequest) -> JsonResponse:
 @require_POST
 @_handles_errors
 async def completions(request: HttpRequest) -> JsonResponse:
-    principal = await _aserve_auth(request)
+    principal, server = await _aserve_auth(request)
     body = _json_body(request)
     prompt = body.get("prompt")
     if not isinstance(prompt, str) or not prompt:
         raise ServingError(400, "'prompt' must be a non-empty string", "Send the text to continue.")
-    _check_prompt_size([prompt])
-    await _admit(principal, body)
+    _check_prompt_size([prompt], server)
+    await _admit(principal, body, server)
     logprobs = body.get("logprobs")
-    server, engine, req, served = await _serve(body, [{"role": "user", "content": prompt}], lambda e, _: e.encode(prompt),
+    server, engine, req, served = await _serve(server, body, [{"role": "user", "content": prompt}], lambda e, _: e.encode(prompt),
                                          logprobs is not None and logprobs is not False)
     choices = [{
         "index": i, "text": c.text, "finish_reason": c.finish_reason, "trajectory_id": tid,
@@ -342,8 +345,7 @@ async def completions(request: HttpRequest) -> JsonResponse:
 @require_GET
 @_handles_errors
 def models(request: HttpRequest) -> JsonResponse:
-    _serve_auth(request)
-    server = serving.current()
+    _, server = _serve_auth(request)
     data = [{"id": name, "object": "model", "created": 0, "owned_by": "flywheel"} for name in server.model_names()]
     return JsonResponse({"object": "list", "data": data})
 
@@ -352,11 +354,16 @@ def models(request: HttpRequest) -> JsonResponse:
 @require_POST
 @_handles_errors
 async def load_version(request: HttpRequest) -> JsonResponse:
-    """Internal: {"version": N} (production) or {"canary": N, "share": 0.1} / {"canary": null}.
+    """Internal: {"version": N} (production) or {"canary": N, "share": 0.1} / {"canary": null};
+    "project": SLUG names the project in a process that serves several (default: its first).
     On its own thread: a swap waits for the requests in flight, and must hold up nothing else."""
     _internal_auth(request)
     body = _json_body(request)
-    return JsonResponse(await sync_to_async(serving.current().load, thread_sensitive=False)(body))
+    project = body.pop("project", None)
+    if project is not None and not isinstance(project, str):
+        raise ServingError(400, "'project' must be a project slug", "Send {\"project\": \"acme\", ...} or leave it out.")
+    server = serving.current(project)
+    return JsonResponse(await sync_to_async(server.load, thread_sensitive=False)(body))
 
 
 # This process's own token as a registered replica, set by serve_policy: FLYWHEEL_REPLICA_TOKEN, or
@@ -382,20 +389,25 @@ def _internal_auth(request: HttpRequest) -> None:
 @require_GET
 def metrics_view(request: HttpRequest) -> HttpResponse:
     """Prometheus text format (who may scrape: core/metrics.py)."""
-    server = serving.SERVER
-    if server is not None:
+    servers = serving.servers()
+    if servers:
+        server = serving.current()
         metrics.SERVING_VERSION.labels("production").set(server.engine.version)
         metrics.SERVING_VERSION.labels("canary").set(server.canary.version if server.canary else 0)
         metrics.SERVING_CANARY_SHARE.set(server.canary_share)
-        if server.recorder is not None:
-            metrics.RECORDER_QUEUE.set(server.recorder.pending())
+        metrics.RECORDER_QUEUE.set(sum(s.recorder.pending() for s in servers.values() if s.recorder is not None))
+        metrics.SERVING_ADAPTERS.set(sum(len(s.adapters()) for s in servers.values()))
     return metrics_response(request)
 
 
 @require_GET
 def healthz(request: HttpRequest) -> JsonResponse:
-    server = serving.SERVER
-    if server is None:
+    servers = serving.servers()
+    if not servers:
         return JsonResponse({"ok": False}, status=503)
+    server = serving.current()
     return JsonResponse({"ok": True, "version": server.engine.version,
-                         "canary": server.canary.version if server.canary else None})
+                         "canary": server.canary.version if server.canary else None,
+                         **({"projects": {slug: {"version": s.engine.version, "canary": s.canary.version
+                                                 if s.canary else None} for slug, s in servers.items()}}
+                            if len(servers) > 1 else {})})

@@ -26,3 +26,10 @@ RECORDER_QUEUE = Gauge("flywheel_serving_recorder_queue_depth", "Served completi
 SERVING_BATCH = Histogram("flywheel_serving_engine_batch_requests", "Requests running in one engine step "
                           "(vllm-async engine): above 1, concurrent requests shared a batch.",
                           buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256))
+SERVING_ADAPTERS = Gauge("flywheel_serving_adapters_held", "LoRA adapters the engines of this process hold "
+                         "(every project's production and canary adapters over their shared base).")
+SERVING_PROBE = Counter("flywheel_serving_probe", "Probes after a swap (fixed prompts' log-probs and the loaded "
+                        "checkpoint hash against the trainer's), by project and outcome: `refused` is an alert (the "
+                        "swap was refused, the old version serves).", ["project", "outcome"])
+SERVING_PROBE_DIFF = Gauge("flywheel_serving_probe_max_logprob_diff", "Largest |log-prob difference| of the last "
+                           "probe against the trainer's, by project and role.", ["project", "role"])

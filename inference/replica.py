@@ -18,8 +18,9 @@ from django.views.decorators.http import require_POST
 from inference.apis import _handles_errors, _internal_auth
 from inference.serving import ServingError
 
-# Set by `serve_policy` once the process registered: push body -> what is served now.
-RECEIVER: Callable[[bytes], dict[str, Any]] | None = None
+# Set by `serve_policy` once the process registered: (push body, ?project= slug or None) -> what
+# is served now (a process serving several projects hands the push to that project's agent).
+RECEIVER: Callable[[bytes, str | None], dict[str, Any]] | None = None
 
 
 @csrf_exempt
@@ -32,4 +33,4 @@ def push(request: HttpRequest) -> JsonResponse:
                            "Start it with `manage.py serve_policy --project SLUG` (not on --model-dir or "
                            "--policy-version), which registers it.")
     # read(), not .body: a push is as large as the weights it carries, above Django's form limit.
-    return JsonResponse(RECEIVER(request.read()))
+    return JsonResponse(RECEIVER(request.read(), request.GET.get("project")))

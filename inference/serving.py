@@ -30,7 +30,14 @@ from pathlib import Path
 from typing import Any
 
 from inference import metrics
-from inference.engines import Completion, Engine, EngineFactory, SamplingParams
+from inference.engines import (
+    AdapterView,
+    Completion,
+    Engine,
+    EngineFactory,
+    SamplingParams,
+    is_adapter_folder,
+)
 
 log = logging.getLogger(__name__)
 
@@ -189,7 +196,7 @@ class PolicyServer:
     def __init__(self, project_slug: str, engine: Engine, recorder: Recorder | None,
                  max_model_len: int = 512, canary_seed: int | None = None,
                  engines: EngineFactory | None = None, resolve: WeightsResolver = _no_versions,
-                 summary_budget: int = 0) -> None:
+                 summary_budget: int = 0, host: Engine | None = None) -> None:
         self.project_slug = project_slug
         # Conversation turns whose prompt + max_tokens would pass this many tokens are answered in a
         # compacted context (inference/conversations.py); 0: never.
@@ -207,6 +214,13 @@ class PolicyServer:
         # (canary number, share asked) -> the share to run it at, or ServingError; set by whoever
         # knows the database (serve_policy, training/replicas/agent.py). None: the share asked.
         self.canary_share_of: Callable[[int, float], float] | None = None
+        # Adapter versions: the engine holding their base, shared by this server's views (and by
+        # other projects' servers over the same base); None: every version is full weights.
+        self.host = host
+        # (staged engine, its folder, version, role) -> None, or ServingError: called after new
+        # weights are loaded and before they serve (the probe, training/replicas/probe.py).
+        self.verify: Callable[[Engine, Path, int, str], None] | None = None
+        self.folders: dict[str, Path] = {"production": Path(engine.model_dir)}
 
     # --- names ------------------------------------------------------------------------------
     def model_name(self, version: int) -> str:
@@ -298,15 +312,49 @@ class PolicyServer:
 
     # --- weights ----------------------------------------------------------------------------
     def load_version(self, folder: str | Path, version: int) -> None:
-        """Production becomes `version`; requests in flight finish on the old weights."""
+        """Production becomes `version`; requests in flight finish on the old weights. An adapter
+        over the host's base is staged under a new name, probed, then served (the old adapter
+        unloaded); full weights swap in place, and are swapped back if the probe refuses them."""
+        folder = Path(folder)
         with self._swap_lock:
-            self.engine.load_weights(folder, version)
+            if (self.host is not None and is_adapter_folder(folder)) or isinstance(self.engine, AdapterView):
+                staged = self.engine_for(folder, version)
+                self._verified(staged, folder, version, "production")
+                old, self.engine = self.engine, staged
+                old.close()
+            else:
+                before = (self.folders["production"], self.engine.version)
+                self.engine.load_weights(folder, version)
+                try:
+                    self._check(self.engine, folder, version, "production")
+                except ServingError:
+                    self.engine.load_weights(*before)
+                    raise
+            self.folders["production"] = folder
+
+    def _verified(self, staged: Engine, folder: Path, version: int, role: str) -> None:
+        """Probes a staged engine; closes it (an adapter: unloaded) when refused."""
+        try:
+            self._check(staged, folder, version, role)
+        except BaseException:
+            staged.close()
+            raise
+
+    def _check(self, engine: Engine, folder: Path, version: int, role: str) -> None:
+        if self.verify is not None:
+            self.verify(engine, folder, version, role)
 
     def set_canary(self, engine: Engine | None, share: float) -> None:
         with self._swap_lock:
             old, self.canary, self.canary_share = self.canary, engine, share if engine else 0.0
         if old is not None and old is not engine:
             old.close()
+
+    def adapters(self) -> list[dict[str, Any]]:
+        """The adapters this server's versions are served as: role, version, the name in the host."""
+        roles = (("production", self.engine), ("canary", self.canary))
+        return [{"role": role, "version": e.version, "name": e.adapter}
+                for role, e in roles if isinstance(e, AdapterView) and e.adapter is not None]
 
     def load(self, body: dict[str, Any]) -> dict[str, Any]:
         """{"version": N} swaps production; {"canary": N, "share": s} loads a canary; {"canary": null}
@@ -325,12 +373,17 @@ class PolicyServer:
                 folder = self.resolve(number, "canary")
                 if self.canary_share_of is not None:  # the database's share, handed in
                     share = self.canary_share_of(number, float(share))
-                self.set_canary(self.engine_for(folder, number), float(share))
+                staged = self.engine_for(folder, number)
+                self._verified(staged, Path(folder), number, "canary")
+                self.set_canary(staged, float(share))
         return {"version": self.engine.version, "canary": self.canary.version if self.canary else None,
                 "canary_share": self.canary_share}
 
     def engine_for(self, folder: str | Path, version: int) -> Engine:
-        """A second engine built like the first (same kind and settings)."""
+        """An adapter over the host's base: a view of the host under a new adapter name. Full
+        weights: a second engine built like the first (same kind and settings)."""
+        if self.host is not None and is_adapter_folder(folder):
+            return AdapterView(self.host, folder, version)
         if self.engines is None:
             raise ServingError(409, "this serving process cannot build a second engine",
                                "Start it with `manage.py serve_policy`, which sets the engine factory.")
@@ -402,12 +455,31 @@ def _version_number(value: Any) -> int:
     return value
 
 
-# The process-wide server, set by `serve_policy` (or by tests) before requests arrive.
+# The process-wide server, set by `serve_policy` (or by tests) before requests arrive; a process
+# serving several projects (serve_policy --project A --project B) sets SERVERS, one per project
+# slug, and SERVER to the first.
 SERVER: PolicyServer | None = None
+SERVERS: dict[str, PolicyServer] = {}
 
 
-def current() -> PolicyServer:
-    if SERVER is None:
+def servers() -> dict[str, PolicyServer]:
+    """Every project this process serves, by slug."""
+    if SERVERS:
+        return SERVERS
+    return {SERVER.project_slug: SERVER} if SERVER is not None else {}
+
+
+def current(project_slug: str | None = None) -> PolicyServer:
+    """The server of `project_slug` (None: the process's only, or first, project). A project this
+    process does not serve is a 403: the key is valid, for another process."""
+    if SERVER is None and not SERVERS:
         raise ServingError(503, "no policy is loaded in this serving process",
                            "Start it with `manage.py serve_policy --project SLUG`.")
-    return SERVER
+    if project_slug is None:
+        return SERVER if SERVER is not None else next(iter(SERVERS.values()))
+    server = servers().get(project_slug)
+    if server is None:
+        raise ServingError(403, "this key belongs to a project this serving process does not serve",
+                           "Use a key of a project it serves (GET /v1/models with that key names its models), "
+                           "or send the request to that project's serving process.")
+    return server

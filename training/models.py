@@ -348,6 +348,13 @@ class ServingReplica(models.Model):
     background_slots = models.PositiveIntegerField(default=0)
     background_share = models.FloatField(default=0.0)
     background_rollouts = models.BigIntegerField(default=0)
+    # The LoRA adapters its engine holds for this project's versions ([{"role", "version", "name"}];
+    # [] when it serves full weights) and how many adapters of other projects share the engine.
+    adapters = models.JSONField(default=list, blank=True)
+    adapters_other = models.PositiveIntegerField(default=0)
+    # The last probe after a swap (training/replicas/probe.py ProbeReport.as_dict(); {} before any):
+    # a refused one ("ok": false) is shown on the registry and raised as an alert metric.
+    probe = models.JSONField(default=dict, blank=True)
 
     class Meta:
         constraints = [models.UniqueConstraint(fields=["project", "address"], name="uniq_replica_address")]

@@ -17,6 +17,7 @@ from prometheus_client.registry import Collector
 
 from core.metrics import metrics_response
 from feedback.models import RedactionTally
+from training.replicas.selectors import replicas_probe_refused
 from webapp import selectors
 
 QUEUES = ("celery", "ingest", "rewards", "train", "rollouts", "gate")
@@ -53,6 +54,12 @@ class DatabaseCollector(Collector):
             reward.add_metric([row["trajectory__project__slug"], str(row["trajectory__policy_version"])], row["mean"])
         yield reward
         yield from _training()
+        probe = GaugeMetricFamily("flywheel_replica_probe_failed", "1 for each live serving replica whose last probe "
+                                  "after a swap was refused (it kept its old version; alert on it).",
+                                  labels=["project", "address", "version"])
+        for slug, address, version in replicas_probe_refused():
+            probe.add_metric([slug, address, str(version)], 1)
+        yield probe
         redactions = CounterMetricFamily("flywheel_redactions", "Matches replaced at ingest, by redactor.",
                                          labels=["project", "redactor"])
         for slug, redactor, n in RedactionTally.objects.values_list("project__slug", "redactor", "count"):

@@ -370,6 +370,13 @@ FLYWHEEL_REPLICA_STALE_S = env_float("FLYWHEEL_REPLICA_STALE_S", 30.0)
 # of training runs' group rollouts at once, in the room its users leave; 0: it takes none
 # (serve_policy --background-rollouts K overrides it). Runs find the replicas that take them.
 FLYWHEEL_BACKGROUND_ROLLOUTS = env_int("FLYWHEEL_BACKGROUND_ROLLOUTS", 0)
+# Adapter versions served over one engine holding their base (training/replicas/adapters.py): how
+# many LoRA adapters a vLLM engine keeps loaded (vLLM's max_loras and max_cpu_loras: production and
+# canary of every project on it), and the largest adapter rank it takes (0: the first adapter's,
+# rounded up to a rank vLLM supports). FLYWHEEL_SERVE_ADAPTERS=0 serves adapter versions merged.
+FLYWHEEL_SERVE_ADAPTERS = env_bool("FLYWHEEL_SERVE_ADAPTERS", True)
+FLYWHEEL_SERVE_MAX_LORAS = env_int("FLYWHEEL_SERVE_MAX_LORAS", 4)
+FLYWHEEL_SERVE_MAX_LORA_RANK = env_int("FLYWHEEL_SERVE_MAX_LORA_RANK", 0)
 # Who may read /metrics (web app and serving process): bearers of this token; unset, loopback only.
 FLYWHEEL_METRICS_TOKEN = env_str("FLYWHEEL_METRICS_TOKEN", "")
 # Train/inference agreement: on data sampled by the very weights being trained, the behaviour and

@@ -2,6 +2,7 @@
 Importing the package registers every kind, so `make_engine("vllm", ...)` finds its class; the
 concrete modules import vLLM itself only when an engine of theirs is built."""
 
+from inference.engines.adapters import AdapterView, is_adapter_folder
 from inference.engines.base import (
     Completion,
     Engine,
@@ -21,6 +22,7 @@ from inference.engines.vllm import VLLMEngine
 from inference.engines.vllm_async import AsyncVLLMEngine
 
 __all__ = [
+    "AdapterView",
     "AsyncVLLMEngine",
     "Completion",
     "Engine",
@@ -36,5 +38,6 @@ __all__ = [
     "patch_cpu_moe_reload",
     "processed_logits",
     "read_state_dict",
+    "is_adapter_folder",
     "register_engine",
 ]

@@ -117,6 +117,31 @@ class Engine(abc.ABC):
         with self._lock:
             self._close()
 
+    # --- LoRA adapters held beside the weights (engines that can; inference/engines/adapters.py) --
+    def adapter_add(self, folder: Path) -> str:
+        """Loads the PEFT adapter in `folder` over this engine's weights under a new name (never
+        one used before in this engine) and returns the name; the weights served by `generate`
+        do not change."""
+        raise ValueError(f"a {type(self).__name__} cannot hold LoRA adapters; load the adapter merged into its base")
+
+    def adapter_remove(self, name: str) -> None:
+        """Unloads the adapter `name` (no request may still be using it)."""
+        raise KeyError(name)
+
+    def adapters_held(self) -> list[str]:
+        return []
+
+    def generate_on(self, adapter: str | None, prompts: Prompts, n: int = 1,
+                    sampling: SamplingParams | None = None) -> list[Completion]:
+        """`generate` with the adapter `adapter` (None: the weights alone)."""
+        if adapter is not None:
+            raise KeyError(adapter)
+        return self.generate(prompts, n, sampling)
+
+    async def agenerate_on(self, adapter: str | None, prompts: Prompts, n: int = 1,
+                           sampling: SamplingParams | None = None) -> list[Completion]:
+        return await asyncio.to_thread(self.generate_on, adapter, prompts, n, sampling)
+
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import itertools
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -99,12 +100,66 @@ class TorchEngine(Engine):
         self._tail = "logits_to_keep" in inspect.signature(self.model.forward).parameters
         self._last_logits = {"logits_to_keep": 1} if self._tail else {}
         self._fused: Decoder | None = None
+        self._peft: Any = None  # a PeftModel over self.model once an adapter is held
+        self._held: list[str] = []
+        self._adapter_ids = itertools.count(1)
 
     @property
     def tokenizer(self) -> Any:
         return self._tokenizer
 
+    # --- LoRA adapters: PEFT's named adapters over the one model, the request's made active ---------
+    def adapter_add(self, folder: Path) -> str:
+        """The PEFT adapter in `folder` as one more named adapter of the model (PEFT injects its
+        LoRA layers once; each adapter's A and B live beside the others); the trainer's forward
+        of a LoRA run is this one, so the log-probs are the trainer's."""
+        from peft import PeftModel
+
+        with self._lock:
+            name = f"adapter-{next(self._adapter_ids)}-{Path(folder).name}"
+            if self._peft is None:
+                self._peft = PeftModel.from_pretrained(self.model, str(folder), adapter_name=name)
+            else:
+                self._peft.load_adapter(str(folder), adapter_name=name)
+            self.model.eval()
+            self._held.append(name)
+            return name
+
+    def adapter_remove(self, name: str) -> None:
+        with self._lock:
+            self._held.remove(name)
+            assert self._peft is not None
+            if self._held:
+                self._peft.set_adapter(self._held[0])  # PEFT deletes only an inactive adapter cleanly
+                self._peft.delete_adapter(name)
+            else:  # the last one: the plain layers back (PEFT's unload keeps the base weights)
+                self._peft.unload()
+                self._peft = None
+
+    def adapters_held(self) -> list[str]:
+        return list(self._held)
+
+    def generate_on(self, adapter: str | None, prompts: Any, n: int = 1,
+                    sampling: SamplingParams | None = None) -> list[Completion]:
+        with self._lock:
+            if self._peft is None:
+                if adapter is not None:
+                    raise KeyError(adapter)
+                return self._generate(self._encode(prompts), n, sampling or SamplingParams())
+            if adapter is None:
+                with self._peft.disable_adapter():
+                    return self._generate(self._encode(prompts), n, sampling or SamplingParams())
+            if adapter not in self._held:
+                raise KeyError(adapter)
+            self._peft.set_adapter(adapter)
+            return self._generate(self._encode(prompts), n, sampling or SamplingParams())
+
+    def generate(self, prompts: Any, n: int = 1, sampling: SamplingParams | None = None) -> list[Completion]:
+        return self.generate_on(None, prompts, n, sampling)
+
     def _load_weights(self, source: WeightsSource) -> None:
+        if self._held:
+            raise ValueError(f"adapters {self._held} are held over these weights; unload them first")
         state = read_state_dict(source)
         missing, unexpected = self.model.load_state_dict(state, strict=False)
         if unexpected or [k for k in missing if "rotary" not in k]:
@@ -127,6 +182,8 @@ class TorchEngine(Engine):
     def _decoder(self) -> Decoder | None:
         """The fused KV-cached forward (inference/decoder.py) over this model's parameters, rebuilt
         if something replaced them; None for an architecture it does not cover."""
+        if self._peft is not None:  # the fused matrices would leave the adapters' layers out
+            return None
         if self._fused is None or not self._fused.current():
             self._fused = dense_decoder(self.model)
         return self._fused

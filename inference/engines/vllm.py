@@ -72,17 +72,18 @@ class VLLMEngine(Engine):
         # prefix cache's blocks by them, so a reused id would serve the old adapter's weights or KV.
         self.lora: Any = None
         self._lora_ids = itertools.count(1)
+        self.held_loras: dict[str, Any] = {}  # adapters held beside it by name (`adapter_add`)
 
     @property
     def tokenizer(self) -> Any:
         return self._tokenizer
 
     def _generate(
-        self, prompts: list[list[int]], n: int, sampling: SamplingParams
+        self, prompts: list[list[int]], n: int, sampling: SamplingParams, lora: Any = None,
     ) -> list[Completion]:
         params = self._vllm_params(n, sampling)
         requests = [{"prompt_token_ids": p} for p in prompts]
-        outputs = self.llm.generate(requests, params, use_tqdm=False, lora_request=self.lora)
+        outputs = self.llm.generate(requests, params, use_tqdm=False, lora_request=lora or self.lora)
         completions = [c for i, out in enumerate(outputs) for c in self._completions(i, out)]
         if not params.detokenize:  # the text once per completion, as the torch engine decodes it
             for c in completions:
@@ -102,6 +103,8 @@ class VLLMEngine(Engine):
         if not isinstance(source, Mapping) and (Path(source) / ADAPTER_CONFIG).is_file():
             self._load_adapter(Path(source))
             return
+        if self.held_loras:
+            raise ValueError(f"adapters {sorted(self.held_loras)} are held over these weights; unload them first")
         self._unload_adapter()  # new base weights: an adapter of the old ones means nothing over them
         state = read_state_dict(source)
         # reload_weights restores each layer's checkpoint-shaped params, loads, and re-runs
@@ -113,6 +116,37 @@ class VLLMEngine(Engine):
     def _load_adapter(self, folder: Path) -> None:
         """A PEFT adapter folder (adapter_config.json, adapter_model.safetensors) over the base
         weights this engine holds, under a new name and id; the previous adapter is unloaded."""
+        request = self._lora_request(folder)
+        if not self.llm.llm_engine.add_lora(request):
+            raise ValueError(f"vLLM refused the adapter in {folder}")
+        previous, self.lora = self.lora, request
+        if previous is not None:
+            self.llm.llm_engine.remove_lora(previous.lora_int_id)
+
+    # --- several adapters held at once (inference/engines/adapters.py AdapterView) -----------------
+    def adapter_add(self, folder: Path) -> str:
+        with self._lock:
+            request = self._lora_request(Path(folder))
+            if not self.llm.llm_engine.add_lora(request):
+                raise ValueError(f"vLLM refused the adapter in {folder}")
+            self.held_loras[request.lora_name] = request
+            return str(request.lora_name)
+
+    def adapter_remove(self, name: str) -> None:
+        with self._lock:
+            request = self.held_loras.pop(name)
+            self.llm.llm_engine.remove_lora(request.lora_int_id)
+
+    def adapters_held(self) -> list[str]:
+        return list(self.held_loras)
+
+    def generate_on(self, adapter: str | None, prompts: Any, n: int = 1,
+                    sampling: SamplingParams | None = None) -> list[Completion]:
+        with self._lock:
+            lora = self.held_loras[adapter] if adapter is not None else None
+            return self._generate(self._encode(prompts), n, sampling or SamplingParams(), lora)
+
+    def _lora_request(self, folder: Path) -> Any:
         from vllm.lora.request import LoRARequest
 
         if self.llm.llm_engine.vllm_config.lora_config is None:
@@ -120,12 +154,7 @@ class VLLMEngine(Engine):
                              "start it with enable_lora=True (and max_lora_rank >= the adapter's rank), "
                              "or load the adapter merged into its base")
         lora_id = next(self._lora_ids)
-        request = LoRARequest(f"adapter-{lora_id}-{folder.name}", lora_id, str(folder))
-        if not self.llm.llm_engine.add_lora(request):
-            raise ValueError(f"vLLM refused the adapter in {folder}")
-        previous, self.lora = self.lora, request
-        if previous is not None:
-            self.llm.llm_engine.remove_lora(previous.lora_int_id)
+        return LoRARequest(f"adapter-{lora_id}-{folder.name}", lora_id, str(folder))
 
     def _unload_adapter(self) -> None:
         if self.lora is not None:

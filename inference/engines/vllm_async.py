@@ -77,6 +77,7 @@ class AsyncVLLMEngine(Engine):
         # and id per load, never reused (vLLM keys its adapter and prefix caches by them).
         self.lora: Any = None
         self._lora_ids = itertools.count(1)
+        self.held_loras: dict[str, Any] = {}  # adapters held beside it by name (`adapter_add`)
         self._loop = new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="vllm-async-engine", daemon=True)
         self._thread.start()
@@ -124,12 +125,52 @@ class AsyncVLLMEngine(Engine):
             self._run(self._encode(prompts), n, sampling or SamplingParams()), self._loop)
         return await asyncio.wrap_future(future)
 
+    def generate_on(self, adapter: str | None, prompts: Prompts, n: int = 1,
+                    sampling: SamplingParams | None = None) -> list[Completion]:
+        return self._call(self._run(self._encode(prompts), n, sampling or SamplingParams(), adapter))
+
+    async def agenerate_on(self, adapter: str | None, prompts: Prompts, n: int = 1,
+                           sampling: SamplingParams | None = None) -> list[Completion]:
+        future = asyncio.run_coroutine_threadsafe(
+            self._run(self._encode(prompts), n, sampling or SamplingParams(), adapter), self._loop)
+        return await asyncio.wrap_future(future)
+
+    # --- several adapters held at once (inference/engines/adapters.py AdapterView) -----------------
+    def adapter_add(self, folder: Path) -> str:
+        with self._lock:
+            request = self._lora_request(Path(folder))
+            if not self._call(self.llm.add_lora(request)):
+                raise ValueError(f"vLLM refused the adapter in {folder}")
+            self.held_loras[request.lora_name] = request
+            return str(request.lora_name)
+
+    def adapter_remove(self, name: str) -> None:
+        with self._lock:
+            request = self.held_loras.pop(name)
+            self._call(self.llm.remove_lora(request.lora_int_id))
+
+    def adapters_held(self) -> list[str]:
+        return list(self.held_loras)
+
+    def _lora_request(self, folder: Path) -> Any:
+        from vllm.lora.request import LoRARequest
+
+        if self.llm.vllm_config.lora_config is None:
+            raise ValueError(f"{folder} is a LoRA adapter but this engine was started without LoRA; "
+                             "start it with enable_lora=True (and max_lora_rank >= the adapter's rank), "
+                             "or load the adapter merged into its base")
+        lora_id = next(self._lora_ids)
+        return LoRARequest(f"adapter-{lora_id}-{folder.name}", lora_id, str(folder))
+
     def _generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams) -> list[Completion]:
         return self._call(self._run(prompts, n, sampling))
 
-    async def _run(self, prompts: list[list[int]], n: int, sampling: SamplingParams) -> list[Completion]:
+    async def _run(self, prompts: list[list[int]], n: int, sampling: SamplingParams,
+                   adapter: str | None = None) -> list[Completion]:
         version = await self._admit()
-        lora = self.lora  # fixed for the call: a swap waits for it (the swap gate)
+        # Fixed for the call: a swap waits for it (the swap gate); a held adapter is removed only
+        # once no call uses it (inference/engines/adapters.py AdapterView).
+        lora = self.held_loras[adapter] if adapter is not None else self.lora
         try:
             params = vllm_params(n, sampling, final_only=True)
             outs = await asyncio.gather(*(self._one(p, params, lora) for p in prompts))
@@ -189,6 +230,9 @@ class AsyncVLLMEngine(Engine):
             if (Path(folder) / ADAPTER_CONFIG).is_file():
                 await self._swap_adapter(Path(folder))
             else:
+                if self.held_loras:
+                    raise ValueError(f"adapters {sorted(self.held_loras)} are held over these weights; "
+                                     "unload them first")
                 if self.lora is not None:  # new base weights: an adapter of the old ones means nothing
                     await self.llm.remove_lora(self.lora.lora_int_id)
                     self.lora = None
@@ -202,14 +246,7 @@ class AsyncVLLMEngine(Engine):
     async def _swap_adapter(self, folder: Path) -> None:
         """A PEFT adapter folder over the base this engine holds, as a new LoRA (requests held
         back meanwhile); the previous adapter unloaded once nothing uses it."""
-        from vllm.lora.request import LoRARequest
-
-        if self.llm.vllm_config.lora_config is None:
-            raise ValueError(f"{folder} is a LoRA adapter but this engine was started without LoRA; "
-                             "start it with enable_lora=True (and max_lora_rank >= the adapter's rank), "
-                             "or load the adapter merged into its base")
-        lora_id = next(self._lora_ids)
-        request = LoRARequest(f"adapter-{lora_id}-{folder.name}", lora_id, str(folder))
+        request = self._lora_request(folder)
         if not await self.llm.add_lora(request):
             raise ValueError(f"vLLM refused the adapter in {folder}")
         previous, self.lora = self.lora, request

@@ -15,7 +15,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from inference.engines import SamplingParams, TorchEngine, VLLMEngine
+from inference.engines import AdapterView, SamplingParams, TorchEngine, VLLMEngine
+from inference.probe import probe_compare, probe_run, tolerance
 from training.rl.config import AdapterConfig
 from training.rl.lora import lora_attach, lora_save, merge_adapter
 
@@ -87,8 +88,11 @@ def test_an_adapter_is_served_over_the_base_with_the_merged_weights_log_probs(en
     assert (torch.tensor(base.logprobs) - _scores(dense_dir, base.prompt_token_ids, base.token_ids)).abs().max() < TOLERANCE
 
 
-def test_the_async_serving_engine_swaps_adapters_under_new_names(dense_dir, tmp_path, engine):
-    """The serving process's engine (AsyncLLM): the same adapter, hot-loaded between batches."""
+def test_the_async_serving_engine_swaps_adapters_and_holds_production_and_canary_at_once(dense_dir, tmp_path, engine):
+    """The serving process's engine (AsyncLLM): the same adapter, hot-loaded between batches; then
+    two adapter views (production and canary) on it at once, each request on its own adapter,
+    each passing the probe against the torch engine's (the trainer's) log-probs; unloading one
+    leaves the other serving."""
     from inference.engines import make_engine
 
     engine.close()  # one vLLM at a time in this process
@@ -104,5 +108,24 @@ def test_the_async_serving_engine_swaps_adapters_under_new_names(dense_dir, tmp_
         assert serving.lora.lora_int_id != first.lora_int_id and serving.lora.lora_name != first.lora_name
         serving.load_weights(dense_dir, 4)
         assert serving.lora is None
+
+        canary_dir, canary_merged = _adapter(dense_dir, tmp_path / "canary", seed=2)
+        production, canary = AdapterView(serving, adapter, 5), AdapterView(serving, canary_dir, 6)
+        assert len(set(serving.adapters_held())) == 2 and production.adapter != canary.adapter
+        for view, merged_dir in ((production, merged), (canary, canary_merged)):
+            reference = TorchEngine(merged_dir)
+            try:
+                verdict = probe_compare(probe_run(reference), probe_run(view), tolerance("vllm-async"))
+            finally:
+                reference.close()
+            assert verdict.ok, verdict.problem
+            assert verdict.max_diff < TOLERANCE
+        wrong = probe_compare(probe_run(canary), probe_run(production), tolerance("vllm-async"))
+        assert not wrong.ok  # production's adapter is not the canary's
+        canary.close()
+        assert serving.adapters_held() == [production.adapter]
+        assert production.generate(["def add(a, b):"], sampling=SamplingParams(max_tokens=4, seed=0))[0].version == 5
+        production.close()
+        assert serving.adapters_held() == []
     finally:
         serving.close()

@@ -36,12 +36,20 @@ from django.conf import settings
 from django.db import close_old_connections, connection
 
 from feedback.models import Project
-from inference.engines import read_state_dict
+from inference import metrics
+from inference.engines import Engine, read_state_dict
 from inference.serving import PolicyServer, ServingError
 from kernels.delta import CheckpointCorrupt, checkpoint_hash
 from training.models import PolicyVersion
 from training.replicas import push
-from training.replicas.services import BackgroundBeat, replica_heartbeat, replica_register, replica_stop
+from training.replicas.probe import probe_verify
+from training.replicas.services import (
+    BackgroundBeat,
+    replica_heartbeat,
+    replica_probe_record,
+    replica_register,
+    replica_stop,
+)
 from training.versions.selectors import policy_get, serving_target
 
 log = logging.getLogger(__name__)
@@ -107,14 +115,40 @@ class ReplicaAgent:
         self._behind_since: float | None = None
         # The process's background rollouts, reported with each beat (serve_policy sets it when on).
         self.background: Callable[[], BackgroundBeat] = BackgroundBeat
+        self.probe: dict[str, Any] = {}  # the last probe's report (training/replicas/probe.py)
         # A push's canary share is the database's (the push carries it for the replica's log).
         server.canary_share_of = partial(servable_canary_share, project)
 
     # --- what is served -------------------------------------------------------------------
     def served(self) -> dict[str, Any]:
         canary = self.server.canary
+        held = self.server.host.adapters_held() if self.server.host is not None else []
+        mine = self.server.adapters()
         return {"version": self.server.engine.version, "canary": canary.version if canary else None,
-                "canary_share": self.server.canary_share if canary else 0.0}
+                "canary_share": self.server.canary_share if canary else 0.0, "adapters": mine,
+                "adapters_other": max(len(held) - len(mine), 0), "probe": self.probe}
+
+    def verify(self, engine: Engine, folder: Path, number: int, role: str) -> None:
+        """The server's check of staged weights (PolicyServer.verify): the probe against the
+        trainer's log-probs and the loaded hash against the manifest; refused: ServingError 409,
+        recorded on this replica's row and counted, and the server keeps what it served."""
+        version = policy_get(self.project, number)
+        if version is None:
+            raise ServingError(404, f"no policy version {number} in project {self.project.slug!r}", "Check the number.")
+        report = probe_verify(version, engine, folder, role, self.engine)
+        self.probe = report.as_dict()
+        metrics.SERVING_PROBE.labels(self.project.slug, "ok" if report.ok else "refused").inc()
+        metrics.SERVING_PROBE_DIFF.labels(self.project.slug, role).set(
+            report.max_diff if report.max_diff is not None and report.max_diff != float("inf") else -1)
+        if self.replica_id is not None:
+            close_old_connections()
+            replica_probe_record(self.replica_id, self.probe)
+        if not report.ok:
+            log.error("replica %s refused v%d (%s): %s", self.address, number, role, report.problem)
+            raise ServingError(409, f"v{number} failed the probe after loading: {report.problem}",
+                               f"Nothing was swapped: this replica still serves v{self.server.engine.version}"
+                               f"{' as production' if role == 'production' else ''}. Check the version's "
+                               "checkpoint (manage.py audit verify) and the replica's engine, then push again.")
 
     def resolve(self, number: int, role: str) -> Path:
         """The server's resolver: only what the database says; from the held weights when this

@@ -41,3 +41,11 @@ def replica_rows(project: Project) -> list[dict[str, Any]]:
         rows.append({"r": r, "live": live, "status": "live" if live else ("stopped" if r.state == ReplicaState.STOPPED else "down"),
                      "age_s": max((now - r.heartbeat_at).total_seconds(), 0.0)})
     return sorted(rows, key=lambda row: not row["live"])
+
+
+def replicas_probe_refused() -> list[tuple[str, str, int | None]]:
+    """(project slug, address, version refused) of every live replica whose last probe refused a
+    swap: the web app's alert metric (flywheel_replica_probe_failed)."""
+    rows = (ServingReplica.objects.filter(heartbeat_at__gte=replica_stale_before(), probe__ok=False)
+            .exclude(state=ReplicaState.STOPPED).values_list("project__slug", "address", "probe"))
+    return [(slug, address, probe.get("version")) for slug, address, probe in rows]

@@ -48,23 +48,43 @@ class BackgroundBeat:
 
 def replica_register(project: Project, address: str, *, version: int | None, canary: int | None = None,
                      canary_share: float = 0.0, hostname: str = "", pid: int | None = None,
-                     engine: str = "", background: BackgroundBeat = BackgroundBeat()) -> ServingReplica:
-    """A serving process (re)registers: one row per project and address, live from now."""
+                     engine: str = "", background: BackgroundBeat = BackgroundBeat(),
+                     **held: Any) -> ServingReplica:
+    """A serving process (re)registers: one row per project and address, live from now. `held`:
+    its adapters and last probe (`_held_fields`)."""
     now = timezone.now()
     replica, _ = ServingReplica.objects.update_or_create(
         project=project, address=address,
         defaults={"hostname": hostname[:255], "pid": pid, "engine": engine, "state": "serving",
                   "version": version, "canary": canary, "canary_share": canary_share,
-                  "registered_at": now, "heartbeat_at": now, "error": "", **background.fields()})
+                  "registered_at": now, "heartbeat_at": now, "error": "", **background.fields(),
+                  **_held_fields(held)})
     return replica
 
 
 def replica_heartbeat(replica_id: int, *, version: int | None, canary: int | None, canary_share: float,
-                      background: BackgroundBeat = BackgroundBeat()) -> bool:
+                      background: BackgroundBeat = BackgroundBeat(), **held: Any) -> bool:
     """The replica is alive and serves these versions; False if its row is gone (re-register)."""
     return ServingReplica.objects.filter(id=replica_id).update(
         heartbeat_at=timezone.now(), state=ReplicaState.SERVING, version=version, canary=canary,
-        canary_share=canary_share, **background.fields()) == 1
+        canary_share=canary_share, **background.fields(), **_held_fields(held)) == 1
+
+
+def _held_fields(held: dict[str, Any]) -> dict[str, Any]:
+    """The adapters and probe a replica reports (served()), as its row's fields."""
+    out: dict[str, Any] = {}
+    if isinstance(held.get("adapters"), list):
+        out["adapters"] = held["adapters"][:64]
+    if type(held.get("adapters_other")) is int:
+        out["adapters_other"] = max(held["adapters_other"], 0)
+    if isinstance(held.get("probe"), dict):
+        out["probe"] = held["probe"]
+    return out
+
+
+def replica_probe_record(replica_id: int, probe: dict[str, Any]) -> None:
+    """The replica's last probe after a swap (a refused one stays until the next probe)."""
+    ServingReplica.objects.filter(id=replica_id).update(probe=probe)
 
 
 def replica_stop(replica_id: int) -> None:
@@ -95,8 +115,9 @@ def replicas_broadcast(target: DeployTarget, token: str, timeout: float = PUSH_T
         return []
     planner = PushPlanner(target, replicas)
     plans = [(r, planner.bodies(r)) for r in replicas]  # database and store reads stay on this thread
+    slug = Project.objects.values_list("slug", flat=True).get(pk=target.project_id)
     with ThreadPoolExecutor(max_workers=min(len(plans), 32)) as pool:
-        outcomes = list(pool.map(lambda p: _send(p[0], p[1], token, timeout), plans))
+        outcomes = list(pool.map(lambda p: _send(p[0], p[1], token, timeout, slug), plans))
     for outcome in outcomes:
         _record(outcome)
     return outcomes
@@ -109,10 +130,10 @@ def _record(outcome: PushOutcome) -> None:
     elif outcome.served is not None:
         rows.update(version=outcome.served.get("version"), canary=outcome.served.get("canary"),
                     canary_share=outcome.served.get("canary_share") or 0.0, acked_at=outcome.acked_at,
-                    pushed_bytes=outcome.sent_bytes, error="")
+                    pushed_bytes=outcome.sent_bytes, error="", **_held_fields(outcome.served))
 
 
-def _send(replica: ServingReplica, bodies: list[bytes], token: str, timeout: float) -> PushOutcome:
+def _send(replica: ServingReplica, bodies: list[bytes], token: str, timeout: float, slug: str = "") -> PushOutcome:
     outcome = PushOutcome(replica.id, replica.address, ok=True)
     # Each replica gets its own token (inference/apis.py `replica_token`), never the shared one.
     headers = {"Authorization": f"Bearer {replica_token(token, replica.address)}",
@@ -120,7 +141,9 @@ def _send(replica: ServingReplica, bodies: list[bytes], token: str, timeout: flo
     try:
         with httpx.Client(timeout=timeout, headers=headers) as http:
             for body in bodies:
-                response = http.post(replica.address.rstrip("/") + PUSH_PATH, content=body)
+                # ?project=: a serving process may serve several projects (serve_policy --project A --project B).
+                response = http.post(replica.address.rstrip("/") + PUSH_PATH, content=body,
+                                     params={"project": slug} if slug else None)
                 outcome.sent_bytes += len(body)
                 if response.status_code != 200:
                     outcome.ok, outcome.error = False, f"{response.status_code}: {_reason(response)}"

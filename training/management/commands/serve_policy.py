@@ -43,6 +43,7 @@ import logging
 import os
 import signal
 import socket
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -57,11 +58,13 @@ from feedback.models import Project
 from feedback.services import feedback_ingest, quarantine_record
 from inference import apis, background, metrics, replica, serving
 from inference.background import BackgroundRollouts
-from inference.engines import EngineFactory, new_event_loop
+from inference.engines import AdapterView, Engine, EngineFactory, is_adapter_folder, new_event_loop
 from inference.listeners import serve_both
 from inference.serving import PolicyServer, Recorder, ServingError
 from inference.tokens import replica_token
 from kernels.delta import CheckpointCorrupt
+from training.models import PolicyVersion
+from training.replicas.adapters import AdapterHosts, adapter_folder_or_merged
 from training.replicas.agent import ReplicaAgent, servable_canary_share, servable_version
 from training.replicas.services import BackgroundBeat
 from training.versions.selectors import policy_get, serving_target
@@ -74,7 +77,9 @@ class Command(BaseCommand):
     help = "Serve a policy over /v1/chat/completions and /v1/completions, recording trajectories."
 
     def add_arguments(self, parser):
-        parser.add_argument("--project", required=True)
+        parser.add_argument("--project", required=True, action="append",
+                            help="the project to serve; repeat it to serve several projects in this process "
+                                 "(their adapter versions over a shared base on one engine)")
         parser.add_argument("--host", default="127.0.0.1")
         parser.add_argument("--port", type=int, default=8001)
         parser.add_argument("--internal-port", type=int, default=None,
@@ -101,6 +106,9 @@ class Command(BaseCommand):
 
     def handle(self, *args, **opts):
         opts["summary_budget"] = summary_budget(opts["summary_budget"], opts["max_model_len"])
+        projects = list(dict.fromkeys(opts["project"]))
+        if len(projects) > 1 and (opts["model_dir"] is not None or opts["policy_version"] is not None):
+            raise CommandError("--model-dir and --policy-version serve one project: name one --project")
         internal_host, internal_port = opts["internal_host"], opts["internal_port"] or opts["port"] + 1
         if internal_host not in LOOPBACK and not (settings.FLYWHEEL_INTERNAL_TOKEN or settings.FLYWHEEL_REPLICA_TOKEN):
             raise CommandError(f"--internal-host {internal_host} exposes /internal/* beyond this machine: set "
@@ -108,19 +116,22 @@ class Command(BaseCommand):
         if type(opts["background_rollouts"]) is not int or opts["background_rollouts"] < 0:
             raise CommandError("--background-rollouts must be 0 (off) or the most background sequences at once, "
                                f"e.g. 16; got {opts['background_rollouts']!r}")
-        server = self._server(opts)
-        serving.SERVER = server
+        hosts, servers = self._servers(projects, opts)
+        server = servers[projects[0]]
+        serving.SERVER, serving.SERVERS = server, servers
         worker = background_start(server, opts["background_rollouts"], opts["max_model_len"])
-        agent = None
+        agents: dict[str, ReplicaAgent] = {}
         if opts["model_dir"] is None and opts["policy_version"] is None:
             address = opts["advertise"] or advertised_address(internal_host, internal_port)
-            agent = _agent(server, opts, address, worker)
+            agents = {slug: _agent(s, opts | {"project": slug}, address, worker if s is server else None)
+                      for slug, s in servers.items()}
             apis.REPLICA_TOKEN = settings.FLYWHEEL_REPLICA_TOKEN or (
-                replica_token(settings.FLYWHEEL_INTERNAL_TOKEN, agent.address) if settings.FLYWHEEL_INTERNAL_TOKEN else "")
-            replica.RECEIVER = agent.receive
-        self.stdout.write(f"serving {server.model_name(server.engine.version)} ({opts['engine']}) on "
+                replica_token(settings.FLYWHEEL_INTERNAL_TOKEN, address) if settings.FLYWHEEL_INTERNAL_TOKEN else "")
+            replica.RECEIVER = partial(_receive, agents)
+        names = ", ".join(s.model_name(s.engine.version) for s in servers.values())
+        self.stdout.write(f"serving {names} ({opts['engine']}) on "
                           f"http://{opts['host']}:{opts['port']}/v1 (internal: {internal_host}:{internal_port}"
-                          f"{f', registered as {agent.address}' if agent else ''})", ending="\n")
+                          f"{f', registered as {address}' if agents else ''})", ending="\n")
         self.stdout.flush()
         # uvicorn re-raises SIGTERM after its graceful shutdown; with the default action the process
         # would die before the recorder flushes. Raising SystemExit runs the `finally` below.
@@ -129,21 +140,33 @@ class Command(BaseCommand):
             with asyncio.Runner(loop_factory=new_event_loop) as runner:
                 runner.run(serve_both(opts["host"], opts["port"], internal_host, internal_port))
         finally:
-            if agent is not None:
-                replica.RECEIVER = None
+            replica.RECEIVER = None
+            for agent in agents.values():
                 agent.stop()
             if worker is not None:
                 background.WORKER = None
                 worker.close()
-            server.close()
-            serving.SERVER = None
+            for each in servers.values():
+                each.close()
+            hosts.close()
+            serving.SERVER, serving.SERVERS = None, {}
 
-    def _server(self, opts) -> PolicyServer:
-        project = Project.objects.filter(slug=opts["project"]).first()
+    def _servers(self, projects: list[str], opts: dict[str, Any]) -> tuple[AdapterHosts, dict[str, PolicyServer]]:
+        """One server per project, the projects' adapter versions on shared base engines."""
+        hosts = AdapterHosts(EngineFactory(engine_kind(opts["engine"], opts["serial"]),
+                                           {"max_model_len": opts["max_model_len"]}))
+        try:
+            return hosts, {slug: self._server(slug, opts, hosts) for slug in projects}
+        except BaseException:
+            hosts.close()
+            raise
+
+    def _server(self, slug: str, opts: dict[str, Any], hosts: AdapterHosts) -> PolicyServer:
+        project = Project.objects.filter(slug=slug).first()
         if project is None:
-            raise CommandError(f"no project {opts['project']!r}: create it with manage.py create_project")
-        engines = EngineFactory(engine_kind(opts["engine"], opts["serial"]), {"max_model_len": opts["max_model_len"]})
-        resolve = _resolver(project)
+            raise CommandError(f"no project {slug!r}: create it with manage.py create_project")
+        place = Placement(hosts)
+        resolve = _resolver(project, place.folder_of)
         target = serving_target(project.pk)
         try:
             if opts["model_dir"] is not None:
@@ -155,9 +178,11 @@ class Command(BaseCommand):
                                        "Create one with `manage.py bootstrap_policy --project SLUG`.")
                 folder = resolve(number, "start")
             recorder = None if opts["no_record"] else recorder_for(project)
-            server = PolicyServer(project.slug, engines(folder, number), recorder,
-                                  max_model_len=opts["max_model_len"], engines=engines,
-                                  resolve=_servable(project, resolve), summary_budget=opts["summary_budget"])
+            server = PolicyServer(project.slug, place.engine(folder, number), recorder,
+                                  max_model_len=opts["max_model_len"], engines=hosts.factory,
+                                  resolve=_servable(project, resolve), summary_budget=opts["summary_budget"],
+                                  host=place.host)
+            place.server = server
             server.canary_share_of = partial(servable_canary_share, project)
             if opts["model_dir"] is None and opts["policy_version"] is None and target.canary is not None:
                 server.load({"canary": target.canary, "share": target.canary_share})
@@ -166,6 +191,32 @@ class Command(BaseCommand):
         if recorder is not None:
             recorder.start()
         return server
+
+
+class Placement:
+    """Where a project's versions go: adapters over a base on the process's shared host engine
+    for that base (made when the first adapter version needs it: no restart), full weights on
+    their own engine."""
+
+    def __init__(self, hosts: AdapterHosts) -> None:
+        self.hosts = hosts
+        self.host: Engine | None = None
+        self.key: str | None = None
+        self.server: PolicyServer | None = None
+
+    def folder_of(self, version: PolicyVersion) -> Path:
+        if self.host is None:
+            found = self.hosts.host_for(version)
+            if found is not None:
+                self.host, self.key = found
+                if self.server is not None:
+                    self.server.host = self.host
+        return adapter_folder_or_merged(version, self.key)
+
+    def engine(self, folder: Path, number: int) -> Engine:
+        if self.host is not None and is_adapter_folder(folder):
+            return AdapterView(self.host, folder, number)
+        return self.hosts.factory(folder, number)
 
 
 def summary_budget(value: int | None, max_model_len: int) -> int:
@@ -184,14 +235,14 @@ def engine_kind(engine: str, serial: bool) -> str:
     return "vllm-async" if engine == "vllm" and not serial else engine
 
 
-def _resolver(project: Project):
+def _resolver(project: Project, folder_of: Callable[[PolicyVersion], Path] = policy_folder):
     def resolve(number: int, role: str) -> Path:
         close_old_connections()
         version = policy_get(project, number)
         if version is None:
             raise ServingError(404, f"no policy version {number} in project {project.slug!r}", "Check the number.")
         try:
-            return policy_folder(version)
+            return folder_of(version)
         except NotFound as exc:
             raise ServingError(409, exc.message, exc.fix) from None
         except CheckpointCorrupt as exc:  # nothing was loaded: the served version stays
@@ -243,19 +294,38 @@ def _background_beat(worker: BackgroundRollouts) -> BackgroundBeat:
 
 def _agent(server: PolicyServer, opts: dict[str, Any], address: str,
            worker: BackgroundRollouts | None = None) -> ReplicaAgent:
-    """Registers the process as a replica holding what it loaded at start, heartbeat running."""
+    """Registers the process as a replica holding what it loaded at start (probed: a version
+    that fails its probe is not served), heartbeat running."""
     project = Project.objects.get(slug=opts["project"])
-    work_dir = Path(settings.VAR_DIR) / "replicas" / f"{socket.gethostname()}-{opts['port']}"
-    agent = ReplicaAgent(project, server, address, _resolver(project), work_dir, engine=opts["engine"])
+    work_dir = Path(settings.VAR_DIR) / "replicas" / f"{socket.gethostname()}-{opts['port']}-{project.slug}"
+    agent = ReplicaAgent(project, server, address, server.resolve, work_dir, engine=opts["engine"])
     if worker is not None:
         agent.background = partial(_background_beat, worker)
-    for engine in (server.engine, server.canary):
+    for role, engine in (("production", server.engine), ("canary", server.canary)):
         version = policy_get(project, engine.version) if engine is not None else None
-        if version is not None:
-            agent.adopt(version, engine.model_dir)
+        if engine is None or version is None:
+            continue
+        folder = server.folders["production"] if role == "production" else Path(engine.model_dir)
+        agent.adopt(version, folder)
+        try:
+            agent.verify(engine, folder, version.number, role)
+        except ServingError as exc:
+            raise CommandError(f"{exc.message}. Refusing to serve it.") from None
     server.resolve = agent.resolve
+    server.verify = agent.verify
     agent.start()
     return agent
+
+
+def _receive(agents: dict[str, ReplicaAgent], body: bytes, project: str | None = None) -> dict[str, Any]:
+    """/internal/push: the push goes to its project's agent (?project=SLUG; default the only one)."""
+    if project is None and len(agents) == 1:
+        return next(iter(agents.values())).receive(body)
+    agent = agents.get(project or "")
+    if agent is None:
+        raise ServingError(404, f"this serving process serves no project {str(project)[:80]!r}",
+                           f"Push with ?project= one of {sorted(agents)}.")
+    return agent.receive(body)
 
 
 def _exit_on_signal(signum, frame) -> None:
