@@ -1,7 +1,7 @@
 """The RL update on 2 ranks (torchrun, FSDP2, gloo) against 1 rank, on the same model and batches.
 
     .venv/bin/python bench/fsdp.py [--size small] [--steps 4] [--rows 16] [--json]
-    .venv/bin/python bench/fsdp.py --quick        # tiny model, 2 steps: checks the bench runs
+    .venv/bin/python bench/fsdp.py --quick        # a micro model, 2 steps: checks the bench runs
 
 Both sides run the same job (training/rl/distributed.py) under torchrun, one thread per rank, so
 "per core" compares like with like: `per_core_ratio` = (2-rank tokens/s / 2) / (1-rank tokens/s).
@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -25,7 +27,9 @@ sys.path.insert(0, str(ROOT))
 
 from bench.rl_step import MODEL, SMALL, build_model  # noqa: E402
 
-SHAPES = {"tiny": MODEL, "small": SMALL}
+# --quick: the smallest shape the sharding path takes (its tokenizer trains in a second).
+MICRO = dict(MODEL, hidden_size=64, num_heads=2, num_kv_heads=1, intermediate_size=128, tokenizer_lines=2000)
+SHAPES = {"micro": MICRO, "tiny": MODEL, "small": SMALL}
 
 
 def _batches(folder: Path, steps: int, rows: int, prompt: int, completion: int) -> list:
@@ -50,20 +54,22 @@ def _batches(folder: Path, steps: int, rows: int, prompt: int, completion: int) 
 def _run(policy: Path, batches: list, nproc: int, work: Path) -> dict:
     from training.rl.distributed import JobSpec, launch
 
+    start = time.perf_counter()
     folder = work / f"ranks-{nproc}"
     JobSpec(policy=str(policy), rl={"lr": 1e-5, "micro_batch_size": 8}, reference=None).write(folder, batches)
     result = launch(folder, nproc=nproc, timeout_s=1800)
     steps = result.metrics[1:] or result.metrics
     ranks = [json.loads((folder / f"rank-{r}.json").read_text()) for r in range(nproc)]
     tokens = statistics.median(m["tokens_per_s"] for m in steps)
-    return {"tokens_per_s": tokens,
+    return {"tokens_per_s": tokens, "wall_s": time.perf_counter() - start,
             "state_mb": max(r["state_mb"] for r in ranks), "peak_rss_mb": max(r["peak_rss_mb"] for r in ranks),
+            "stages": {k: max(r[k] for r in ranks) for k in ("import_s", "load_s", "steps_s", "save_s")},
             "loss": [m["loss"] for m in result.metrics]}
 
 
 def main() -> int:
     args = _args()
-    size = "tiny" if args.quick else args.size
+    size = "micro" if args.quick else args.size
     steps, rows = (2, 4) if args.quick else (args.steps, args.rows)
     policy = build_model(ROOT / "var" / "bench-policies" / size, SHAPES[size])
     batches = _batches(policy, steps, rows, prompt=32, completion=32)
@@ -76,7 +82,8 @@ def main() -> int:
                "rss_ratio": round(two["peak_rss_mb"] / one["peak_rss_mb"], 3),
                "tokens_per_s_1": round(one["tokens_per_s"]), "tokens_per_s_2": round(two["tokens_per_s"]),
                "comm_ms_per_step": round(comm_ms, 1),
-               "max_loss_diff": max(abs(a - b) for a, b in zip(one["loss"], two["loss"], strict=True))}
+               "max_loss_diff": max(abs(a - b) for a, b in zip(one["loss"], two["loss"], strict=True)),
+               "stages_1": one["stages"], "stages_2": two["stages"], "load_avg": round(os.getloadavg()[0], 1)}
     _table(one, two, figures)
     if args.json:
         print(json.dumps(figures))
@@ -89,6 +96,10 @@ def _table(one: dict, two: dict, f: dict) -> None:
     for n, r in ((1, one), (2, two)):
         print(f"{n:>5} {r['tokens_per_s']:>10.0f} {r['tokens_per_s'] / n:>10.0f} {r['state_mb']:>14.1f} "
               f"{r['peak_rss_mb']:>17.0f}")
+    for n, r in ((1, one), (2, two)):
+        stages = ", ".join(f"{k[:-2]} {v:.1f}" for k, v in r["stages"].items())
+        print(f"{n} rank(s): launch to weights back {r['wall_s']:.1f} s (slowest rank's seconds: {stages})")
+    print(f"machine load (1 min) {f['load_avg']} on {os.cpu_count()} cores")
     print(f"per-core ratio {f['per_core_ratio']} (goal >= 0.85); state per rank {f['peak_mem_ratio']} of 1 rank "
           f"(goal <= 0.6); communication ~{f['comm_ms_per_step']} ms/step; losses agree to {f['max_loss_diff']:.1e}")
 
@@ -98,7 +109,7 @@ def _args() -> argparse.Namespace:
     p.add_argument("--size", choices=sorted(SHAPES), default="small")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--rows", type=int, default=16)
-    p.add_argument("--quick", action="store_true", help="tiny model, 2 steps: that the bench runs")
+    p.add_argument("--quick", action="store_true", help="micro model, 2 steps: that the bench runs")
     p.add_argument("--json", action="store_true")
     return p.parse_args()
 

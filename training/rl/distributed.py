@@ -32,6 +32,8 @@ from torch import nn
 from training.rl.config import RLConfig
 from training.rl.trainer import METRIC_KEYS, Batch, DriftSums, StepMetrics, backward_batch
 
+_IMPORTED = time.perf_counter()  # a rank's imports done (torch's above all): `_Stages` counts them
+
 
 @dataclass(frozen=True)
 class World:
@@ -168,10 +170,12 @@ def _load(folder: str, world: World) -> nn.Module:
 
 
 def run_job(folder: Path) -> None:
-    """One rank's part of a job (torchrun starts one per process)."""
+    """One rank's part of a job (torchrun starts one per process); its stages' seconds and what it
+    holds go to `rank-<r>.json`."""
     spec, batches = JobSpec.read(folder)
     world = init_world(spec.timeout_s)
     (folder / f"rank-{world.rank}.pid").write_text(str(os.getpid()))
+    stages = _Stages()
     torch.manual_seed(spec.seed)
     cfg = RLConfig(**spec.rl)
     model = shard(_load(spec.policy, world))
@@ -179,15 +183,42 @@ def run_job(folder: Path) -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     if spec.optimizer:
         optimizer_load(model, optimizer, spec.optimizer)
+    stages.mark("load_s")
     for step, batch in enumerate(batches):
         metrics = distributed_rl_step(model, ref, batch, optimizer, cfg, world)
         if world.is_main:
             with open(folder / "metrics.jsonl", "a") as out:
                 out.write(json.dumps({"step": step, **metrics.to_dict()}) + "\n")
-    (folder / f"rank-{world.rank}.json").write_text(json.dumps(rank_memory(model, optimizer)))
+    stages.mark("steps_s")
+    memory = rank_memory(model, optimizer)
     optimizer_save(model, optimizer, folder / "optim")
     _save(model, spec, folder, world)
+    stages.mark("save_s")
+    (folder / f"rank-{world.rank}.json").write_text(json.dumps({**memory, **stages.seconds}))
     dist.destroy_process_group()
+
+
+def _age_s() -> float:
+    """Seconds since this process started (Linux's /proc; 0 where there is none)."""
+    try:
+        start_ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0.0
+    return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
+
+
+class _Stages:
+    """Seconds of a rank's stages: imports (from the interpreter's start), load, steps, save."""
+
+    def __init__(self) -> None:
+        self.last = time.perf_counter()
+        self.seconds = {"import_s": round(_age_s() - (self.last - _IMPORTED), 3)}
+
+    def mark(self, name: str) -> None:
+        now = time.perf_counter()
+        self.seconds[name] = round(now - self.last, 3)
+        self.last = now
 
 
 def optimizer_save(model: nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> None:
