@@ -51,12 +51,13 @@ def _batches(folder: Path, steps: int, rows: int, prompt: int, completion: int) 
     return out
 
 
-def _run(policy: Path, batches: list, nproc: int, work: Path) -> dict:
+def _run(policy: Path, batches: list, nproc: int, work: Path, reshard: bool = True) -> dict:
     from training.rl.distributed import JobSpec, launch
 
     start = time.perf_counter()
     folder = work / f"ranks-{nproc}"
-    JobSpec(policy=str(policy), rl={"lr": 1e-5, "micro_batch_size": 8}, reference=None).write(folder, batches)
+    JobSpec(policy=str(policy), rl={"lr": 1e-5, "micro_batch_size": 8}, reference=None,
+            reshard_after_forward=reshard).write(folder, batches)
     result = launch(folder, nproc=nproc, timeout_s=1800)
     steps = result.metrics[1:] or result.metrics
     ranks = [json.loads((folder / f"rank-{r}.json").read_text()) for r in range(nproc)]
@@ -74,10 +75,10 @@ def main() -> int:
     policy = build_model(ROOT / "var" / "bench-policies" / size, SHAPES[size])
     batches = _batches(policy, steps, rows, prompt=32, completion=32)
     with tempfile.TemporaryDirectory() as tmp:
-        one, two = _run(policy, batches, 1, Path(tmp)), _run(policy, batches, 2, Path(tmp))
+        one, two = _run(policy, batches, 1, Path(tmp)), _run(policy, batches, 2, Path(tmp), args.reshard == "yes")
     tokens = sum(int(b.attention_mask.sum()) for b in batches) / len(batches)
     comm_ms = (tokens / two["tokens_per_s"] - tokens / one["tokens_per_s"] / 2) * 1000
-    figures = {"size": size, "per_core_ratio": round(two["tokens_per_s"] / 2 / one["tokens_per_s"], 3),
+    figures = {"size": size, "reshard_after_forward": args.reshard == "yes", "per_core_ratio": round(two["tokens_per_s"] / 2 / one["tokens_per_s"], 3),
                "peak_mem_ratio": round(two["state_mb"] / one["state_mb"], 3),
                "rss_ratio": round(two["peak_rss_mb"] / one["peak_rss_mb"], 3),
                "tokens_per_s_1": round(one["tokens_per_s"]), "tokens_per_s_2": round(two["tokens_per_s"]),
@@ -109,6 +110,8 @@ def _args() -> argparse.Namespace:
     p.add_argument("--size", choices=sorted(SHAPES), default="small")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--rows", type=int, default=16)
+    p.add_argument("--reshard", choices=["yes", "no"], default="yes",
+                   help="FSDP2's reshard_after_forward for the blocks (no: one all-gather fewer, more memory)")
     p.add_argument("--quick", action="store_true", help="micro model, 2 steps: that the bench runs")
     p.add_argument("--json", action="store_true")
     return p.parse_args()

@@ -69,12 +69,14 @@ def decoder_layers(model: nn.Module) -> Sequence[nn.Module]:
     return layers
 
 
-def shard(model: nn.Module) -> nn.Module:
-    """Shards each block, then the rest (embeddings, norm, head), over the default process group."""
+def shard(model: nn.Module, reshard_after_forward: bool = True) -> nn.Module:
+    """Shards each block, then the rest (embeddings, norm, head), over the default process group.
+    `reshard_after_forward=False` keeps each block's gathered weights from its forward to its
+    backward (one all-gather a block fewer a micro-batch, a block's full weights held meanwhile)."""
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
     for layer in decoder_layers(model):
-        fully_shard(layer)
+        fully_shard(layer, reshard_after_forward=reshard_after_forward)
     fully_shard(model)
     for module in model.modules():
         if isinstance(module, FSDPModule):  # the setting is per sharded module, not inherited
@@ -146,6 +148,7 @@ class JobSpec:
     seed: int = 0
     timeout_s: float = 300.0
     optimizer: str | None = None  # a previous job's `optim/` (torch.distributed.checkpoint): resume AdamW
+    reshard_after_forward: bool = True  # False: fewer all-gathers, more memory (`shard`)
 
     def write(self, folder: Path, batches: Sequence[Batch]) -> None:
         folder.mkdir(parents=True, exist_ok=True)
@@ -178,7 +181,7 @@ def run_job(folder: Path) -> None:
     stages = _Stages()
     torch.manual_seed(spec.seed)
     cfg = RLConfig(**spec.rl)
-    model = shard(_load(spec.policy, world))
+    model = shard(_load(spec.policy, world), spec.reshard_after_forward)
     ref = shard(_load(spec.reference, world).requires_grad_(False)) if spec.reference else None
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     if spec.optimizer:
