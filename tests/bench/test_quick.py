@@ -20,7 +20,8 @@ ROOT = Path(__file__).resolve().parents[2]
 # The benches with a quick mode (bench/dashboard.py failed unseen for weeks before it had one).
 # A quick mode that needs vLLM or TRL's venv leaves that side out and says so in its output.
 QUICK = ["dashboard.py", "offpeak.py", "agent_rollouts.py", "broadcast.py", "demo_base.py", "gate_base.py",
-         "inference.py", "ingest.py", "lineage.py", "midtrain.py", "numerics.py", "reward_model.py", "serving.py", "soak.py"]
+         "inference.py", "ingest.py", "lineage.py", "midtrain.py", "numerics.py", "reward_model.py", "serving.py", "soak.py",
+         "fsdp.py"]
 
 
 @pytest.mark.django_db
