@@ -68,6 +68,8 @@ def _args() -> argparse.Namespace:
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=4096)
+    parser.add_argument("--threads", type=int, default=os.cpu_count(),
+                        help="torch threads of the replica and of the dedicated worker alike")
     parser.add_argument("--quick", action="store_true", help="seconds, tiny sizes (the suite's check)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
@@ -116,7 +118,7 @@ def _start_replica(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
         [sys.executable, "manage.py", "serve_policy", "--project", "offpeak", "--port", str(port),
          "--internal-port", str(internal), "--engine", args.engine, "--no-record",
          "--background-rollouts", str(args.slots)],
-        cwd=ROOT, env=dict(os.environ), stdout=log, stderr=subprocess.STDOUT)
+        cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": str(args.threads)}, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     wait_http(url + "/healthz", proc, 900, VAR / "replica.log")
     return proc, url
@@ -219,6 +221,9 @@ def run(args: argparse.Namespace) -> dict:
             if time.monotonic() > deadline or proc.poll() is not None:
                 raise RuntimeError(f"the replica did not register; see {VAR / 'replica.log'}")
             time.sleep(0.2)
+        import torch
+
+        torch.set_num_threads(args.threads)  # as the replica's OMP_NUM_THREADS: the same threads on both sides
         dedicated = make_engine("torch", state["folder"], version=1, exact=False)
         candidate = perturbed_state_dict(state["folder"], scale=0.05, seed=3)
         dedicated.load_weights(candidate, 1)  # the run's candidate, on both sides
