@@ -288,13 +288,18 @@ class BackgroundRollouts:
             except queue.Empty:
                 break
             job.returned = list(range(len(job.prompts)))
-            job.future.set_result(job.answer(0))
+            if job.future.set_running_or_notify_cancel():  # its caller may have gone
+                job.future.set_result(job.answer(0))
 
     def _loop(self) -> None:
         while not self._stopping.is_set():
             try:
                 job = self._jobs.get(timeout=0.25)
             except queue.Empty:
+                continue
+            # A caller that went away (its request cancelled the future) before its job started:
+            # skipped. Once running, the future can no longer be cancelled, so its answer is set.
+            if not job.future.set_running_or_notify_cancel():
                 continue
             try:
                 job.future.set_result(self.run(job))
