@@ -68,6 +68,8 @@ def _args() -> argparse.Namespace:
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=4096)
+    parser.add_argument("--threads", type=int, default=os.cpu_count(),
+                        help="torch threads of the replica and of the dedicated worker alike")
     parser.add_argument("--quick", action="store_true", help="seconds, tiny sizes (the suite's check)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
@@ -116,7 +118,7 @@ def _start_replica(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
         [sys.executable, "manage.py", "serve_policy", "--project", "offpeak", "--port", str(port),
          "--internal-port", str(internal), "--engine", args.engine, "--no-record",
          "--background-rollouts", str(args.slots)],
-        cwd=ROOT, env=dict(os.environ), stdout=log, stderr=subprocess.STDOUT)
+        cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": str(args.threads)}, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     wait_http(url + "/healthz", proc, 900, VAR / "replica.log")
     return proc, url
@@ -219,6 +221,9 @@ def run(args: argparse.Namespace) -> dict:
             if time.monotonic() > deadline or proc.poll() is not None:
                 raise RuntimeError(f"the replica did not register; see {VAR / 'replica.log'}")
             time.sleep(0.2)
+        import torch
+
+        torch.set_num_threads(args.threads)  # as the replica's OMP_NUM_THREADS: the same threads on both sides
         dedicated = make_engine("torch", state["folder"], version=1, exact=False)
         candidate = perturbed_state_dict(state["folder"], scale=0.05, seed=3)
         dedicated.load_weights(candidate, 1)  # the run's candidate, on both sides
@@ -254,11 +259,24 @@ def _measure(args, url, state, bg: Background, dedicated, plan) -> dict:
         return len(dedicated.generate(bg.prompts, n=bg.G, sampling=bg.sampling))
 
     own()  # builds its fused decoder, as bg.call() warmed the replica's
-    replica_rates, dedicated_rates = [], []
+    replica_rates, dedicated_rates, own_s = [], [], []
+
+    def timed_own() -> int:
+        start = time.perf_counter()
+        rows = own()
+        own_s.append(time.perf_counter() - start)
+        return rows
+
+    first_call = len(bg.sampler.calls)
     for _ in range(args.rounds):  # interleaved: both see the same machine load
         replica_rates.append(_rate(bg.call, args.seconds / 2))
-        dedicated_rates.append(_rate(own, args.seconds / 2))
+        dedicated_rates.append(_rate(timed_own, args.seconds / 2))
     on_replica, on_dedicated = statistics.fmean(replica_rates), statistics.fmean(dedicated_rates)
+    idle_calls = bg.sampler.calls[first_call:]
+    per_call = {"round_trip_s": statistics.median(c["round_trip_s"] for c in idle_calls),
+                "replica_sampled_s": statistics.median(c["sampled_s"] for c in idle_calls),
+                "dedicated_s": statistics.median(own_s)}
+    per_call["http_json_s"] = per_call["round_trip_s"] - per_call["replica_sampled_s"]
     p95 = {name: _p(xs, 95) for name, xs in (("alone", alone), ("shared", shared))}
     return {
         "engine": args.engine, "rate": args.rate, "requests_per_window": len(plan), "slots": args.slots,
@@ -268,8 +286,28 @@ def _measure(args, url, state, bg: Background, dedicated, plan) -> dict:
         "background_rollouts_per_s_under_live": round(rows_live / seconds_live, 2),
         "idle_rollouts_per_s_replica": round(on_replica, 2), "idle_rollouts_per_s_dedicated": round(on_dedicated, 2),
         "idle_rollouts_ratio": round(on_replica / on_dedicated, 3),
+        "per_call": {k: round(v, 4) for k, v in per_call.items()}, "rows_per_call": len(bg.prompts) * bg.G,
+        "push": _pushes(bg), "load_avg": round(os.getloadavg()[0], 1),
         "live_timeouts": len(TIMEOUTS), "given_back": bg.sampler.given_back, "replica_errors": bg.sampler.errors[:3],
     }
+
+
+def _pushes(bg: Background, rounds: int = 3) -> dict:
+    """A run's later rounds: each pushes weights one small training step away from the last
+    (every weight moved by 1e-4 of its tensor's spread, as an AdamW step does), as a delta; the
+    first push of the call before was the whole set."""
+    import torch
+
+    whole = next(c for c in bg.sampler.calls if c["push_bytes"])
+    gen, state, deltas = torch.Generator().manual_seed(5), {k: v.clone() for k, v in bg.state.items()}, []
+    for r in range(rounds):
+        for v in state.values():
+            v.add_(torch.randn(v.shape, generator=gen) * 1e-4 * (float(v.std()) + 1e-3))
+        bg.sampler.generate(bg.prompts[:1], 1, bg.sampling, weights=f"bench-round-{r}", state=state, version=1)
+        deltas.append(bg.sampler.calls[-1])
+    return {"whole_bytes": int(whole["push_bytes"]), "whole_s": round(whole["push_s"], 3),
+            "delta_bytes": int(statistics.median(d["push_bytes"] for d in deltas)),
+            "delta_s": round(statistics.median(d["push_s"] for d in deltas), 3)}
 
 
 def _p(xs: list[float], q: int) -> float:
@@ -286,6 +324,12 @@ def print_table(r: dict) -> None:
     print(f"{'idle rollouts/s':34}{'replica':>10}{'dedicated':>10}")
     print(f"{'':34}{r['idle_rollouts_per_s_replica']:>10}{r['idle_rollouts_per_s_dedicated']:>10}"
           f"{r['idle_rollouts_ratio']:>8}  (goal >= 0.8)")
+    c = r["per_call"]
+    print(f"one call of {r['rows_per_call']} rollouts, idle (median s): round trip {c['round_trip_s']}, of which the "
+          f"replica sampled {c['replica_sampled_s']} and HTTP/JSON/queue {c['http_json_s']:.4f}; dedicated {c['dedicated_s']}")
+    p = r["push"]
+    print(f"weights push per round: whole {p['whole_bytes']:,} B in {p['whole_s']} s; delta {p['delta_bytes']:,} B "
+          f"in {p['delta_s']} s (machine load {r['load_avg']})")
     if r["given_back"] or r["replica_errors"] or r["live_timeouts"]:
         print(f"given back: {r['given_back']}, errors: {r['replica_errors']}, live timeouts: {r['live_timeouts']}")
 

@@ -231,6 +231,8 @@ class BackgroundRollouts:
             raise ValueError(f"background slots must be a positive integer, got {slots!r}")
         self.base_dir, self.slots, self.live, self.max_model_len = Path(base_dir), slots, live, max_model_len
         self.weights: str | None = None  # the id of the held weights
+        self.held_hash: str | None = None  # their checkpoint hash (kernels.delta): a delta's parent
+        self.held_keys: list[str] = []
         self.engine: BackgroundEngine | None = None
         self._jobs: queue.Queue[RolloutJob] = queue.Queue(max_queued)
         self._held = threading.Lock()  # a weights push waits for the chunk sampling on the old ones
@@ -241,16 +243,28 @@ class BackgroundRollouts:
         self._window = (time.monotonic(), 0.0)  # (wall, busy) at the last `window_share`
 
     # --- weights ------------------------------------------------------------------------------
-    def put_weights(self, weights: str, version: int, data: bytes) -> None:
-        """Holds `data` (safetensors of the whole model, HF names) as `weights`, replacing the set held."""
+    def put_weights(self, weights: str, version: int, data: bytes, encoding: str = "safetensors") -> None:
+        """Holds `data` as `weights`, replacing the set held: safetensors of the whole model (HF
+        names), or with encoding "delta" a `kernels.delta` blob against the set held now (its
+        parent hash must be the held set's: CheckpointCorrupt otherwise, and nothing changes)."""
         from safetensors.torch import load
 
-        state = load(data)
+        from kernels.delta import CheckpointCorrupt, checkpoint_hash, decode, read_manifest
+
         with self._held:
+            if encoding == "delta":
+                if self.engine is None or self.held_hash is None:
+                    raise CheckpointCorrupt("this replica holds no weights to apply a delta to")
+                current = self.engine.model.state_dict()
+                parent = {k: current[k] for k in self.held_keys}
+                state, held_hash = decode(data, parent, parent_hash=self.held_hash), read_manifest(data)["checkpoint_hash"]
+            else:
+                state = load(data)
+                held_hash = checkpoint_hash(state)
             if self.engine is None:
                 self.engine = BackgroundEngine(self.base_dir, version=version, max_model_len=self.max_model_len)
             self.engine.load_weights(state, version)
-            self.weights = weights
+            self.weights, self.held_hash, self.held_keys = weights, held_hash, sorted(state)
 
     # --- jobs ---------------------------------------------------------------------------------
     def submit(self, job: RolloutJob) -> Future:
@@ -274,13 +288,18 @@ class BackgroundRollouts:
             except queue.Empty:
                 break
             job.returned = list(range(len(job.prompts)))
-            job.future.set_result(job.answer(0))
+            if job.future.set_running_or_notify_cancel():  # its caller may have gone
+                job.future.set_result(job.answer(0))
 
     def _loop(self) -> None:
         while not self._stopping.is_set():
             try:
                 job = self._jobs.get(timeout=0.25)
             except queue.Empty:
+                continue
+            # A caller that went away (its request cancelled the future) before its job started:
+            # skipped. Once running, the future can no longer be cancelled, so its answer is set.
+            if not job.future.set_running_or_notify_cancel():
                 continue
             try:
                 job.future.set_result(self.run(job))

@@ -1,6 +1,8 @@
 """The internal listener's background-rollout endpoints, and the middleware that counts live requests.
 
     PUT  /internal/rollouts/weights?id=ID&version=N   body: safetensors of the run's weights
+    PUT  /internal/rollouts/weights?id=ID&version=N&encoding=delta   body: a kernels.delta blob
+                               against the weights the replica holds (409 if it holds others)
     POST /internal/rollouts   {"weights": ID, "prompts": [[token ids]...], "n": G, "sampling": {...},
                                "deadline_s": 60, "first_index": 0}  -> when done: completions with their log-probs,
                                the weights id and version they came from, and the prompts returned
@@ -65,12 +67,21 @@ async def rollout_weights(request: HttpRequest) -> JsonResponse:
     _internal_auth(request)
     worker = _worker()
     weights, version = request.GET.get("id", ""), request.GET.get("version", "")
-    if not 0 < len(weights) <= 200 or not version.isdigit():
-        raise ServingError(400, "the weights need an 'id' (1-200 characters) and an integer 'version'",
-                           "PUT /internal/rollouts/weights?id=run-7-round-0&version=3 with the safetensors body.")
+    encoding = request.GET.get("encoding", "safetensors")
+    if not 0 < len(weights) <= 200 or not version.isdigit() or encoding not in ("safetensors", "delta"):
+        raise ServingError(400, "the weights need an 'id' (1-200 characters), an integer 'version' and an "
+                           f"'encoding' of safetensors or delta (got {encoding[:40]!r})",
+                           "PUT /internal/rollouts/weights?id=run-7-round-0&version=3 with the safetensors body, "
+                           "or &encoding=delta with a kernels.delta blob against the weights held.")
     data = request.read()  # read(), not .body: as large as the weights, above Django's form limit
+    from kernels.delta import CheckpointCorrupt  # torch: the serving process has it loaded already
+
     try:
-        await asyncio.to_thread(worker.put_weights, weights, int(version), data)
+        await asyncio.to_thread(worker.put_weights, weights, int(version), data, encoding)
+    except CheckpointCorrupt as exc:
+        raise ServingError(409, f"the delta does not apply to the weights this replica holds "
+                           f"({str(worker.weights)[:80]!r}): {str(exc)[:200]}",
+                           "Send the whole weights (encoding=safetensors).") from None
     except Exception as exc:  # noqa: BLE001 - safetensors and load_state_dict raise several kinds
         raise ServingError(400, f"the weights do not load: {type(exc).__name__}: {str(exc)[:300]}",
                            "Send the whole model's state dict (HF names) as safetensors bytes "

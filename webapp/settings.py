@@ -73,7 +73,11 @@ FLYWHEEL_REFUSALS_MAX = env_int("FLYWHEEL_REFUSALS_MAX", 5)
 FLYWHEEL_REFUSAL_WINDOW_S = env_int("FLYWHEEL_REFUSAL_WINDOW_S", 600)
 # Training past one process: the train worker runs a run's optimiser steps under torchrun on this
 # many processes, the policy sharded with FSDP2 (gloo on CPU, NCCL on GPU; training/runs/updates.py).
-FLYWHEEL_TRAIN_NPROC = env_int("FLYWHEEL_TRAIN_NPROC", 1)
+FLYWHEEL_TRAIN_NPROC = env_int("FLYWHEEL_TRAIN_NPROC", 1)  # torchrun processes per node (training/rl/nodes.py)
+FLYWHEEL_TRAIN_NNODES = env_int("FLYWHEEL_TRAIN_NNODES", 1)  # >1: the other nodes follow the worker's jobs
+FLYWHEEL_TRAIN_NODE_RANK = env_int("FLYWHEEL_TRAIN_NODE_RANK", 0)  # 0 on the train worker's node
+FLYWHEEL_TRAIN_MASTER_ADDR = env_str("FLYWHEEL_TRAIN_MASTER_ADDR", "")  # node 0's address, reached by the others
+FLYWHEEL_TRAIN_MASTER_PORT = env_int("FLYWHEEL_TRAIN_MASTER_PORT", 29500)
 FLYWHEEL_TRAIN_JOB_TIMEOUT_S = env_int("FLYWHEEL_TRAIN_JOB_TIMEOUT_S", 3600)  # one torchrun job, whole
 FLYWHEEL_TRAIN_COLLECTIVE_TIMEOUT_S = env_int("FLYWHEEL_TRAIN_COLLECTIVE_TIMEOUT_S", 300)  # a hung rank fails its peers
 

@@ -117,6 +117,24 @@ def test_no_chunk_starts_while_users_are_served_and_the_job_is_given_back_at_its
         worker.close()
 
 
+def test_a_job_whose_caller_went_away_is_skipped_and_the_next_one_is_sampled(dense_dir: Path):
+    live = LiveLoad()
+    worker = _worker(dense_dir, slots=4, live=live)
+    prompts = _ids(dense_dir)
+    try:
+        live.enter()  # users keep the sampler waiting on the first job while two more queue
+        first = worker.submit(_job(prompts[:1], deadline_s=0.5))
+        gone = worker.submit(_job(prompts))
+        assert gone.cancel()  # its request was cancelled (the run's connection closed) before it started
+        after = worker.submit(_job(prompts[:2]))
+        first.result(60)
+        live.leave()
+        assert len(after.result(120)["completions"]) == 4  # the sampler thread lived on
+        assert worker.rollouts == 4  # nothing sampled for the cancelled job
+    finally:
+        worker.close()
+
+
 def test_a_chunk_paused_past_its_deadline_is_given_back_whole(dense_dir: Path):
     live = LiveLoad()
     worker = _worker(dense_dir, slots=4, live=live)

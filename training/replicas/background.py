@@ -3,12 +3,17 @@
 `ReplicaSampler.generate(prompts, n, sampling, weights=..., state=...)` is `Engine.generate` for a
 run: the prompts are split among the live replicas that take background rollouts (their row's
 `background_slots` > 0: `serve_policy --background-rollouts K`), each is sent the weights the run
-wants sampled (PUT /internal/rollouts/weights, once per replica and weights id, safetensors of the
-whole state dict: a registered version or a round's in-progress weights alike) and its share of
-the prompts (POST /internal/rollouts, with a deadline). What a replica gives back (its users kept
+wants sampled (PUT /internal/rollouts/weights, once per replica and weights id: a registered
+version or a round's in-progress weights alike) and its share of the prompts (POST /internal/rollouts, with a deadline). What a replica gives back (its users kept
 it busy past the deadline), or could not take (down, full, refused), is sampled by the run's own
 engine, so a run never waits on a busy replica. The replicas' sampling is live-first and
 admission-bounded (inference/background.py).
+
+Weights go as a `kernels.delta` blob against the set the replica holds from this sampler (the
+checkpoint store's codec: XOR planes, zstd, verified on decode against the parent's hash), the
+whole state dict as safetensors only for a replica's first push or when it holds something else
+(it answers 409 and gets the whole set). The sampler keeps a copy of the last weights it sent
+(one model's bytes in the run's process) to encode the next round's delta against.
 
 A replica's rows draw from the RNG stream of their index in the whole call, as the run's own
 engine would: on the same weights, the same tokens (the log-probs within float rounding).
@@ -19,6 +24,8 @@ engine would: on the same weights, the same tokens (the log-probs within float r
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -62,9 +69,12 @@ class ReplicaSampler:
         self.replicas, self.local, self.token = list(replicas), local, token
         self.deadline_s, self.timeout_s = deadline_s, timeout_s
         self.pushed: dict[int, str] = {}  # replica id -> the weights id it holds from us
+        self.held: dict[int, str] = {}  # replica id -> the checkpoint hash of what it holds from us
+        self.sent: _Sent | None = None  # the last weights sent (a delta's parent)
         self.on_replicas = 0  # rollouts the replicas sampled
         self.given_back = 0  # rollouts the run's own engine sampled instead
         self.errors: list[str] = []
+        self.calls: list[dict[str, float]] = []  # per replica call: push and round-trip seconds, bytes
 
     @classmethod
     def setup(cls, project_id: int, local: Engine) -> ReplicaSampler | None:
@@ -79,20 +89,14 @@ class ReplicaSampler:
                  state: Mapping[str, torch.Tensor], version: int) -> list[Completion]:
         """n completions per prompt (grouped by prompt, as Engine.generate) from `state`, whose id
         is `weights`; `local` must hold the same weights (it samples what comes back)."""
-        from safetensors.torch import save
-
         prompts = [list(p) for p in prompts]
-        data: list[bytes] = []  # built once, when a replica first needs these weights
         shares = [Share(r, list(part)) for r, part in zip(self.replicas, _slices(len(prompts), len(self.replicas)),
                                                             strict=True) if part]
-
-        def body() -> bytes:
-            if not data:
-                data.append(save({k: v.detach().contiguous() for k, v in state.items()}))
-            return data[0]
-
+        payload = _Payload(weights, state, self.sent)
         with ThreadPoolExecutor(max_workers=len(shares)) as pool:
-            list(pool.map(lambda s: self._send(s, prompts, n, sampling, weights, version, body), shares))
+            list(pool.map(lambda s: self._send(s, prompts, n, sampling, version, payload), shares))
+        if payload.current is not None:
+            self.sent = payload.current
         out = [c for s in shares for c in s.completions]
         back = sorted(i for s in shares for i in s.back)
         self.errors += [f"{s.replica.address}: {s.error}" for s in shares if s.error]
@@ -105,33 +109,104 @@ class ReplicaSampler:
             out += local
         return sorted(out, key=lambda c: c.prompt_index)
 
-    def _send(self, share: Share, prompts: list[list[int]], n: int, sampling: SamplingParams, weights: str,
-              version: int, body: Any) -> None:
-        replica = share.replica
+    def _send(self, share: Share, prompts: list[list[int]], n: int, sampling: SamplingParams, version: int,
+              payload: _Payload) -> None:
+        replica, weights = share.replica, payload.weights
         headers = {"Authorization": f"Bearer {replica_token(self.token, replica.address)}"}
         base = replica.address.rstrip("/")
         sent = [prompts[i] for i in share.indices]
+        timing = {"push_s": 0.0, "push_bytes": 0.0}
         try:
             with httpx.Client(timeout=self.timeout_s, headers=headers) as http:
                 if self.pushed.get(replica.id) != weights:
-                    _ok(http.put(base + WEIGHTS_PATH, params={"id": weights, "version": version}, content=body()))
-                    self.pushed[replica.id] = weights
+                    start = time.perf_counter()
+                    self._push(http, base, replica.id, version, payload, timing)
+                    timing["push_s"] = time.perf_counter() - start
+                start = time.perf_counter()
                 answer = _ok(http.post(base + ROLLOUTS_PATH, json={
                     "weights": weights, "prompts": sent, "n": n, "deadline_s": self.deadline_s,
                     "first_index": share.indices[0],
                     "sampling": {"max_tokens": sampling.max_tokens, "temperature": sampling.temperature,
                                  "top_p": sampling.top_p, "top_k": sampling.top_k, "seed": sampling.seed}})).json()
+                timing.update(round_trip_s=time.perf_counter() - start, sampled_s=float(answer.get("sampled_s", 0.0)))
         except (httpx.HTTPError, ReplicaRefused) as exc:
             log.warning("background rollouts on %s failed: %s", replica.address, exc)
             share.back, share.error = list(share.indices), f"{type(exc).__name__}: {exc}"[:500]
             self.pushed.pop(replica.id, None)
+            self.held.pop(replica.id, None)
             return
+        self.calls.append(timing)
         share.completions = [_completion(c, share.indices, sent, int(answer["version"])) for c in answer["completions"]]
         share.back = [share.indices[i] for i in answer["returned"]]
+
+    def _push(self, http: httpx.Client, base: str, replica_id: int, version: int, payload: _Payload,
+              timing: dict[str, float]) -> None:
+        """The weights as a delta against what the replica holds from us, else (first push, or
+        it refused the delta: 409) whole."""
+        params = {"id": payload.weights, "version": version}
+        parent = self.held.get(replica_id)
+        delta = payload.delta(parent)
+        response = None
+        if delta is not None:
+            response = http.put(base + WEIGHTS_PATH, params={**params, "encoding": "delta"}, content=delta)
+            timing["push_bytes"] = len(delta)
+        if response is None or response.status_code == 409:
+            whole = payload.whole()
+            response = http.put(base + WEIGHTS_PATH, params=params, content=whole)
+            timing["push_bytes"] += len(whole)
+        _ok(response)
+        self.pushed[replica_id], self.held[replica_id] = payload.weights, payload.sent().hash
 
     def report(self) -> dict[str, Any]:
         return {"rollouts_on_replicas": self.on_replicas, "rollouts_given_back": self.given_back,
                 "rollout_replicas": [r.address for r in self.replicas], "rollout_replica_errors": self.errors[:10]}
+
+
+@dataclass
+class _Sent:
+    state: dict[str, torch.Tensor]  # a copy: the run trains the model whose state_dict it passes
+    hash: str  # kernels.delta checkpoint hash
+
+
+class _Payload:
+    """One call's weights, encoded at most once whole and once as a delta, whichever replicas need."""
+
+    def __init__(self, weights: str, state: Mapping[str, torch.Tensor], previous: _Sent | None) -> None:
+        self.weights, self.state, self.previous = weights, state, previous
+        self.current: _Sent | None = None
+        self._lock = threading.Lock()
+        self._whole: bytes | None = None
+        self._delta: bytes | None = None
+
+    def sent(self) -> _Sent:
+        from kernels.delta import checkpoint_hash
+
+        with self._lock:
+            if self.current is None:
+                copy = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in self.state.items()}
+                self.current = _Sent(copy, checkpoint_hash(copy))
+            return self.current
+
+    def whole(self) -> bytes:
+        from safetensors.torch import save
+
+        current = self.sent()
+        with self._lock:
+            if self._whole is None:
+                self._whole = save(current.state)
+            return self._whole
+
+    def delta(self, parent_hash: str | None) -> bytes | None:
+        """A delta against the previous weights when the replica holds exactly those."""
+        from kernels.delta import encode
+
+        if self.previous is None or parent_hash != self.previous.hash:
+            return None
+        current = self.sent()
+        with self._lock:
+            if self._delta is None:
+                self._delta = encode(current.state, self.previous.state, parent_hash=self.previous.hash)
+            return self._delta
 
 
 class ReplicaRefused(Exception):

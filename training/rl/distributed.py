@@ -30,7 +30,10 @@ import torch.distributed as dist
 from torch import nn
 
 from training.rl.config import RLConfig
+from training.rl.nodes import Nodes
 from training.rl.trainer import METRIC_KEYS, Batch, DriftSums, StepMetrics, backward_batch
+
+_IMPORTED = time.perf_counter()  # a rank's imports done (torch's above all): `_Stages` counts them
 
 
 @dataclass(frozen=True)
@@ -67,12 +70,14 @@ def decoder_layers(model: nn.Module) -> Sequence[nn.Module]:
     return layers
 
 
-def shard(model: nn.Module) -> nn.Module:
-    """Shards each block, then the rest (embeddings, norm, head), over the default process group."""
+def shard(model: nn.Module, reshard_after_forward: bool = True) -> nn.Module:
+    """Shards each block, then the rest (embeddings, norm, head), over the default process group.
+    `reshard_after_forward=False` keeps each block's gathered weights from its forward to its
+    backward (one all-gather a block fewer a micro-batch, a block's full weights held meanwhile)."""
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
     for layer in decoder_layers(model):
-        fully_shard(layer)
+        fully_shard(layer, reshard_after_forward=reshard_after_forward)
     fully_shard(model)
     for module in model.modules():
         if isinstance(module, FSDPModule):  # the setting is per sharded module, not inherited
@@ -144,6 +149,8 @@ class JobSpec:
     seed: int = 0
     timeout_s: float = 300.0
     optimizer: str | None = None  # a previous job's `optim/` (torch.distributed.checkpoint): resume AdamW
+    reshard_after_forward: bool = True  # False: fewer all-gathers, more memory (`shard`)
+    adapter: str | None = None  # a PEFT adapter folder over `policy`: the job trains it alone (LoRA)
 
     def write(self, folder: Path, batches: Sequence[Batch]) -> None:
         folder.mkdir(parents=True, exist_ok=True)
@@ -168,26 +175,56 @@ def _load(folder: str, world: World) -> nn.Module:
 
 
 def run_job(folder: Path) -> None:
-    """One rank's part of a job (torchrun starts one per process)."""
+    """One rank's part of a job (torchrun starts one per process); its stages' seconds and what it
+    holds go to `rank-<r>.json`."""
     spec, batches = JobSpec.read(folder)
     world = init_world(spec.timeout_s)
     (folder / f"rank-{world.rank}.pid").write_text(str(os.getpid()))
+    stages = _Stages()
     torch.manual_seed(spec.seed)
     cfg = RLConfig(**spec.rl)
-    model = shard(_load(spec.policy, world))
+    model = shard(_policy(spec, world), spec.reshard_after_forward)
     ref = shard(_load(spec.reference, world).requires_grad_(False)) if spec.reference else None
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    trainable = [p for p in model.parameters() if p.requires_grad]  # a LoRA run: the adapter's alone
+    optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
     if spec.optimizer:
         optimizer_load(model, optimizer, spec.optimizer)
+    stages.mark("load_s")
     for step, batch in enumerate(batches):
         metrics = distributed_rl_step(model, ref, batch, optimizer, cfg, world)
         if world.is_main:
             with open(folder / "metrics.jsonl", "a") as out:
                 out.write(json.dumps({"step": step, **metrics.to_dict()}) + "\n")
-    (folder / f"rank-{world.rank}.json").write_text(json.dumps(rank_memory(model, optimizer)))
+    stages.mark("steps_s")
+    memory = rank_memory(model, optimizer)
     optimizer_save(model, optimizer, folder / "optim")
     _save(model, spec, folder, world)
+    stages.mark("save_s")
+    (folder / f"rank-{world.rank}.json").write_text(json.dumps({**memory, **stages.seconds}))
     dist.destroy_process_group()
+
+
+def _age_s() -> float:
+    """Seconds since this process started (Linux's /proc; 0 where there is none)."""
+    try:
+        start_ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0.0
+    return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
+
+
+class _Stages:
+    """Seconds of a rank's stages: imports (from the interpreter's start), load, steps, save."""
+
+    def __init__(self) -> None:
+        self.last = time.perf_counter()
+        self.seconds = {"import_s": round(_age_s() - (self.last - _IMPORTED), 3)}
+
+    def mark(self, name: str) -> None:
+        now = time.perf_counter()
+        self.seconds[name] = round(now - self.last, 3)
+        self.last = now
 
 
 def optimizer_save(model: nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> None:
@@ -225,12 +262,31 @@ def rank_memory(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str,
     return {"state_mb": held / 2**20, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
+def _policy(spec: JobSpec, world: World) -> nn.Module:
+    """The weights the job trains: the policy, or with `spec.adapter` the policy frozen under that
+    LoRA adapter (PEFT's layers in place; only the adapter requires a gradient)."""
+    model = _load(spec.policy, world)
+    if spec.adapter is None:
+        return model
+    from training.rl.lora import adapter_of, lora_attach
+
+    return lora_attach(model, adapter_of(Path(spec.adapter)), Path(spec.adapter))
+
+
 def _save(model: nn.Module, spec: JobSpec, folder: Path, world: World) -> None:
+    """Rank 0 writes the gathered weights: the HF folder, or of a LoRA job the adapter alone in
+    PEFT's layout (its base is `spec.policy`, unchanged)."""
     state = full_state_dict(model)
     if not world.is_main:
         return
-    plain = _load(spec.policy, World(0, 1, torch.device("cpu")))
+    plain = _policy(spec, World(0, 1, torch.device("cpu")))
     plain.load_state_dict(state)
+    if spec.adapter is not None:
+        from training.rl.lora import lora_save
+
+        lora_save(plain, folder / "policy.partial")
+        (folder / "policy.partial").rename(folder / "policy")
+        return
     plain.save_pretrained(folder / "policy.partial")
     for extra in Path(spec.policy).iterdir():  # the tokenizer and chat template travel with the weights
         if extra.is_file() and not (folder / "policy.partial" / extra.name).exists():
@@ -247,28 +303,22 @@ class JobResult:
     metrics: list[dict[str, Any]]
 
 
-def torchrun_command(folder: Path, nproc: int, nnodes: int = 1, node_rank: int = 0,
-                     master: str | None = None) -> list[str]:
+def torchrun_command(folder: Path, nproc: int, nodes: Nodes | None = None) -> list[str]:
     """`torchrun` for a job folder: one node by default (a free local port); several nodes with
-    `master` = host:port of node 0 (the same command on every node, its own `node_rank`)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--nnodes={nnodes}"]
-    if nnodes == 1 and master is None:
-        cmd += ["--standalone"]
-    else:
-        cmd += [f"--node-rank={node_rank}", f"--rdzv-endpoint={master}", "--rdzv-backend=c10d",
-                f"--rdzv-id={folder.name}"]
+    `nodes` (training/rl/nodes.py: the same command on every node, its own node rank)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", *(nodes or Nodes()).args()]
     return [*cmd, "-m", "training.rl.distributed", str(folder)]
 
 
 def launch(folder: Path, nproc: int, timeout_s: float, on_metrics: Callable[[dict[str, Any]], None] | None = None,
-           threads: int = 1, **nodes: Any) -> JobResult:
+           threads: int = 1, nodes: Nodes | None = None) -> JobResult:
     """Runs a written job under torchrun, handing each step's metrics to `on_metrics` as rank 0
     writes them; raises DistributedRunFailed (with the log's tail) when a rank fails or the whole
     job outlives `timeout_s` (its process group is killed)."""
     log, seen = folder / "torchrun.log", _MetricsTail(folder / "metrics.jsonl", on_metrics)
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     with open(log, "wb") as out:
-        proc = subprocess.Popen(torchrun_command(folder, nproc, **nodes), stdout=out, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen(torchrun_command(folder, nproc, nodes), stdout=out, stderr=subprocess.STDOUT,
                                 env=env, start_new_session=True)
         deadline = time.monotonic() + timeout_s
         while proc.poll() is None:

@@ -94,6 +94,14 @@ def lora_save(model: nn.Module, folder: Path, precision: str = "fp32") -> None:
     config.save_pretrained(str(folder))
 
 
+def lora_load(model: nn.Module, folder: Path) -> None:
+    """`lora_save`'s adapter weights into `model`'s LoRA layers (the same rank and targets)."""
+    state = {k.removeprefix(PEFT_PREFIX): v for k, v in load_file(folder / ADAPTER_WEIGHTS).items()}
+    result = set_peft_model_state_dict(model, state)
+    if result.unexpected_keys:
+        raise AdapterMismatch(f"{folder} holds tensors this model has no place for: {result.unexpected_keys[:3]}")
+
+
 def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The plain weights the model computes with (a LoRA layer's W + scale * B @ A), under the
     base model's own names: what an engine loads. The model is left as it is (no in-place merge

@@ -19,7 +19,8 @@ from django.conf import settings as django_settings
 from transformers import PreTrainedModel
 
 from training.rl.distributed import JobSpec, launch
-from training.rl.lora import is_lora, lora_save
+from training.rl.lora import is_lora, lora_load, lora_save
+from training.rl.nodes import Nodes
 from training.rl.precision import compute_context, resolve_precision, serving_state_dict
 from training.rl.trainer import Batch, rl_step
 from training.runs.settings import RunSettings
@@ -31,15 +32,24 @@ def make_updates(model: PreTrainedModel, ref_model: PreTrainedModel | None, ref_
                  settings: RunSettings, plan: tuple[int, int], on_step: StepCallback, base_dir: Path,
                  run_id: int) -> Updates:
     """This process's updates, or torchrun's when the deployment gives the train worker N > 1."""
-    nproc = int(django_settings.FLYWHEEL_TRAIN_NPROC)
-    if nproc <= 1:
+    nproc, nnodes = int(django_settings.FLYWHEEL_TRAIN_NPROC), int(django_settings.FLYWHEEL_TRAIN_NNODES)
+    if nproc <= 1 and nnodes <= 1:
         return Updates(model, ref_model, settings, plan, on_step)
-    if settings.adapter.lora:
-        raise ValueError(f"LoRA runs train in one process; this worker has FLYWHEEL_TRAIN_NPROC={nproc}. "
-                         "Train the adapter on a worker with FLYWHEEL_TRAIN_NPROC=1, or train \"full\"")
+    nodes = train_nodes()
     work = Path(django_settings.FLYWHEEL_CHECKPOINT_DIR) / "torchrun" / f"run-{run_id}"
     return DistributedUpdates(model, ref_model, settings, plan, on_step, ref_dir=ref_dir, base_dir=base_dir,
-                              nproc=nproc, work=work)
+                              nproc=nproc, work=work, nodes=nodes)
+
+
+def train_nodes() -> Nodes:
+    """The train worker's torchrun nodes, validated: it is node 0 (the others follow its jobs)."""
+    nodes = Nodes(int(django_settings.FLYWHEEL_TRAIN_NNODES), int(django_settings.FLYWHEEL_TRAIN_NODE_RANK),
+                  str(django_settings.FLYWHEEL_TRAIN_MASTER_ADDR), int(django_settings.FLYWHEEL_TRAIN_MASTER_PORT)).check()
+    if nodes.nnodes > 1 and nodes.node_rank != 0:
+        raise ValueError(f"the train worker runs node 0 of a run's torchrun jobs; this one has "
+                         f"FLYWHEEL_TRAIN_NODE_RANK={nodes.node_rank}. Set it to 0 here, and run "
+                         "`python -m training.rl.nodes FLYWHEEL_CHECKPOINT_DIR/torchrun` on the other nodes")
+    return nodes
 
 
 class Updates:
@@ -92,11 +102,11 @@ class DistributedUpdates(Updates):
 
     def __init__(self, model: PreTrainedModel, ref_model: PreTrainedModel | None, settings: RunSettings,
                  plan: tuple[int, int], on_step: StepCallback, *, ref_dir: Path | None, base_dir: Path,
-                 nproc: int, work: Path) -> None:
+                 nproc: int, work: Path, nodes: Nodes | None = None) -> None:
         self.model, self.ref_model, self.cfg, self.on_step = model, ref_model, settings.rl, on_step
         self.size, self.seed = settings.batch_size, settings.seed
         self.first_steps, self.planned = plan
-        self.ref_dir, self.base_dir, self.nproc = ref_dir, base_dir, nproc
+        self.ref_dir, self.base_dir, self.nproc, self.nodes = ref_dir, base_dir, max(nproc, 1), nodes
         self.work = work  # a job folder per take: its batches, the ranks' pids and log, the weights back
         self.optimizer_dir: Path | None = None
         self.done = 0
@@ -104,20 +114,32 @@ class DistributedUpdates(Updates):
     def take(self, batch: Batch, steps: int, seed: int) -> None:
         folder = self.work / f"take-{self.done}"
         save_candidate(self.model, self.base_dir, _fresh(folder / "start"))
-        spec = JobSpec(policy=str(folder / "start"), rl=asdict(self.cfg), seed=seed,
+        lora = is_lora(self.model)  # the ranks train the adapter over the frozen base's folder
+        spec = JobSpec(policy=str(self._frozen_base() if lora else folder / "start"), rl=asdict(self.cfg), seed=seed,
+                       adapter=str(folder / "start") if lora else None,
                        reference=str(self.ref_dir) if self.ref_dir else None,
                        optimizer=str(self.optimizer_dir) if self.optimizer_dir else None,
                        timeout_s=float(django_settings.FLYWHEEL_TRAIN_COLLECTIVE_TIMEOUT_S))
         spec.write(folder, list(_take(_shuffled(batch, self.size, seed), steps)))
         result = launch(folder, self.nproc, float(django_settings.FLYWHEEL_TRAIN_JOB_TIMEOUT_S),
-                        on_metrics=self._stepped)
-        from transformers import AutoModelForCausalLM  # the gathered weights, as rank 0 wrote them
-
-        trained = AutoModelForCausalLM.from_pretrained(result.policy, dtype=torch.float32).state_dict()
-        self.model.load_state_dict(trained)
+                        on_metrics=self._stepped, nodes=self.nodes)
+        _load_back(self.model, result.policy)
         if self.optimizer_dir is not None:
             shutil.rmtree(self.optimizer_dir.parent, ignore_errors=True)  # the take before: no longer needed
         self.optimizer_dir = folder / "optim"
+
+    def _frozen_base(self) -> Path:
+        """The weights under a LoRA run's adapter, as an HF folder written once a run: the model's
+        own frozen base layers (of an adapter version, its stored base; not the merged folder)."""
+        folder = self.work / "base"
+        if not (folder / "config.json").exists():
+            from transformers import AutoModelForCausalLM
+
+            plain = AutoModelForCausalLM.from_pretrained(self.base_dir, dtype=torch.float32)
+            plain.load_state_dict({k.replace(".base_layer.", "."): v for k, v in self.model.state_dict().items()
+                                   if ".lora_" not in k})
+            save_candidate(plain, self.base_dir, _fresh(folder))
+        return folder
 
     def _stepped(self, metrics: dict[str, Any]) -> None:
         metrics = {k: v for k, v in metrics.items() if k != "step"}
@@ -126,6 +148,16 @@ class DistributedUpdates(Updates):
 
     def close(self) -> None:
         shutil.rmtree(self.work, ignore_errors=True)
+
+
+def _load_back(model: PreTrainedModel, folder: Path) -> None:
+    """The gathered weights rank 0 wrote, into the run's model (of a LoRA model: its adapter)."""
+    if is_lora(model):
+        lora_load(model, folder)
+        return
+    from transformers import AutoModelForCausalLM
+
+    model.load_state_dict(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).state_dict())
 
 
 def _fresh(folder: Path) -> Path:

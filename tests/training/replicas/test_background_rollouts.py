@@ -102,6 +102,34 @@ def test_on_the_same_weights_a_replica_samples_what_the_runs_own_engine_would(cr
         assert mine.logprobs == pytest.approx(theirs.logprobs, abs=1e-5)
 
 
+def test_a_later_round_pushes_a_delta_and_a_replica_holding_other_weights_gets_them_whole(creds, production,
+                                                                                          replica):
+    from training.pretrain import perturbed_state_dict
+
+    local = make_engine("torch", policy_folder(production), version=1, exact=False)
+    with override_settings(FLYWHEEL_INTERNAL_TOKEN=MASTER):
+        sampler = ReplicaSampler.setup(creds.project.pk, local)
+    prompts = [local.encode(p) for p in ["def add(a, b):", "import os"]]
+    sampler.generate(prompts, 2, SAMPLING, weights="round-0", state=local.model.state_dict(), version=1)
+    whole = sampler.calls[-1]["push_bytes"]
+    # the next round: the run trained (a small change of every weight), in place, as a run's model is
+    local.load_weights(perturbed_state_dict(policy_folder(production), scale=1e-4, seed=5), 1)
+    got = sampler.generate(prompts, 2, SAMPLING, weights="round-1", state=local.model.state_dict(), version=1)
+    assert replica.weights == "round-1" and sampler.given_back == 0
+    assert 0 < sampler.calls[-1]["push_bytes"] < whole  # a kernels.delta blob against round 0, not the whole set
+    own = local.generate(prompts, n=2, sampling=SAMPLING)  # the replica decoded round 1 bit for bit
+    assert [c.token_ids for c in got] == [c.token_ids for c in own]
+    # another sampler (another run) pushed its own weights meanwhile: the delta's parent is gone
+    with override_settings(FLYWHEEL_INTERNAL_TOKEN=MASTER):
+        other = ReplicaSampler.setup(creds.project.pk, local)
+    other.generate(prompts, 1, SAMPLING, weights="other-run", version=1,
+                   state=perturbed_state_dict(policy_folder(production), scale=1e-2, seed=9))
+    local.load_weights(perturbed_state_dict(policy_folder(production), scale=1e-4, seed=6), 1)
+    sampler.generate(prompts, 2, SAMPLING, weights="round-2", state=local.model.state_dict(), version=1)
+    assert replica.weights == "round-2" and sampler.given_back == 0 and not sampler.errors
+    assert sampler.calls[-1]["push_bytes"] > whole  # the refused delta (409), then the whole set
+
+
 def test_what_a_busy_or_down_replica_gives_back_the_run_samples_itself(creds, production, replica):
     _row(creds.project, "http://127.0.0.1:9", 4)  # registered, fresh, but nothing listens
     local = make_engine("torch", policy_folder(production), version=1, exact=False)

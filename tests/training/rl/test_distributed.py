@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -74,6 +75,48 @@ def test_two_ranks_give_the_one_process_losses_and_weights(tmp_path, tiny_policy
     moved = max(float((weights[k] - v).abs().max()) for k, v in
                 AutoModelForCausalLM.from_pretrained(tiny_policy_dir).state_dict().items())
     assert moved > 1e-4  # the comparison is between weights that trained, not two copies of the start
+
+
+def test_a_lora_adapter_on_two_ranks_trains_as_in_one_process(tmp_path, tiny_policy_dir):
+    """PEFT's LoRA layers under fully_shard: only the adapter trains (AdamW holds no base state),
+    and 2 ranks give the one-process losses and adapter within 1e-5 (float summation order)."""
+    from transformers import AutoModelForCausalLM
+
+    from training.rl.config import AdapterConfig
+    from training.rl.lora import adapter_state_dict, lora_attach, lora_save
+
+    adapter = AdapterConfig(kind="lora", rank=4, alpha=8.0, target_modules=("q_proj", "v_proj"))
+    torch.manual_seed(0)
+    model = lora_attach(AutoModelForCausalLM.from_pretrained(tiny_policy_dir, dtype=torch.float32), adapter)
+    lora_save(model, tmp_path / "start")  # the adapter the job starts from (lora_A random, lora_B zero)
+    batches = _batches(steps=3, rows=7, vocab=384)
+    cfg = RLConfig(**RL)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
+                                  weight_decay=cfg.weight_decay)
+    losses = [rl_step(model, None, b, optimizer, cfg).loss for b in batches]
+    folder = tmp_path / "job"
+    JobSpec(policy=str(tiny_policy_dir), rl=RL, adapter=str(tmp_path / "start")).write(folder, batches)
+    seen: list[dict] = []
+    result = launch(folder, nproc=2, timeout_s=300, on_metrics=seen.append)
+    assert [m["loss"] for m in seen] == pytest.approx(losses, abs=1e-5)
+    assert sorted(p.name for p in result.policy.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    from safetensors.torch import load_file
+
+    sharded, alone = load_file(result.policy / "adapter_model.safetensors"), adapter_state_dict(model)
+    assert set(sharded) == set(alone)
+    worst = max(float((sharded[k] - alone[k]).abs().max()) for k in alone)
+    assert worst < 1e-5, f"2-rank adapter differs from 1 process by {worst}"
+    assert max(float(alone[k].abs().max()) for k in alone if ".lora_B." in k) > 1e-4  # B moved off zero
+    # a rank holds half the frozen base and no gradient or AdamW moment of it (those would be
+    # 1.5x the weights' bytes more): only the adapter has them
+    rank = json.loads((folder / "rank-0.json").read_text())
+    assert rank["state_mb"] < 0.6 * _full_state_mb(tiny_policy_dir)
+
+
+def _full_state_mb(policy: Path) -> float:
+    from transformers import AutoModelForCausalLM
+
+    return sum(p.numel() * 4 for p in AutoModelForCausalLM.from_pretrained(policy).parameters()) / 2**20
 
 
 def _while_running(folder: Path, act) -> threading.Thread:

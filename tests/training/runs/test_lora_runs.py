@@ -225,11 +225,24 @@ def test_group_rollout_rounds_sample_the_adapter_the_run_reached(creds, producti
     assert run.candidate.adapter_base == production
 
 
-def test_a_lora_run_on_a_multi_process_worker_fails_saying_what_to_do(creds, production, tokenizer, settings):
-    settings.FLYWHEEL_TRAIN_NPROC = 2
-    run = _lora_run(creds.project, tokenizer)
-    assert run.state == "failed" and "LoRA runs train in one process" in run.error
-    assert "FLYWHEEL_TRAIN_NPROC=1" in run.error and run.candidate is None
+def test_a_lora_run_on_two_processes_goes_on_training_the_adapter_over_its_stored_base(
+    creds, production, tokenizer, settings
+):
+    first = _lora_run(creds.project, tokenizer).candidate  # one process: an adapter version over production
+    settings.FLYWHEEL_TRAIN_NPROC, settings.FLYWHEEL_TRAIN_COLLECTIVE_TIMEOUT_S = 2, 120
+    run = _lora_run(creds.project, tokenizer)  # under torchrun, FSDP2: the adapter sharded with its base
+    assert run.state == "succeeded", run.error
+    assert TrainingStep.objects.filter(run=run).count() == 3
+    second = run.candidate
+    assert (second.parent, second.adapter_base) == (first, production)
+    tensors = load_file(policy_adapter_folder(second) / "adapter_model.safetensors")
+    assert tensors and all(".lora_A." in k or ".lora_B." in k for k in tensors)
+    # the ranks trained the adapter over production's weights (the stored base, not v2's merged
+    # folder): every weight off the adapter's layers is production's bit for bit
+    new, old = _weights(second), _weights(production)
+    moved = {k for k in old if not torch.equal(new[k], old[k])}
+    assert moved and all(".q_proj." in k or ".v_proj." in k for k in moved)
+    assert any(not torch.equal(new[k], _weights(first)[k]) for k in moved)
 
 
 @pytest.mark.django_db(transaction=True)  # the agent closes stale connections, as serve_policy does
