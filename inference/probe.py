@@ -7,8 +7,9 @@ Tolerances (max |log-prob difference| per token, greedy, the same tokens require
 and dtype: torch fp32 1e-4 (the torch engine scores batch-invariantly: the trainer's bits for
 full weights; an adapter applied per request vs the trainer's LoRA layers, measured <= 5e-7);
 vLLM fp32 1e-3 (its CPU kernels and punica LoRA ops, measured <= 5e-6 on the tiny policies);
-bf16 (either engine) 0.1 (bf16 rounds at 8 bits of mantissa: measured differences up to ~3e-2
-on the tiny policies). A wrong adapter moves them by 1e-1 or more.
+bf16 (either engine) 0.1, a bound not yet measured on a served bf16 replica: bf16 keeps 8 bits
+of mantissa, and the trainer's own bf16 log-probs differ from its fp32 ones by 0.02-0.03 on the
+tiny policies (tests/training/rl/test_precision.py). A wrong adapter moves them by 1e-1 or more.
 
     .venv/bin/python -m pytest tests/training/replicas/test_probe.py -q
 """
