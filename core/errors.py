@@ -18,53 +18,23 @@ from django.utils.deprecation import MiddlewareMixin
 from rest_framework import exceptions as drf_exceptions
 from rest_framework.response import Response
 
+# The types live in core/problems.py (no Django: the serving process raises them too); here they
+# are rendered. Re-exported: `from core.errors import BadRequest` is how the apps import them.
+from core.problems import (
+    ApplicationError,
+    BadRequest,
+    Conflict,
+    Forbidden,
+    NotFound,
+    PayloadTooLarge,
+    RateLimited,
+    ServiceUnavailable,
+    Unauthorized,
+)
 
-class ApplicationError(Exception):
-    status_code = 400
-    code = "bad_request"
-
-    def __init__(self, message: str, fix: str = "", *, extra: dict[str, Any] | None = None,
-                 headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.fix = fix
-        self.extra = extra or {}
-        self.headers = headers or {}
-
-    def as_body(self) -> dict[str, Any]:
-        return {"error": {"code": self.code, "message": self.message, "fix": self.fix, **self.extra}}
-
-
-class BadRequest(ApplicationError):
-    status_code, code = 400, "bad_request"
-
-
-class Unauthorized(ApplicationError):
-    status_code, code = 401, "unauthorized"
-
-
-class Forbidden(ApplicationError):
-    status_code, code = 403, "forbidden"
-
-
-class NotFound(ApplicationError):
-    status_code, code = 404, "not_found"
-
-
-class Conflict(ApplicationError):
-    status_code, code = 409, "conflict"
-
-
-class PayloadTooLarge(ApplicationError):
-    status_code, code = 413, "payload_too_large"
-
-
-class RateLimited(ApplicationError):
-    status_code, code = 429, "rate_limited"
-
-
-class ServiceUnavailable(ApplicationError):
-    status_code, code = 503, "unavailable"
+__all__ = ["ApplicationError", "BadRequest", "Conflict", "Forbidden", "NotFound", "PayloadTooLarge", "RateLimited",
+           "ServiceUnavailable", "Unauthorized", "error_response", "exception_handler", "refuse_repeated",
+           "store_unavailable"]
 
 
 # What a database outage raises: the server is down or restarting (connection refused or reset),

@@ -27,7 +27,7 @@ from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_GET, require_POST
 
 from core.db import keep_connections
-from core.errors import ApplicationError, RateLimited
+from core.errors import ApplicationError
 from core.metrics import metrics_response
 from feedback.auth import Principal, api_key_principal, bearer_token
 from feedback.models import ApiKey
@@ -46,10 +46,12 @@ KEY_CACHE_S = 10.0
 _keys: dict[str, tuple[float, Principal]] = {}
 
 
-def _error(exc: ServingError) -> JsonResponse:
-    kind = "invalid_request_error" if exc.status < 500 else "server_error"
-    body = {"error": {"message": exc.message, "type": kind, "code": exc.status, "fix": exc.fix}}
-    response = JsonResponse(body, status=exc.status)
+def _error(exc: ApplicationError) -> JsonResponse:
+    """The one error family (core/problems.py) in the shape OpenAI clients read: a refusal raised
+    anywhere below (a key, a rate limit, the engine) answers the same way."""
+    kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+    body = {"error": {"message": exc.message, "type": kind, "code": exc.status_code, "fix": exc.fix}}
+    response = JsonResponse(body, status=exc.status_code)
     for name, value in exc.headers.items():
         response[name] = value
     return response
@@ -60,7 +62,7 @@ def _handles_errors(view):
         async def awrapped(request: HttpRequest, *args, **kwargs):
             try:
                 return await view(request, *args, **kwargs)
-            except ServingError as exc:
+            except ApplicationError as exc:
                 return _error(exc)
 
         awrapped.__name__ = view.__name__
@@ -69,7 +71,7 @@ def _handles_errors(view):
     def wrapped(request: HttpRequest, *args, **kwargs):
         try:
             return view(request, *args, **kwargs)
-        except ServingError as exc:
+        except ApplicationError as exc:
             return _error(exc)
 
     wrapped.__name__ = view.__name__
@@ -148,10 +150,7 @@ def _principal(token: str) -> Principal:
         return cached[1]
     # On Django's sync thread (inference/listeners.py): its connection is kept between look-ups.
     keep_connections()
-    try:
-        principal = api_key_principal(token)
-    except ApplicationError as exc:
-        raise ServingError(exc.status_code, exc.message, exc.fix) from None
+    principal = api_key_principal(token)  # a refused key: the family's 401/403, answered as it is
     if len(_keys) > 10_000:
         _keys.clear()
     _keys[digest] = (now + KEY_CACHE_S, principal)
@@ -281,11 +280,8 @@ async def _admit(principal: Principal, body: dict[str, Any], server: serving.Pol
         raise ServingError(503, "this serving process is behind on recording completions",
                            f"Retry after {RECORDER_RETRY_S} s (Retry-After); the store is slow or away.",
                            headers={"Retry-After": str(RECORDER_RETRY_S)})
-    try:
-        # Off the event loop (a Redis round trip), on no particular thread.
-        await sync_to_async(serving_rate_check, thread_sensitive=False)(principal.project, principal.key_id, n)
-    except RateLimited as exc:
-        raise ServingError(429, exc.message, exc.fix, headers=exc.headers) from None
+    # Off the event loop (a Redis round trip), on no particular thread; RateLimited is a 429 as it is.
+    await sync_to_async(serving_rate_check, thread_sensitive=False)(principal.project, principal.key_id, n)
 
 
 @csrf_exempt

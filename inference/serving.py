@@ -29,6 +29,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from core.problems import ApplicationError, status_code_name
 from inference import metrics
 from inference.engines import (
     AdapterView,
@@ -52,12 +53,13 @@ MAX_MESSAGES = 64
 MAX_HISTORY = 1024
 
 
-class ServingError(Exception):
-    """A request the server refuses; `status` is the HTTP status and the message says the fix."""
+class ServingError(ApplicationError):
+    """A request the server refuses: the one error family's type (core/problems.py) with the
+    HTTP status given where it is raised; the message says what, `fix` how."""
 
     def __init__(self, status: int, message: str, fix: str, headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.fix, self.headers = status, message, fix, headers or {}
+        super().__init__(message, fix, headers=headers)
+        self.status_code, self.code = status, status_code_name(status)
 
 
 @dataclass
