@@ -6,7 +6,6 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent.parent
@@ -105,20 +104,3 @@ def test_a_train_node_follows_the_train_worker_s_jobs_on_the_hosts_network():
     source = (ROOT / "training" / "rl" / "nodes.py").read_text()
     assert all(k in source for k in ("FLYWHEEL_TRAIN_NNODES", "FLYWHEEL_TRAIN_NODE_RANK", "FLYWHEEL_TRAIN_MASTER_ADDR",
                                      "FLYWHEEL_TRAIN_MASTER_PORT"))
-
-
-def test_docker_compose_config_accepts_the_file():
-    """`docker compose config` (no daemon needed) where the compose plugin is installed."""
-    import shutil
-    import subprocess
-
-    docker = shutil.which("docker")
-    probe = subprocess.run([docker, "compose", "version"], capture_output=True, text=True) if docker else None
-    if probe is None or probe.returncode != 0:
-        pytest.skip("no `docker compose` here (the docker CLI's compose plugin); the YAML checks above still ran")
-    env = {"PATH": "/usr/bin:/bin:/usr/local/bin", "POSTGRES_PASSWORD": "x", "POSTGRES_APP_PASSWORD": "x",
-           "SECRET_KEY": "x" * 50, "FLYWHEEL_SECRETS_KEY": "k", "FLYWHEEL_USER_PEPPER": "p" * 40,
-           "FLYWHEEL_INTERNAL_TOKEN": "t", "FLYWHEEL_METRICS_TOKEN": "m", "FLYWHEEL_PROJECT": "demo"}
-    done = subprocess.run([docker, "compose", "-f", str(ROOT / "compose.yaml"), "--profile", "train-node",
-                           "--profile", "serving", "config", "-q"], capture_output=True, text=True, env=env)
-    assert done.returncode == 0, done.stderr
