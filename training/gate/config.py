@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 AUTO = "auto"  # a threshold derived from measurements of the project's base (training/gate/defaults.py)
-DERIVED = ("kl_budget", "length_ratio_max", "min_median_chars", "logprob_tolerance")
+DERIVED = ("kl_budget", "length_ratio_max", "min_median_chars", "logprob_tolerance", "intended_logprob_tolerance")
 
 @dataclass(frozen=True)
 class GateThresholds:
@@ -41,6 +41,11 @@ class GateThresholds:
     # fewer than the base's by more than this per request (the interval's upper bound decides, as
     # for invented names: noise alone never refuses). None: not checked.
     matched_chars_tolerance: float | None = 0.0
+    # The same prompts, teacher-forced: the candidate's mean log-prob per token of what the user was
+    # about to type (the real line) may be shown below the base's by at most this many nats/token
+    # (the interval's upper bound decides). Every prompt counts, not only those a sample happens to
+    # match, so a candidate drifting from what people write is seen on a small suite. None: not checked.
+    intended_logprob_tolerance: float | str | None = AUTO
     distinct_drop_max: float | None = 0.2
     repeated_ngram_jump_max: float = 0.05
     ngram: int = 4
@@ -105,7 +110,8 @@ class GateThresholds:
         missing = sorted(set(self.automatic) - set(derived))
         if missing:
             raise ValueError(f"no derived value for {missing}: measure the base first (training/gate/defaults.py)")
-        return replace(self, **{name: float(derived[name]) for name in self.automatic})
+        return replace(self, **{name: None if derived[name] is None else float(derived[name])
+                                for name in self.automatic})
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

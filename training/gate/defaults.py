@@ -38,7 +38,8 @@ from training.gate.samples import Sample, by_prompt
 from training.rewards.usefulness import known_names
 
 LENGTH_RATIO_FLOOR = 1.5  # the library's length bound before it was derived; derived ones only widen it
-LENGTH_RATIO_CEILING = 3.0  # past it the row would never fire (a base that often stops after one token)
+LENGTH_RATIO_CEILING = 3.0
+INTENDED_SHARE = 0.05  # past it the row would never fire (a base that often stops after one token)
 
 
 @dataclass(frozen=True)
@@ -60,12 +61,17 @@ class BaseMeasure:
     invented_share: float | None = None
     top_share: float | None = None
     distinct_rate: float | None = None
+    # The base's mean negative log-prob per token of the lines people were about to type on the
+    # suite's prompts cut from real lines (teacher-forced; None: the suite has none).
+    intended_nll: float | None = None
 
     def derived(self) -> dict[str, float]:
         spread = max(self.tokens_mean / max(self.tokens_p25, 1.0), self.tokens_p75 / max(self.tokens_mean, 1e-9))
         return {"kl_budget": round(self.entropy, 4), "logprob_tolerance": round(self.entropy / 2, 4),
                 "length_ratio_max": round(min(max(LENGTH_RATIO_FLOOR, spread), LENGTH_RATIO_CEILING), 4),
-                "min_median_chars": self.chars_p25}
+                "min_median_chars": self.chars_p25,
+                "intended_logprob_tolerance": (None if self.intended_nll is None
+                                               else round(INTENDED_SHARE * self.intended_nll, 4))}
 
     def as_dict(self) -> dict[str, Any]:
         """JSON as stored (tuples as lists), with the thresholds derived from it."""
@@ -81,9 +87,11 @@ class BaseMeasure:
 
 
 def base_measure(sample_sets: Sequence[Sequence[Sample]], seeds: Sequence[int] = (),
-                 prompts: Mapping[str, str] | None = None, known: frozenset[str] | None = None) -> BaseMeasure:
+                 prompts: Mapping[str, str] | None = None, known: frozenset[str] | None = None,
+                 intended: Sequence[Sequence[float]] = ()) -> BaseMeasure:
     """Measures the base from its own samples of the suite, one list per seed (`prompts` and
-    `known` add its naturalness figures)."""
+    `known` add its naturalness figures; `intended`: its log-probs of the lines people were about
+    to type, one list per prompt cut from a real line)."""
     by_seed = [mean_logprob([s.logprobs or [] for s in samples]) for samples in sample_sets]
     entropies = tuple(-lp for lp in by_seed if lp is not None)
     pooled = [s for samples in sample_sets for s in samples]
@@ -96,7 +104,7 @@ def base_measure(sample_sets: Sequence[Sequence[Sample]], seeds: Sequence[int] =
         entropy_by_seed=tuple(round(h, 4) for h in entropies), tokens_mean=round(sum(lengths) / len(lengths), 4),
         tokens_p25=_quantile(lengths, 0.25), tokens_p75=_quantile(lengths, 0.75),
         chars_p25=_quantile(chars, 0.25), chars_median=_quantile(chars, 0.5), samples=len(pooled),
-        seeds=tuple(seeds), **(_naturalness(sample_sets, prompts, known) if prompts is not None else {}))
+        seeds=tuple(seeds), intended_nll=_nll(intended), **(_naturalness(sample_sets, prompts, known) if prompts is not None else {}))
 
 
 def _naturalness(sample_sets: Sequence[Sequence[Sample]], prompts: Mapping[str, str],
@@ -115,3 +123,9 @@ def _quantile(ordered: Sequence[float], q: float) -> float:
     if not ordered:
         return 0.0
     return float(ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))])
+
+
+def _nll(logprobs: Sequence[Sequence[float]]) -> float | None:
+    """Mean negative log-prob per token, prompt by prompt then averaged (None: no token)."""
+    means = [-sum(row) / len(row) for row in logprobs if row]
+    return round(sum(means) / len(means), 4) if means else None

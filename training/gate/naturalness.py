@@ -102,7 +102,8 @@ def naturalness_rows(samples: SuiteSamples, t: GateThresholds, known: frozenset[
     return [_logprob_row(samples, cand, base, shared, t, boot),
             _invented_row(samples.prompts, cand, base, shared, known, t, boot),
             *_collapse_rows(cand, base, shared, t),
-            _matched_row(samples.intended, cand, base, shared, t, boot)]
+            _matched_row(samples.intended, cand, base, shared, t, boot),
+            _intended_row(samples.intended_logprobs, t, boot)]
 
 
 def _on_reference(s: Sample, production_is_reference: bool) -> list[float] | None:
@@ -196,3 +197,26 @@ def _matched_row(intended: dict[str, str], cand: dict[str, list[Sample]], base: 
                     f"characters matching what the user was about to type, per request: candidate "
                     f"{sum(c) / len(c):.3f}, base {sum(b) / len(b):.3f} over {ci.n} prompts cut from real lines; "
                     "refused when the interval's upper bound falls below the threshold (shown fewer)")
+
+
+def _intended_row(scored: dict[str, tuple[list[float], list[float]]], t: GateThresholds, boot: dict) -> CheckRow:
+    """What the user was about to type, teacher-forced after each prompt cut from a real line: the
+    candidate's mean log-prob per token minus the base's, paired by prompt. A candidate that
+    learned a checker's taste (any line that compiles, a fixed string) finds people's own lines
+    less likely; one that learned what they type finds them more likely."""
+    name = "intended_logprob"
+    if t.intended_logprob_tolerance is None:
+        return CheckRow(name, None, None, None, True, "not checked (no intended_logprob_tolerance in the gate policy, "
+                        "or the base's stored measurements predate it)")
+    pairs = [(mean_logprob([c]), mean_logprob([b])) for c, b in scored.values()]
+    pairs = [(c, b) for c, b in pairs if c is not None and b is not None]
+    if not pairs:
+        return CheckRow(name, None, None, None, True,
+                        "not measured: no suite prompt says what the user was about to type (context['rest'])")
+    c, b = [x for x, _ in pairs], [y for _, y in pairs]
+    ci = stats.paired_bootstrap(c, b, **boot)
+    limit = -float(t.intended_logprob_tolerance)
+    return CheckRow(name, ci.mean, limit, ci.as_list(), ci.high >= limit,
+                    f"log-prob per token of the line the user was about to type: candidate {sum(c) / len(c):.3f}, "
+                    f"base {sum(b) / len(b):.3f} nats over {ci.n} prompts cut from real lines; refused when the "
+                    "interval's upper bound falls below the threshold (shown less likely)")

@@ -34,6 +34,8 @@ class Policy(Protocol):
     def score_many(self, pairs: Sequence[tuple[list[int], list[int]]],
                    sampling: SamplingParams | None = None) -> list[tuple[list[float], Any]]: ...
 
+    def encode(self, text: str) -> list[int]: ...
+
 
 # ---------------------------------------------------------------------------------- scoring
 
@@ -90,14 +92,37 @@ def suite_collect(spec: SuiteSpec, candidate: Policy, production: Policy, scorer
     pairs = [(c.prompt_token_ids, c.token_ids) for c in cand]
     other = [lp for lp, _ in production.score_many(pairs, sampling)]
     on_ref = other if reference is None else [lp for lp, _ in reference.score_many(pairs, sampling)]
+    intended = {p.id: p.context["rest"] for p in spec.prompts if isinstance(p.context.get("rest"), str)
+                and p.context["rest"].strip()}
     return SuiteSamples(
         candidate=[_sample(spec, s, c, lp, ref) for c, s, lp, ref in zip(cand, scores, other, on_ref, strict=False)],
         production=[_sample(spec, s, c, None) for c, s in zip(prod, scores[len(cand):], strict=True)],
         reference=None if reference is None else suite_sample(spec, reference),
         prompts={p.id: p.prompt for p in spec.prompts},
-        intended={p.id: p.context["rest"] for p in spec.prompts if isinstance(p.context.get("rest"), str)
-                  and p.context["rest"].strip()},
+        intended=intended,
+        intended_logprobs=intended_scores(spec, cand, intended, candidate, reference or production),
     )
+
+
+def intended_scores(spec: SuiteSpec, completions: Sequence[Completion], intended: Mapping[str, str],
+                    candidate: Policy, base: Policy) -> dict[str, tuple[list[float], list[float]]]:
+    """Teacher-forced log-probs (temperature 1) of what the user was about to type — the intended
+    text's first line, tokenized alone — after each prompt's tokens, under the candidate and under
+    the base: one batched scoring per side, no sampling noise (the matched-characters row reads
+    sampled suggestions; this one reads every prompt's real line)."""
+    prompt_ids = {c.prompt_index: list(c.prompt_token_ids) for c in completions}
+    rows: list[tuple[str, list[int], list[int]]] = []
+    for index, p in enumerate(spec.prompts):
+        line = intended.get(p.id, "").split("\n", 1)[0]
+        tokens = candidate.encode(line) if line.strip() and index in prompt_ids else []
+        if tokens:
+            rows.append((p.id, prompt_ids[index], tokens))
+    if not rows:
+        return {}
+    pairs = [(ids, toks) for _, ids, toks in rows]
+    ours = [lp for lp, _ in candidate.score_many(pairs)]
+    theirs = [lp for lp, _ in base.score_many(pairs)]
+    return {pid: (list(a), list(b)) for (pid, _, _), a, b in zip(rows, ours, theirs, strict=True)}
 
 
 def suite_sampling(spec: SuiteSpec, seed: int | None = None) -> SamplingParams:
@@ -131,7 +156,8 @@ def evaluate(samples: SuiteSamples, t: GateThresholds, known: frozenset[str] | N
     samples here (one seed); the gate service derives them once per base, from two, and stores them.
     `known`: the project's names (default: the suite's prompts' and the language's)."""
     if t.automatic:
-        t = t.resolved(base_measure([samples.base]).derived())
+        t = t.resolved(base_measure([samples.base], intended=[b for _, b in samples.intended_logprobs.values()])
+                       .derived())
     boot = {"confidence": t.confidence, "resamples": t.resamples, "seed": t.seed}
     cand, prod = by_prompt(samples.candidate), by_prompt(samples.production)
     shared = sorted(set(cand) & set(prod))

@@ -36,6 +36,9 @@ class SuiteSamples:
     # prompt id -> what the user was about to type (the suite prompt's context["rest"]), for the
     # prompts cut from real lines: the matched-characters row reads it
     intended: dict[str, str] = field(default_factory=dict)
+    # prompt id -> (candidate, base) log-probs of each token of the intended line (its first line),
+    # teacher-forced after the prompt: how likely each side finds what people type there
+    intended_logprobs: dict[str, tuple[list[float], list[float]]] = field(default_factory=dict)
 
     @property
     def base(self) -> list[Sample]:

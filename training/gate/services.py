@@ -173,7 +173,7 @@ def _base_measured(project: Project, reference: PolicyVersion, suite: EvalSuite,
     if fresh:
         seeds = (spec.seed, spec.seed + 1)
         stored = base_measure([samples.base, suite_sample(spec, engine, seeds[1])], seeds, samples.prompts,
-                              known).as_dict()
+                              known, [b for _, b in samples.intended_logprobs.values()]).as_dict()
     return {"key": key, "reference": {"version": reference.number, "id": reference.id},
             "measured_now": fresh, "measure": stored}
 

@@ -49,10 +49,11 @@ def test_a_measure_survives_its_json_round_trip():
 
 def test_auto_thresholds_are_replaced_by_the_derived_values_and_explicit_ones_kept():
     t = GateThresholds.from_json({"kl_budget": 0.3, "min_median_chars": None})
-    assert t.automatic == ["length_ratio_max", "logprob_tolerance"]
-    resolved = t.resolved({"kl_budget": 9.0, "length_ratio_max": 2.0, "min_median_chars": 6.0, "logprob_tolerance": 1.0})
-    assert (resolved.kl_budget, resolved.length_ratio_max, resolved.min_median_chars, resolved.logprob_tolerance) \
-        == (0.3, 2.0, None, 1.0)
+    assert t.automatic == ["length_ratio_max", "logprob_tolerance", "intended_logprob_tolerance"]
+    resolved = t.resolved({"kl_budget": 9.0, "length_ratio_max": 2.0, "min_median_chars": 6.0, "logprob_tolerance": 1.0,
+                           "intended_logprob_tolerance": None})  # a suite with no real line: nothing to derive
+    assert (resolved.kl_budget, resolved.length_ratio_max, resolved.min_median_chars, resolved.logprob_tolerance,
+            resolved.intended_logprob_tolerance) == (0.3, 2.0, None, 1.0, None)
     with pytest.raises(ValueError, match="measure the base first"):
         GateThresholds().resolved({})
 

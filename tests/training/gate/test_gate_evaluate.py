@@ -56,7 +56,7 @@ def test_a_candidate_better_by_construction_passes_every_check():
     assert set(checks) == {"reward_improvement", "aspect:style", "aspect:helpfulness", "kl", "length_drift",
                            "silence_jump", "repeated_ngram_jump", "tool_call_failure_jump",
                            "judge_verifiable_divergence", "median_chars", "naturalness_logprob", "invented_names",
-                           "collapse_top_share", "collapse_distinct", "matched_chars"}
+                           "collapse_top_share", "collapse_distinct", "matched_chars", "intended_logprob"}
     assert all(checks.values()), checks
 
 

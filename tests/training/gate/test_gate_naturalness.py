@@ -134,10 +134,12 @@ def test_the_base_passes_against_itself_with_its_figures_measured_once_at_fixed_
     assert report.passed, [(r["name"], r["detail"]) for r in report.checks if not r["passed"]]
     base, rows = report.policy["base"], _rows(report)
     assert base["measured_now"] and base["reference"]["version"] == 1
-    assert set(base["thresholds"]) == {"kl_budget", "length_ratio_max", "min_median_chars", "logprob_tolerance"}
+    assert set(base["thresholds"]) == {"kl_budget", "length_ratio_max", "min_median_chars", "logprob_tolerance",
+                                       "intended_logprob_tolerance"}
     assert rows["kl"]["threshold"] == base["thresholds"]["kl_budget"] == base["measure"]["entropy"]
     assert rows["naturalness_logprob"]["value"] == 0.0 and rows["invented_names"]["value"] == 0.0  # the same samples
     assert rows["matched_chars"]["value"] == 0.0 and rows["matched_chars"]["passed"]
+    assert rows["intended_logprob"]["value"] == 0.0 and rows["intended_logprob"]["passed"]  # the same weights
     measure = base["measure"]
     assert measure["seeds"] == [0, 1] and measure["samples"] == 2 * 16 * 3
     # measured 3.2657 and 3.229 on one machine and 3.2471 for the first seed on another: the
@@ -145,8 +147,12 @@ def test_the_base_passes_against_itself_with_its_figures_measured_once_at_fixed_
     entropies = measure["entropy_by_seed"]
     assert entropies == pytest.approx([3.2657, 3.229], abs=0.05)
     kl_budget = sum(entropies) / len(entropies)
+    # teacher-forced, no sampling: the base's loss on the lines people were about to type (2.6765 here)
+    assert measure["intended_nll"] == pytest.approx(2.68, abs=0.05)
     assert measure["derived"] == pytest.approx({"kl_budget": kl_budget, "logprob_tolerance": kl_budget / 2,
-                                                "length_ratio_max": 1.5, "min_median_chars": 11.0}, abs=1e-3)
+                                                "length_ratio_max": 1.5, "min_median_chars": 11.0,
+                                                "intended_logprob_tolerance": 0.05 * measure["intended_nll"]},
+                                               abs=1e-3)
     # a 120-step base invents about half its names; one suggestion per prompt its own
     assert measure["invented_share"] == pytest.approx(0.5515, abs=0.02)  # 0.5556 on another machine
     assert measure["top_share"] == pytest.approx(1 / 16, abs=1e-3) and measure["distinct_rate"] == 1.0
@@ -171,6 +177,9 @@ def test_a_candidate_of_compilable_gibberish_is_refused_by_the_invented_name_row
     # a request), so on 16 prompts the row cannot show it fewer, and leaves the refusal to the others
     matched = rows["matched_chars"]
     assert "candidate 0.000, base" in matched["detail"] and matched["value"] < 0 and matched["passed"]
+    # teacher-forced on every prompt's real line, the same 16 prompts show it (measured −5.1 nats/token)
+    intended = rows["intended_logprob"]
+    assert not intended["passed"] and intended["interval"][1] < -1.0, intended
 
 
 @pytest.mark.django_db
@@ -182,6 +191,8 @@ def test_a_candidate_that_answers_everything_with_one_string_is_refused_by_the_c
     assert rows["collapse_top_share"]["value"] > 0.5 and not rows["collapse_distinct"]["passed"]
     # what the issue saw: it uses a real name and stays near the base, so neither KL nor log-prob tells
     assert rows["invented_names"]["passed"] and rows["naturalness_logprob"]["passed"]
+    # people's own lines are far less likely under it (measured −2.7 nats/token)
+    assert not rows["intended_logprob"]["passed"] and rows["intended_logprob"]["interval"][1] < -1.0
 
 
 @pytest.mark.django_db
