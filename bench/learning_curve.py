@@ -357,7 +357,9 @@ def _loop_record() -> dict:
                       "interval": interval,
                       "width": (interval[1] - interval[0]) if None not in interval else None,
                       "failed": [n for n, c in rows.items() if not c.get("passed")],
-                      "kl": rows.get("kl", {}).get("value"), "length_drift": rows.get("length_drift", {}).get("value")})
+                      "kl": rows.get("kl", {}).get("value"), "length_drift": rows.get("length_drift", {}).get("value"),
+                      "intended_logprob": rows.get("intended_logprob", {}).get("value"),
+                      "intended_interval": rows.get("intended_logprob", {}).get("interval")})
     return {"runs": runs, "gates": gates, **_labels_record()}
 
 
