@@ -5,13 +5,19 @@ SFTTrainer (packing) on the same model, packed data and cores.
     .venv/bin/python bench/midtrain.py [--corpus DIR] [--seconds 60] [--pretrain-steps 600] [--json]
     .venv/bin/python bench/midtrain.py --quick    # 2 s on django.utils, TRL left out, in a temp folder
 
-The base is the demo's tiny dense policy (training/pretrain.py, pretrained on the standard library;
-cached in var/bench-midtrain/). The code base defaults to Django's sources in this venv, split into
+The base is the demo's tiny dense policy (training/pretrain.py, pretrained on the standard library).
+The code base defaults to Django's sources in this venv, split into
 training and held-out files by the product's own rule (training/corpora/services.py
 `heldout_paths`, 10% by path). "Accepts" are the gate's exact-continuation score
-(training/gate/corpus_rows.py): held-out line prefixes (a few characters to half the line), a
-suggestion's accepted characters against what was actually written (usefulness.accepted_chars);
-`accept_share` is the share of prompts with accepted characters > 0, greedy and sampled (T = 1).
+(training/gate/corpus_rows.py): held-out line prefixes, a suggestion's accepted characters against
+what was actually written (usefulness.accepted_chars, 3 characters at least); `accept_share` is the
+share of prompts with accepted characters > 0, greedy and sampled (T = 1), on two kinds of prompt:
+- **in context** (`heldout_accept_*`, the headline): the requests the intent users send
+  (webapp/demo/simulator.py `held_out_prompts`): a line of a held-out file cut a few characters
+  past its indentation, after the file's preceding lines, as an editor sends it;
+- **line alone** (`heldout_line_accept_*`): the stripped line's prefix with nothing before it
+  (training/corpora/lines.py `continuation_prompts`, the gate's corpus row).
+The base is read from var/policies/pretrained/ where the demo cached it, else built there once.
 Mid-training is `training.corpora.packing.train_rows`, the loop `manage.py midtrain` runs.
 Throughput: the median step's tokens/s after two warm-up steps, each loop `--compare-steps` steps
 on the same rows (TRL: its own packing of the same files, in var/bench-trl-venv as bench/rl_step.py).
@@ -41,16 +47,19 @@ WARMUP = 2
 
 
 def base_policy(steps: int, out: Path = OUT, lines: int | None = None) -> Path:
-    """The demo's dense base pretrained `steps` steps on the standard library (cached)."""
+    """The demo's dense base pretrained `steps` steps on the standard library: the demo's own cache
+    (var/policies/pretrained/, what `bootstrap_policy` reuses), else built there once; `--quick`
+    (`lines` set) builds a throwaway one in its temp folder."""
+    if lines is None:
+        from bench.gate_base import base_folder
+
+        return base_folder(argparse.Namespace(folder=None, steps=steps), ROOT / "var")
     from training.pretrain import PolicyConfig, build_policy, pretrain, stdlib_corpus
 
     folder = out / f"base-{steps}"
-    if (folder / "done").exists():
-        return folder
     corpus = stdlib_corpus(lines)
     build_policy(folder, PolicyConfig(), corpus[:60_000])
-    stats = pretrain(folder, corpus, float("inf"), max_steps=steps)
-    (folder / "done").write_text(json.dumps(stats))
+    pretrain(folder, corpus, float("inf"), max_steps=steps)
     return folder
 
 
@@ -68,17 +77,18 @@ def code_base(root: Path) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]
     return [f for f in files if f[0] not in held], [f for f in files if f[0] in held]
 
 
-def accepts(folder: Path, prompts: list[Any], temperature: float, seed: int) -> dict[str, float]:
+def accepts(folder: Path, prompts: list[tuple[str, str]], temperature: float, seed: int) -> dict[str, float]:
+    """(prompt, what was written next) pairs: the share with accepted characters, and their mean."""
     from inference.engines import SamplingParams, make_engine
     from training.rewards.usefulness import accepted_chars
 
     engine = make_engine("torch", folder, version=0, seed=seed)
     try:
-        out = engine.generate([p.prompt for p in prompts], n=1,
+        out = engine.generate([p for p, _ in prompts], n=1,
                               sampling=SamplingParams(max_tokens=16, temperature=temperature, seed=seed))
     finally:
         engine.close()
-    chars = [accepted_chars(c.text, prompts[c.prompt_index].rest) for c in out]
+    chars = [accepted_chars(c.text, prompts[c.prompt_index][1]) for c in out]
     return {"accept_share": sum(c > 0 for c in chars) / len(chars), "accepted_chars": sum(chars) / len(chars)}
 
 
@@ -165,7 +175,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--corpus", default=str(Path(django.__file__).parent))
     parser.add_argument("--seconds", type=float, default=60.0, help="mid-training wall time")
-    parser.add_argument("--pretrain-steps", type=int, default=600)
+    parser.add_argument("--pretrain-steps", type=int, default=1000, help="the demo's base (FLYWHEEL_PRETRAIN_STEPS)")
     parser.add_argument("--prompts", type=int, default=200)
     # the product's own defaults (manage.py midtrain), so the figures are what a new project gets
     parser.add_argument("--seq-len", type=int, default=MidtrainConfig.seq_len)
@@ -187,11 +197,14 @@ def main() -> None:
             print("TRL: left out (--quick)")
         result = run(args)
     result["quick"] = args.quick
-    print(f"{'':28}{'greedy':>10}{'sampled':>10}")
-    for when in ("before", "after"):
-        g, s = result[f"heldout_accept_{when}"], result[f"heldout_accept_{when}_sampled"]
-        print(f"{'held-out accept share ' + when:28}{g:>10.3f}{s:>10.3f}")
-    print(f"{'held-out accepted chars':28}{result['heldout_chars_before']:>10.2f} -> {result['heldout_chars_after']:.2f}")
+    print(f"{'held-out accept share':34}{'greedy':>10}{'sampled':>10}")
+    for kind, key in (("in context", "heldout"), ("line alone", "heldout_line")):
+        for when in ("before", "after"):
+            g, s = result[f"{key}_accept_{when}"], result[f"{key}_accept_{when}_sampled"]
+            print(f"{kind + ', ' + when:34}{g:>10.3f}{s:>10.3f}")
+        lifts = [result[f"{key}_lift{suffix}"] for suffix in ("", "_sampled")]
+        print(f"{kind + ', lift':34}" + "".join(f"{x if x is not None else float('nan'):>9.1f}x" for x in lifts))
+    print(f"{'accepted chars in context':34}{result['heldout_chars_before']:>10.2f} -> {result['heldout_chars_after']:.2f}")
     for name in ("tokens_per_s", "plain_torch_tokens_per_s", "trl_sft_tokens_per_s"):
         print(f"{name:28}{result[name] if result[name] is not None else float('nan'):>10,.0f}")
     if args.json:
@@ -204,12 +217,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     from training.corpora.lines import continuation_prompts
     from training.corpora.packing import pack_rows, train_rows
+    from webapp.demo.simulator import INTENT, held_out_prompts
+    from webapp.demo.simulator import code_base as users_code_base
 
     started = time.monotonic()
     base = base_policy(args.pretrain_steps, args.out, args.base_lines)
     train, held = code_base(Path(args.corpus))
-    prompts = continuation_prompts(held, n=args.prompts, seed=args.seed)
-    before = {t: accepts(base, prompts, t, args.seed) for t in (0.0, 1.0)}
+    kinds = {"heldout": [(p.prompt, p.intended) for p in
+                         held_out_prompts(users_code_base(args.corpus), INTENT, args.prompts, seed=11 + args.seed)],
+             "heldout_line": [(c.prompt, c.rest) for c in continuation_prompts(held, n=args.prompts, seed=args.seed)]}
+    before = {(k, t): accepts(base, ps, t, args.seed) for k, ps in kinds.items() for t in (0.0, 1.0)}
     tokenizer = AutoTokenizer.from_pretrained(str(base))
     docs = tokenizer([t for _, t in train], add_special_tokens=False)["input_ids"]
     rows = pack_rows(docs, tokenizer.eos_token_id, args.seq_len)  # (R, T)
@@ -219,17 +236,24 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     after_dir = args.out / "after"
     model.save_pretrained(after_dir)
     tokenizer.save_pretrained(after_dir)
-    after = {t: accepts(after_dir, prompts, t, args.seed) for t in (0.0, 1.0)}
+    after = {(k, t): accepts(after_dir, ps, t, args.seed) for k, ps in kinds.items() for t in (0.0, 1.0)}
+    shares: dict[str, Any] = {}
+    for k in kinds:
+        for t, suffix in ((0.0, ""), (1.0, "_sampled")):
+            b, a = before[k, t]["accept_share"], after[k, t]["accept_share"]
+            # a base that got none is counted as one prompt in n: the lift is then a lower bound
+            shares.update({f"{k}_accept_before{suffix}": b, f"{k}_accept_after{suffix}": a,
+                           f"{k}_lift{suffix}": round(a / max(b, 1 / len(kinds[k])), 2) if kinds[k] else None})
     sample = rows[: args.batch_size * (args.compare_steps + 1)]  # the same rows for each loop
     texts = [t for _, t in train][:64]
     return {
-        "corpus": args.corpus, "train_files": len(train), "heldout_files": len(held), "prompts": len(prompts),
+        "corpus": args.corpus, "train_files": len(train), "heldout_files": len(held),
+        "prompts": len(kinds["heldout"]), "line_prompts": len(kinds["heldout_line"]), "pretrain_steps": args.pretrain_steps,
         "corpus_tokens": int(rows.numel()), "midtrain_seconds": args.seconds, "midtrain_steps": trained["steps"],
         "loss_first": trained["loss_first"], "loss_last": trained["loss_last"],
-        "heldout_accept_before": before[0.0]["accept_share"], "heldout_accept_after": after[0.0]["accept_share"],
-        "heldout_accept_before_sampled": before[1.0]["accept_share"],
-        "heldout_accept_after_sampled": after[1.0]["accept_share"],
-        "heldout_chars_before": before[0.0]["accepted_chars"], "heldout_chars_after": after[0.0]["accepted_chars"],
+        **shares,
+        "heldout_chars_before": before["heldout", 0.0]["accepted_chars"],
+        "heldout_chars_after": after["heldout", 0.0]["accepted_chars"],
         "tokens_per_s": ours_loop(base, sample, args), "plain_torch_tokens_per_s": plain_loop(base, sample, args),
         "trl_sft_tokens_per_s": None if args.no_trl else trl_loop(base, texts, args),
         "run_tokens_per_s": trained["tokens_per_s"], "threads": torch.get_num_threads(),
