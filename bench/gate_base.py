@@ -39,8 +39,9 @@ def demo_suite(prompts: int, samples: int, corpus: list[str] | None = None) -> S
     """The demo's held-out suite (webapp/demo `_demo_suite_prompts`: the same lines, seed 7)."""
     lines = [line.strip() for line in (corpus or stdlib_corpus())[-20_000:]]
     held_out = sample_lines([line for line in lines if len(line) >= 12], prompts, seed=7)
-    return SuiteSpec.from_json([{"id": f"stdlib-{i}", "prompt": line[:20]} for i, line in enumerate(held_out)],
-                               n_samples=samples, max_tokens=16)
+    return SuiteSpec.from_json([{"id": f"stdlib-{i}", "prompt": line[:20],
+                                 "context": {"prefix": line[:20], **({"rest": line[20:]} if line[20:] else {})}}
+                                for i, line in enumerate(held_out)], n_samples=samples, max_tokens=16)
 
 
 def base_folder(args: argparse.Namespace, var: Path, corpus: list[str] | None = None) -> Path:
@@ -86,7 +87,8 @@ def main() -> None:
             ("invented-name share", f"{measure['invented_share']:.3f}"),
             ("most common suggestion's share", f"{measure['top_share']:.3f}"),
             ("distinct-suggestion rate", f"{measure['distinct_rate']:.3f}"),
-            *((f"derived {k}", f"{v:g}") for k, v in measure["derived"].items()),
+            ("mean NLL per token of the lines people typed", _figure(measure["intended_nll"])),
+            *((f"derived {k}", _figure(v)) for k, v in measure["derived"].items()),
             ("sampling seconds (2 seeds)", f"{seconds:.1f}")]
     print(f"base {folder} on {len(spec.prompts)} prompts x {spec.n_samples} samples x {spec.max_tokens} tokens")
     for name, value in rows:
@@ -95,17 +97,26 @@ def main() -> None:
         print(json.dumps({"folder": str(folder), "quick": args.quick, **measure}))
 
 
+def _figure(value: float | None) -> str:
+    return "n/a (the suite has no lines people typed)" if value is None else f"{value:g}"
+
+
 def _measure(folder: Path, spec: SuiteSpec) -> tuple[dict, float]:
-    """The gate's base measurements of `folder` on `spec` at seeds 0 and 1, and the sampling seconds."""
+    """The gate's base measurements of `folder` on `spec` at seeds 0 and 1 (with its log-probs of
+    the lines people were about to type, teacher-forced), and the sampling seconds."""
     engine = make_engine("torch", folder, version=1)
     start = time.monotonic()
     try:
         sets = [suite_sample(spec, engine, seed) for seed in (0, 1)]
+        rests = {p.id: p.context["rest"] for p in spec.prompts if str(p.context.get("rest", "")).strip()}
+        pairs = [(engine.encode(p.prompt), engine.encode(rests[p.id].split("\n", 1)[0]))
+                 for p in spec.prompts if p.id in rests]
+        intended = [lp for lp, _ in engine.score_many([pair for pair in pairs if pair[1]])]
     finally:
         engine.close()
     seconds = time.monotonic() - start
     prompts = {p.id: p.prompt for p in spec.prompts}
-    return base_measure(sets, (0, 1), prompts, known_names(prompts.values())).as_dict(), seconds
+    return base_measure(sets, (0, 1), prompts, known_names(prompts.values()), intended).as_dict(), seconds
 
 
 if __name__ == "__main__":
