@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 from inference.engines import make_engine  # noqa: E402
 from training.gate.config import SuiteSpec  # noqa: E402
 from training.gate.defaults import base_measure  # noqa: E402
-from training.gate.runner import suite_sample  # noqa: E402
+from training.gate.runner import intended_lines, suite_sample  # noqa: E402
 from training.pretrain import PolicyConfig, build_policy, pretrain, sample_lines, stdlib_corpus  # noqa: E402
 from training.rewards.usefulness import known_names  # noqa: E402
 
@@ -108,7 +108,7 @@ def _measure(folder: Path, spec: SuiteSpec) -> tuple[dict, float]:
     start = time.monotonic()
     try:
         sets = [suite_sample(spec, engine, seed) for seed in (0, 1)]
-        rests = {p.id: p.context["rest"] for p in spec.prompts if str(p.context.get("rest", "")).strip()}
+        rests = intended_lines(spec)
         pairs = [(engine.encode(p.prompt), engine.encode(rests[p.id].split("\n", 1)[0]))
                  for p in spec.prompts if p.id in rests]
         intended = [lp for lp, _ in engine.score_many([pair for pair in pairs if pair[1]])]

@@ -92,8 +92,7 @@ def suite_collect(spec: SuiteSpec, candidate: Policy, production: Policy, scorer
     pairs = [(c.prompt_token_ids, c.token_ids) for c in cand]
     other = [lp for lp, _ in production.score_many(pairs, sampling)]
     on_ref = other if reference is None else [lp for lp, _ in reference.score_many(pairs, sampling)]
-    intended = {p.id: p.context["rest"] for p in spec.prompts if isinstance(p.context.get("rest"), str)
-                and p.context["rest"].strip()}
+    intended = intended_lines(spec)
     return SuiteSamples(
         candidate=[_sample(spec, s, c, lp, ref) for c, s, lp, ref in zip(cand, scores, other, on_ref, strict=False)],
         production=[_sample(spec, s, c, None) for c, s in zip(prod, scores[len(cand):], strict=True)],
@@ -102,6 +101,12 @@ def suite_collect(spec: SuiteSpec, candidate: Policy, production: Policy, scorer
         intended=intended,
         intended_logprobs=intended_scores(spec, cand, intended, candidate, reference or production),
     )
+
+
+def intended_lines(spec: SuiteSpec) -> dict[str, str]:
+    """Prompt id -> what the user was about to type (context["rest"]), on the prompts cut from real lines."""
+    return {p.id: p.context["rest"] for p in spec.prompts if isinstance(p.context.get("rest"), str)
+            and p.context["rest"].strip()}
 
 
 def intended_scores(spec: SuiteSpec, completions: Sequence[Completion], intended: Mapping[str, str],
