@@ -27,7 +27,7 @@ def test_a_retry_with_the_same_webhook_id_is_a_duplicate(asgi_server, creds):
     assert FeedbackEvent.objects.count() == 1
 
 
-def test_the_client_retries_429_then_gives_up_with_the_answer(asgi_server, creds):
+def test_the_client_retries_429_then_gives_up_with_the_answer(asgi_server, creds, one_rate_window):
     creds.project.rate_limit_per_minute = 1
     creds.project.save()
     calls = []

@@ -193,7 +193,7 @@ def test_it_refuses_a_6_mib_body(post_events):
     _nothing_stored()
 
 
-def test_it_answers_429_over_the_project_rate_and_stores_nothing(post_events, creds):
+def test_it_answers_429_over_the_project_rate_and_stores_nothing(post_events, creds, one_rate_window):
     creds.project.rate_limit_per_minute = 3
     creds.project.save()
     assert post_events([feedback("a"), feedback("b")]).status_code == 202

@@ -51,7 +51,7 @@ def _metric(name: str, **labels: str) -> float:
     return REGISTRY.get_sample_value(name, labels) or 0.0
 
 
-def test_a_key_over_its_rate_gets_429_with_retry_after_and_another_key_goes_on(client, creds, server, settings):
+def test_a_key_over_its_rate_gets_429_with_retry_after_and_another_key_goes_on(client, creds, server, settings, one_rate_window):
     settings.FLYWHEEL_SERVE_RATE_PER_KEY = 3
     other = api_key_create(creds.project, ["serve"], name="other-client")
     assert [_chat(client, creds.api_key).status_code for _ in range(3)] == [200] * 3
@@ -61,13 +61,13 @@ def test_a_key_over_its_rate_gets_429_with_retry_after_and_another_key_goes_on(c
     assert _chat(client, other, "/v1/completions", prompt="x").status_code == 200
 
 
-def test_a_project_over_its_serving_rate_gets_429_whatever_the_key(client, creds, server, settings):
+def test_a_project_over_its_serving_rate_gets_429_whatever_the_key(client, creds, server, settings, one_rate_window):
     settings.FLYWHEEL_SERVE_RATE_PER_PROJECT = 2
     keys = [api_key_create(creds.project, ["serve"], name=f"client-{i}") for i in range(3)]
     assert [_chat(client, k).status_code for k in keys] == [200, 200, 429]
 
 
-def test_served_completions_count_against_the_projects_ingest_rate(client, creds, server, post_events):
+def test_served_completions_count_against_the_projects_ingest_rate(client, creds, server, post_events, one_rate_window):
     from tests.factories import feedback
 
     creds.project.rate_limit_per_minute = 3
@@ -80,7 +80,7 @@ def test_served_completions_count_against_the_projects_ingest_rate(client, creds
         assert post_events([feedback("f-1")]).status_code == 429
 
 
-def test_refused_requests_take_no_conversation_slot(client, creds, server, monkeypatch, settings):
+def test_refused_requests_take_no_conversation_slot(client, creds, server, monkeypatch, settings, one_rate_window):
     monkeypatch.setattr(conversations, "MAX_OPEN", 2)
     registry = conversations.conversations_for(server)
     for i in range(5):  # each refused after its conversation was looked up
