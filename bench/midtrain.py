@@ -20,7 +20,9 @@ share of prompts with accepted characters > 0, greedy and sampled (T = 1), on tw
 The base is read from var/policies/pretrained/ where the demo cached it, else built there once.
 Mid-training is `training.corpora.packing.train_rows`, the loop `manage.py midtrain` runs.
 Throughput: the median step's tokens/s after two warm-up steps, each loop `--compare-steps` steps
-on the same rows (TRL: its own packing of the same files, in var/bench-trl-venv as bench/rl_step.py).
+on the same rows, ours and the plain loop in `--compare-rounds` interleaved rounds (the order
+swapped every round, so load that comes and goes hits both alike), with the range of the rounds'
+medians; TRL once (its own packing of the same files, in var/bench-trl-venv as bench/rl_step.py).
 """
 
 from __future__ import annotations
@@ -93,6 +95,7 @@ def accepts(folder: Path, prompts: list[tuple[str, str]], temperature: float, se
 
 
 def plain_loop(folder: Path, rows: Any, args: argparse.Namespace) -> float:
+    """The median step's tokens/s after the warm-up steps."""
     """A plain torch loop on the same model and packed rows: forward, backward, AdamW step."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -114,6 +117,7 @@ def plain_loop(folder: Path, rows: Any, args: argparse.Namespace) -> float:
 
 
 def ours_loop(folder: Path, rows: Any, args: argparse.Namespace) -> float:
+    """The median step's tokens/s after the warm-up steps."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -124,6 +128,19 @@ def ours_loop(folder: Path, rows: Any, args: argparse.Namespace) -> float:
     train_rows(model, rows, lr=args.lr, batch_size=args.batch_size, seed=args.seed, steps=args.compare_steps,
                on_step=lambda _, m: rates.append(m["tokens_per_s"]))
     return statistics.median(rates[WARMUP:])
+
+
+def interleaved(folder: Path, rows: Any, args: argparse.Namespace) -> dict[str, Any]:
+    """Ours and the plain loop in `compare_rounds` rounds, the order swapped every round: the median
+    of the rounds' figures per side, their range, and the ratio of the medians."""
+    ours: list[float] = []
+    plain: list[float] = []
+    for r in range(args.compare_rounds):
+        for side in (("ours", "plain") if r % 2 == 0 else ("plain", "ours")):
+            (ours if side == "ours" else plain).append((ours_loop if side == "ours" else plain_loop)(folder, rows, args))
+    o, p = statistics.median(ours), statistics.median(plain)
+    return {"tokens_per_s": o, "plain_torch_tokens_per_s": p, "throughput_ratio": round(o / p, 3),
+            "tokens_per_s_range": [min(ours), max(ours)], "plain_torch_tokens_per_s_range": [min(plain), max(plain)]}
 
 
 def trl_loop(folder: Path, texts: list[str], args: argparse.Namespace) -> float:
@@ -182,6 +199,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=MidtrainConfig.batch_size)
     parser.add_argument("--lr", type=float, default=MidtrainConfig.lr)
     parser.add_argument("--compare-steps", type=int, default=12)
+    parser.add_argument("--compare-rounds", type=int, default=5, help="interleaved rounds of ours and the plain loop")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-trl", action="store_true")
     parser.add_argument("--quick", action="store_true",
@@ -193,6 +211,7 @@ def main() -> None:
         if args.quick:
             args.out, args.base_lines, args.no_trl = Path(tmp), 5_000, True
             args.pretrain_steps, args.seconds, args.prompts, args.compare_steps = 2, 2.0, 10, WARMUP + 1
+            args.compare_rounds = 2
             args.corpus, args.batch_size, args.seq_len = str(Path(args.corpus) / "utils"), 4, 64
             print("TRL: left out (--quick)")
         result = run(args)
@@ -206,7 +225,10 @@ def main() -> None:
         print(f"{kind + ', lift':34}" + "".join(f"{x if x is not None else float('nan'):>9.1f}x" for x in lifts))
     print(f"{'accepted chars in context':34}{result['heldout_chars_before']:>10.2f} -> {result['heldout_chars_after']:.2f}")
     for name in ("tokens_per_s", "plain_torch_tokens_per_s", "trl_sft_tokens_per_s"):
-        print(f"{name:28}{result[name] if result[name] is not None else float('nan'):>10,.0f}")
+        spread = result.get(f"{name}_range")
+        print(f"{name:28}{result[name] if result[name] is not None else float('nan'):>10,.0f}"
+              + (f"   rounds {spread[0]:,.0f}-{spread[1]:,.0f}" if spread else ""))
+    print(f"{'ours / plain torch':28}{result['throughput_ratio']:>10.3f}")
     if args.json:
         print(json.dumps(result))
 
@@ -254,7 +276,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         **shares,
         "heldout_chars_before": before["heldout", 0.0]["accepted_chars"],
         "heldout_chars_after": after["heldout", 0.0]["accepted_chars"],
-        "tokens_per_s": ours_loop(base, sample, args), "plain_torch_tokens_per_s": plain_loop(base, sample, args),
+        **interleaved(base, sample, args),
         "trl_sft_tokens_per_s": None if args.no_trl else trl_loop(base, texts, args),
         "run_tokens_per_s": trained["tokens_per_s"], "threads": torch.get_num_threads(),
         "wall_s": round(time.monotonic() - started, 1),
