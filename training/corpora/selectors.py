@@ -35,7 +35,7 @@ def corpus_get(project: Project, corpus_id: int | None = None) -> Corpus:
     or its newest when None."""
     corpus = corpus_latest(project) if corpus_id is None else corpus_list(project).filter(pk=corpus_id).first()
     if corpus is None:
-        what = f"corpus {corpus_id}" if corpus_id is not None else "a corpus"
+        what = f"corpus {corpus_id}" if corpus_id is not None else "corpus"
         raise NotFound(f"project {project.slug!r} has no {what}",
                        "Add one: manage.py corpus add --project SLUG PATH... (or POST /api/v1/corpora).")
     return corpus

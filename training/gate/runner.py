@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from training.gate import detectors, stats
@@ -109,6 +109,27 @@ def intended_lines(spec: SuiteSpec) -> dict[str, str]:
             and p.context["rest"].strip()}
 
 
+def aligned_continuation(encode: Callable[[str], list[int]], prompt_ids: Sequence[int], prompt: str,
+                         line: str) -> tuple[list[int], list[int]]:
+    """(context, target) token ids for scoring `line` as the continuation of `prompt`, on the
+    tokens the model sees when the two are one text. A prompt cut mid-word ends in a token that
+    the whole text does not have (`@clas` + `smethod` is one `classmethod` token when written out),
+    and the rest tokenized alone is a split no training text ever had: both a base and a model
+    that knows the code score it near chance. So the prompt's last tokens that the joined text
+    tokenizes otherwise are scored too, as part of the line; when the prompt's tokens are not the
+    end of `prompt_ids` (a template around them), the line is scored tokenized alone."""
+    own, joined = encode(prompt), encode(prompt + line)
+    if not own or list(prompt_ids[len(prompt_ids) - len(own):]) != own:
+        return list(prompt_ids), encode(line)
+    keep = 0
+    while keep < len(own) and keep < len(joined) and own[keep] == joined[keep]:
+        keep += 1
+    context = list(prompt_ids[: len(prompt_ids) - len(own) + keep])
+    if not context:  # never score with no context at all
+        return list(prompt_ids), encode(line)
+    return context, joined[keep:]
+
+
 def intended_scores(spec: SuiteSpec, completions: Sequence[Completion], intended: Mapping[str, str],
                     candidate: Policy, base: Policy) -> dict[str, tuple[list[float], list[float]]]:
     """Teacher-forced log-probs (temperature 1) of what the user was about to type — the intended
@@ -119,9 +140,10 @@ def intended_scores(spec: SuiteSpec, completions: Sequence[Completion], intended
     rows: list[tuple[str, list[int], list[int]]] = []
     for index, p in enumerate(spec.prompts):
         line = intended.get(p.id, "").split("\n", 1)[0]
-        tokens = candidate.encode(line) if line.strip() and index in prompt_ids else []
-        if tokens:
-            rows.append((p.id, prompt_ids[index], tokens))
+        if line.strip() and index in prompt_ids:
+            context, tokens = aligned_continuation(candidate.encode, prompt_ids[index], p.prompt, line)
+            if tokens:
+                rows.append((p.id, context, tokens))
     if not rows:
         return {}
     pairs = [(ids, toks) for _, ids, toks in rows]

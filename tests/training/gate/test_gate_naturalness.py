@@ -147,8 +147,10 @@ def test_the_base_passes_against_itself_with_its_figures_measured_once_at_fixed_
     entropies = measure["entropy_by_seed"]
     assert entropies == pytest.approx([3.2657, 3.229], abs=0.05)
     kl_budget = sum(entropies) / len(entropies)
-    # teacher-forced, no sampling: the base's loss on the lines people were about to type (2.6765 here)
-    assert measure["intended_nll"] == pytest.approx(2.68, abs=0.05)
+    # teacher-forced, no sampling: the base's loss on the lines people were about to type, tokenized
+    # as the joined text is (2.1042 here; 2.6765 when the rest was tokenized alone, a split mid-word
+    # that no training text has)
+    assert measure["intended_nll"] == pytest.approx(2.10, abs=0.05)
     assert measure["derived"] == pytest.approx({"kl_budget": kl_budget, "logprob_tolerance": kl_budget / 2,
                                                 "length_ratio_max": 1.5, "min_median_chars": 11.0,
                                                 "intended_logprob_tolerance": 0.05 * measure["intended_nll"]},
@@ -212,3 +214,27 @@ def test_with_production_moved_on_a_candidate_is_still_compared_with_the_base(pr
     assert rows["kl"]["value"] == 0.0 and rows["kl"]["threshold"] == 0.125  # an explicit setting overrides
     assert "kl_budget" not in report.policy["base"]["thresholds"]
     assert not rows["invented_names"]["passed"] and not rows["naturalness_logprob"]["passed"]  # against the base
+
+
+def test_the_intended_line_is_scored_on_the_tokens_of_the_joined_text(planted):
+    """A prompt cut mid-word: its last token is not a token of the written-out line, so it is scored
+    with the line; a prompt behind a template (its tokens not the end of the ids) keeps the line's
+    own tokens; a line that merges with the whole prompt still keeps a context."""
+    from transformers import AutoTokenizer
+
+    from training.gate.runner import aligned_continuation
+
+    tok = AutoTokenizer.from_pretrained(str(planted["base"]))
+
+    def encode(text: str) -> list[int]:
+        return tok.encode(text, add_special_tokens=False)
+
+    prompt, line = "    def __init__(self, na", "me):"
+    ids = encode(prompt)
+    context, target = aligned_continuation(encode, ids, prompt, line)
+    assert context + target == encode(prompt + line)  # what the model reads when the line is typed
+    assert ids[: len(context)] == context and len(context) < len(ids)  # the cut token is scored with the line
+    assert tok.decode(target).endswith("me):") and len(tok.decode(target)) > len(line)
+    templated = [1, 2, 3] + ids[:-1]  # the prompt's tokens are not the end: no alignment is guessed
+    assert aligned_continuation(encode, templated, prompt, line) == (templated, encode(line))
+    assert aligned_continuation(encode, ids, prompt, "") == (ids, [])

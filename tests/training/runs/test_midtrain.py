@@ -99,7 +99,7 @@ def test_the_command_shows_a_progress_bar_and_names_the_candidate(creds, product
 def test_one_run_at_a_time_and_bad_options_are_clear_errors(creds, production, code_base):
     from core.errors import BadRequest, NotFound
 
-    with pytest.raises(NotFound, match="no a corpus|has no"):
+    with pytest.raises(NotFound, match="has no corpus"):
         midtrain_start(creds.project, steps=3, enqueue=False)
     corpus_add_paths(creds.project, [str(code_base)])
     with pytest.raises(BadRequest, match="either steps or minutes"):
