@@ -350,9 +350,16 @@ class _MetricsTail:
                 self.on_metrics(self.lines[-1])
 
 
+_CAUSES = ("terminate called", "what():", "Error", "error:", "enforce fail", "Fatal", "Killed")
+
+
 def _tail(log: Path, chars: int = 1500) -> str:
+    """The log's end (torchrun's summary) after the first lines that name a cause: a rank that
+    aborts (SIGABRT) says why in its own lines, well before torchrun's report of it."""
     text = log.read_text(errors="replace") if log.exists() else ""
-    return "log: " + text[-chars:]
+    causes = [line for line in text.splitlines() if any(c in line for c in _CAUSES)][:6]
+    head = ("first errors: " + " | ".join(line.strip()[:300] for line in causes) + "; ") if causes else ""
+    return head + "log: " + text[-chars:]
 
 
 if __name__ == "__main__":
