@@ -95,8 +95,8 @@ def accepts(folder: Path, prompts: list[tuple[str, str]], temperature: float, se
 
 
 def plain_loop(folder: Path, rows: Any, args: argparse.Namespace) -> float:
-    """The median step's tokens/s after the warm-up steps."""
-    """A plain torch loop on the same model and packed rows: forward, backward, AdamW step."""
+    """A plain torch loop on the same model and packed rows: forward, backward, AdamW step; the
+    median step's tokens/s after the warm-up steps."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -135,9 +135,10 @@ def interleaved(folder: Path, rows: Any, args: argparse.Namespace) -> dict[str, 
     of the rounds' figures per side, their range, and the ratio of the medians."""
     ours: list[float] = []
     plain: list[float] = []
+    sides = [(ours_loop, ours), (plain_loop, plain)]
     for r in range(args.compare_rounds):
-        for side in (("ours", "plain") if r % 2 == 0 else ("plain", "ours")):
-            (ours if side == "ours" else plain).append((ours_loop if side == "ours" else plain_loop)(folder, rows, args))
+        for loop, rates in (sides if r % 2 == 0 else sides[::-1]):
+            rates.append(loop(folder, rows, args))
     o, p = statistics.median(ours), statistics.median(plain)
     return {"tokens_per_s": o, "plain_torch_tokens_per_s": p, "throughput_ratio": round(o / p, 3),
             "tokens_per_s_range": [min(ours), max(ours)], "plain_torch_tokens_per_s_range": [min(plain), max(plain)]}
