@@ -8,13 +8,19 @@ connection outlives the job and is checked as Django checks a persistent one bet
 (`close_if_unusable_or_obsolete`: a failed health check, an error state or an age over
 `max_age_s` closes it, and the next query reconnects). A job's transaction is its own: it
 commits or rolls back inside `fn`, before `run` returns; a thread never keeps one open.
+
+`arun` is the same from async code (webapp/asgi.py runs the ingest endpoint's whole middleware
+chain and view this way: one thread hop a request), and `run` called on one of the pool's own
+threads runs `fn` there.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TypeVar
 
 from django.db import connections
@@ -23,19 +29,33 @@ T = TypeVar("T")
 
 _lock = threading.Lock()
 _pools: dict[str, ThreadPoolExecutor] = {}
+_local = threading.local()  # .pool: the name of the pool whose thread this is
 
 
 def run(name: str, size: int, fn: Callable[[], T], max_age_s: int = 300) -> T:
     """`fn()` in pool `name`'s threads (created on first use, `size` of them); its result or
-    its exception, raised here."""
+    its exception, raised here. On one of that pool's threads already, `fn()` runs in place."""
+    if getattr(_local, "pool", None) == name:
+        return fn()
+    return _submit(name, size, fn, max_age_s).result()
+
+
+async def arun(name: str, size: int, fn: Callable[[], T], max_age_s: int = 300) -> T:
+    """`run` for async code: awaits `fn()` on pool `name`'s threads without blocking the loop."""
+    return await asyncio.wrap_future(_submit(name, size, fn, max_age_s))
+
+
+def _submit(name: str, size: int, fn: Callable[[], T], max_age_s: int) -> Future[T]:
     with _lock:
         pool = _pools.get(name)
         if pool is None:
             pool = _pools[name] = ThreadPoolExecutor(size, thread_name_prefix=f"db-{name}")
-    return pool.submit(_job, fn, max_age_s).result()
+    # The caller's context variables go with the job (as sync_to_async does), not the thread's last ones.
+    return pool.submit(contextvars.copy_context().run, _job, name, fn, max_age_s)
 
 
-def _job(fn: Callable[[], T], max_age_s: int) -> T:
+def _job(name: str, fn: Callable[[], T], max_age_s: int) -> T:
+    _local.pool = name
     for alias in connections:
         conn = connections[alias]
         if conn.settings_dict.get("CONN_MAX_AGE") != max_age_s:

@@ -4,15 +4,21 @@ Failures are logged, never raised: a push happens after a commit and must not tu
 acknowledged write into an error. A push is bounded in time (PUSH_TIMEOUT_S: a Redis that hangs
 costs the request that much, not a hang) and tried twice when its connection fails (the pooled
 connection of a Redis that restarted is stale once).
+
+Pushes from sync code run on one event loop per process, in a daemon thread of its own, so the
+channel layer's Redis connections (pooled per loop) live as long as the process. (`async_to_sync`
+from a thread with no loop would start a thread, a loop and a Redis connection for every push:
+about 1.6 ms of CPU, a tenth of what a batch of 100 events costs the web server.)
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import threading
 from typing import Any, Literal, NotRequired, TypedDict
 
-from asgiref.sync import async_to_sync
 from channels.layers import get_channel_layer
 from redis.exceptions import ConnectionError as RedisConnectionError
 
@@ -75,16 +81,56 @@ def project_group(project_id: int) -> str:
 
 
 def project_event(project_id: int, payload: Payload) -> None:
-    """Pushes `payload` to the project's dashboard group (consumers forward it to the browser)."""
+    """Pushes `payload` to the project's dashboard group (consumers forward it to the browser).
+    From sync code it returns once the push is done or has failed (within 2 x PUSH_TIMEOUT_S);
+    called where an event loop runs (async code), it schedules the push and returns at once."""
     layer = get_channel_layer()
     if layer is None:
         return
     try:
-        async_to_sync(channel_layer_call)(layer.group_send, project_group(project_id),
-                                          {"type": "project.event", "payload": payload})
+        future = asyncio.run_coroutine_threadsafe(
+            channel_layer_call(layer.group_send, project_group(project_id), {"type": "project.event", "payload": payload}),
+            _push_loop(),
+        )
+        if not _in_event_loop():
+            future.result(timeout=2 * PUSH_TIMEOUT_S + 1)
     except Exception as exc:  # noqa: BLE001 - a lost push is shown as stale data, never as a failed write
         log.warning("could not push %s to project %s: %s: %s", payload.get("type"), project_id,
                     type(exc).__name__, exc)
+
+
+_loop_lock = threading.Lock()
+_loop: asyncio.AbstractEventLoop | None = None
+_loop_thread: threading.Thread | None = None
+
+
+def _push_loop() -> asyncio.AbstractEventLoop:
+    """The process's push loop, started on first use."""
+    global _loop, _loop_thread
+    with _loop_lock:
+        if _loop is None or _loop_thread is None or not _loop_thread.is_alive():
+            loop = asyncio.new_event_loop()
+            thread = threading.Thread(target=loop.run_forever, name="flywheel-notify", daemon=True)
+            thread.start()
+            _loop, _loop_thread = loop, thread
+        return _loop
+
+
+def _forget_loop() -> None:
+    # A forked child (a Celery pool process) has neither the parent's thread nor, safely, its lock.
+    global _loop_lock, _loop, _loop_thread
+    _loop_lock, _loop, _loop_thread = threading.Lock(), None, None
+
+
+os.register_at_fork(after_in_child=_forget_loop)
+
+
+def _in_event_loop() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
 
 
 async def channel_layer_call(method: Any, *args: Any) -> Any:

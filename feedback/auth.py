@@ -55,7 +55,7 @@ def api_key_principal(raw: str) -> Principal:
     # A key bound to a person acts as that person in its project: one who left the project (no
     # membership any more) takes the key's power along. Read in the same query.
     member = Membership.objects.filter(user_id=OuterRef("owner_id"), project_id=OuterRef("project_id"))
-    key = (ApiKey.objects.select_related("project", "owner").annotate(owner_is_member=Exists(member))
+    key = (ApiKey.objects.select_related("project", "project__data_policy", "owner").annotate(owner_is_member=Exists(member))
            .filter(key_hash=ApiKey.hash_key(raw)).first())
     if key is None:
         raise Unauthorized("the API key is not known", "Check the key; create one with `manage.py create_project`.")
@@ -193,7 +193,8 @@ def _signing_project(slug: str | None) -> Project | None:
             "signed request does not name its project",
             f"Send the header '{PROJECT_HEADER}: <project slug>' (or ?project=<slug>) with signed requests.",
         )
-    return Project.objects.filter(slug=slug).first() if SLUG.fullmatch(slug) else None
+    # The data policy comes along: ingest reads it next (feedback.services.data_policy_of).
+    return Project.objects.select_related("data_policy").filter(slug=slug).first() if SLUG.fullmatch(slug) else None
 
 
 def _shown(value: str) -> str:

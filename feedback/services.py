@@ -169,7 +169,12 @@ def user_audit_ref(project: Project, user: str | int) -> str:
 
 
 def data_policy_of(project: Project) -> DataPolicy:
-    """The project's data policy; an unsaved row with the defaults when it has none."""
+    """The project's data policy; an unsaved row with the defaults when it has none. Read with the
+    project when that was fetched with select_related("data_policy") (ingest's authentication
+    does: a query less a request), else from the database now."""
+    related = Project.data_policy.related
+    if related.is_cached(project):
+        return related.get_cached_value(project) or DataPolicy(project=project)
     return DataPolicy.objects.filter(project=project).first() or DataPolicy(project=project)
 
 

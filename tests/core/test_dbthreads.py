@@ -38,3 +38,32 @@ def test_a_job_error_is_raised_to_the_caller_and_the_thread_goes_on():
         assert dbthreads.run("test", 1, _backend) > 0
     finally:
         dbthreads.close_all()
+
+
+def test_a_job_run_from_one_of_the_pools_threads_runs_in_place():
+    import threading
+
+    try:
+        outer, inner = dbthreads.run("test", 1, lambda: (threading.get_ident(),
+                                                         dbthreads.run("test", 1, threading.get_ident)))
+        assert outer == inner  # a pool of one thread would deadlock if it queued the inner job
+    finally:
+        dbthreads.close_all()
+
+
+def test_arun_awaits_the_job_with_the_callers_context():
+    import asyncio
+    import contextvars
+
+    seen = contextvars.ContextVar("seen", default="unset")
+
+    async def main() -> tuple[str, int]:
+        seen.set("the caller's")
+        return await dbthreads.arun("test", 1, lambda: (seen.get(), _backend()))
+
+    try:
+        value, backend = asyncio.run(main())
+        assert value == "the caller's" and backend == dbthreads.run("test", 1, _backend)
+        assert dbthreads.run("test", 1, seen.get) == "unset"  # the job's context did not stay on the thread
+    finally:
+        dbthreads.close_all()

@@ -131,6 +131,21 @@ def test_a_project_that_turned_redaction_off_stores_text_as_sent(creds):
     assert not RedactionTally.objects.exists()
 
 
+def test_the_policy_read_with_the_project_is_the_one_stored_and_costs_no_query(creds, django_assert_num_queries):
+    from feedback.models import Project
+
+    fetched = Project.objects.select_related("data_policy").get(pk=creds.project.pk)
+    with django_assert_num_queries(0):  # no row: the defaults, known from the join
+        assert data_policy_of(fetched).pk is None and sorted(data_policy_of(fetched).redactors) == sorted(BUILTIN)
+    data_policy_set(creds.project, redactors=["email"])
+    fetched = Project.objects.select_related("data_policy").get(pk=creds.project.pk)
+    with django_assert_num_queries(0):
+        assert data_policy_of(fetched).redactors == ["email"]
+    plain = Project.objects.get(pk=creds.project.pk)
+    with django_assert_num_queries(1):  # fetched without it: read now
+        assert data_policy_of(plain).redactors == ["email"]
+
+
 def test_projects_that_existed_before_the_default_keep_redaction_off_and_their_own_policy(creds):
     from django.apps import apps
 
