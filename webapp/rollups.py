@@ -252,7 +252,16 @@ def rollups_refresh() -> dict[str, int]:
     return touched
 
 
+# What a rebuild reads whole. After a bulk load their statistics are those of the empty tables
+# until autovacuum gets to them, and the planner's nested loops over "no rows" then took over 15
+# minutes at 1M events (1.4 s once analysed): a rebuild analyses them first.
+_REBUILD_READS = ("feedback_trajectory", "feedback_feedbackevent", "training_reward", "training_rubricscore")
+
+
 def rollups_rebuild() -> dict[str, int]:
-    """Forgets the watermarks and recomputes every rollup row (after a bulk load)."""
+    """Forgets the watermarks and recomputes every rollup row (after a bulk load), on fresh
+    statistics of the tables it reads."""
+    with connection.cursor() as cur:
+        cur.execute("ANALYZE " + ", ".join(_REBUILD_READS))
     RollupWatermark.objects.all().delete()
     return rollups_refresh()

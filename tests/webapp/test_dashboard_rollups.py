@@ -77,3 +77,17 @@ def test_a_project_whose_labels_overflow_is_quarantined_and_the_other_projects_r
     client.force_login(alice)
     page = client.get(f"/p/{creds.project.slug}/").content.decode()
     assert 'data-quarantine="rollup"' in page and "out of range" in page
+
+
+def test_a_rebuild_after_a_bulk_load_plans_on_the_loaded_tables_statistics(creds):
+    from django.db import connection
+
+    def estimated(table: str) -> float:
+        with connection.cursor() as cur:
+            cur.execute("SELECT reltuples FROM pg_class WHERE relname = %s", [table])
+            return cur.fetchone()[0]
+
+    call_command("seed_load", events=3000, trajectories=500, project=creds.project.slug, run_steps=10, stdout=None)
+    # seed_load rebuilds right after its inserts, before autovacuum could have seen them; the
+    # rebuild analysed the tables it reads (the load's own rows count, though not yet committed)
+    assert estimated("feedback_trajectory") >= 500 and estimated("feedback_feedbackevent") >= 3000
