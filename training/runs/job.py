@@ -487,6 +487,8 @@ class GroupRollouts:
                 **(self.replicas.report() if self.replicas is not None else {})}
 
     def close(self) -> None:
+        if self.replicas is not None:
+            self.replicas.close()
         self.engine.close()
 
 

@@ -61,8 +61,11 @@ def _sample(project: Project, engine: Any, texts: list[str], G: int, sampling: S
     if replicas is None:
         return engine.generate(texts, n=G, sampling=sampling)
     prompts = [engine.encode(t) for t in texts]
-    return replicas.generate(prompts, G, sampling, weights=f"v{engine.version}-{engine.model_dir.name}",
-                             state=engine.model.state_dict(), version=engine.version)
+    try:
+        return replicas.generate(prompts, G, sampling, weights=f"v{engine.version}-{engine.model_dir.name}",
+                                 state=engine.model.state_dict(), version=engine.version)
+    finally:
+        replicas.close()
 
 
 def rollout_and_train(
