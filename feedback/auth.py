@@ -12,6 +12,7 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
+from django.contrib.postgres.expressions import ArraySubquery
 from django.db.models import Exists, OuterRef, Q
 from django.utils import timezone
 from drf_spectacular.extensions import OpenApiAuthenticationExtension
@@ -19,6 +20,7 @@ from rest_framework.authentication import BaseAuthentication
 from rest_framework.permissions import BasePermission
 from standardwebhooks.webhooks import Webhook, WebhookVerificationError
 
+from core import secretbox
 from core.errors import Forbidden, Unauthorized
 from feedback.models import ApiKey, Membership, Project, WebhookSecret
 
@@ -188,25 +190,35 @@ def _is_base64(text: str) -> bool:
 
 
 def _signing_project(slug: str | None) -> Project | None:
+    """The project named by a signed request, with its data policy (ingest reads it next:
+    feedback.services.data_policy_of) and its active secrets (`_active_secrets`) in one query."""
     if not slug:
         raise Unauthorized(
             "signed request does not name its project",
             f"Send the header '{PROJECT_HEADER}: <project slug>' (or ?project=<slug>) with signed requests.",
         )
-    # The data policy comes along: ingest reads it next (feedback.services.data_policy_of).
-    return Project.objects.select_related("data_policy").filter(slug=slug).first() if SLUG.fullmatch(slug) else None
+    if not SLUG.fullmatch(slug):
+        return None
+    return (Project.objects.select_related("data_policy")
+            .annotate(active_secrets_encrypted=ArraySubquery(_active(OuterRef("pk")).values("secret_encrypted")[:2]))
+            .filter(slug=slug).first())
 
 
 def _shown(value: str) -> str:
     return repr(value) if len(value) <= 60 else repr(value[:57]) + "..."
 
 
+def _active(project: Any) -> Any:
+    """The project's secrets that verify now, newest first (two during a rotation's grace)."""
+    return (WebhookSecret.objects.filter(project=project, revoked_at__isnull=True)
+            .filter(Q(expires_at__isnull=True) | Q(expires_at__gt=timezone.now())).order_by("-created_at"))
+
+
 def _active_secrets(project: Project) -> list[str]:
-    now = timezone.now()
-    rows = WebhookSecret.objects.filter(project=project, revoked_at__isnull=True).filter(
-        Q(expires_at__isnull=True) | Q(expires_at__gt=now)
-    )
-    return [row.secret for row in rows.order_by("-created_at")[:2]]
+    encrypted = getattr(project, "active_secrets_encrypted", None)  # fetched with the project
+    if encrypted is None:
+        encrypted = list(_active(project).values_list("secret_encrypted", flat=True)[:2])
+    return [secretbox.decrypt(e) for e in encrypted]
 
 
 def _signature_message(error: str) -> str:

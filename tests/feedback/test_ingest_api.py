@@ -162,6 +162,18 @@ def test_both_secrets_verify_during_rotation_and_the_old_one_ends(post_events, c
     assert post_events([feedback("fb-late")], secret=creds.webhook_secret).status_code == 401
 
 
+def test_a_signed_request_is_verified_with_one_query_that_also_brings_the_data_policy(creds, django_assert_num_queries):
+    from feedback.auth import webhook_principal
+    from feedback.services import data_policy_of, webhook_secret_rotate
+
+    new = webhook_secret_rotate(creds.project)  # two active secrets: both come with the project
+    body = json.dumps({"events": [feedback("fb-1")]})
+    for secret in (creds.webhook_secret, new.secret):
+        with django_assert_num_queries(1):
+            principal = webhook_principal(creds.project.slug, body, sign(secret, body))
+            assert principal.project == creds.project and data_policy_of(principal.project).pk is None
+
+
 # --- the batch --------------------------------------------------------------------------------------
 
 
