@@ -43,10 +43,12 @@ class IngestHandler(ASGIHandler):
 
 
 def by_path(default, paths: dict):
-    """HTTP requests to one of `paths` go to its app; every other request (and scope) to `default`."""
+    """HTTP requests to one of `paths` (the path Django resolves: behind a proxy's prefix, the
+    part after `root_path`) go to its app; every other request (and scope) to `default`."""
 
     async def app(scope, receive, send):
-        target = paths.get(scope.get("path")) if scope["type"] == "http" else None
+        path = scope.get("path", "").removeprefix(scope.get("root_path", ""))
+        target = paths.get(path) if scope["type"] == "http" else None
         await (target or default)(scope, receive, send)
 
     return app
