@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import itertools
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -162,8 +162,19 @@ class TorchEngine(Engine):
             raise ValueError(f"adapters {self._held} are held over these weights; unload them first")
         state = read_state_dict(source)
         missing, unexpected = self.model.load_state_dict(state, strict=False)
-        if unexpected or [k for k in missing if "rotary" not in k]:
+        missing = [k for k in missing if "rotary" not in k and not self._tied_to(k, state)]
+        if unexpected or missing:
             raise ValueError(f"weights do not fit the model: {missing=} {unexpected=}")
+
+    def _tied_to(self, name: str, state: Mapping[str, torch.Tensor]) -> bool:
+        """Whether parameter `name` is the same tensor as one `state` loaded (a tied LM head:
+        Qwen2-0.5B's and most small models' folders hold only the embedding, as transformers saves
+        them), so loading that one loaded it."""
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        if name not in params:
+            return False
+        ptr = params[name].data_ptr()
+        return any(k in params and params[k].data_ptr() == ptr for k in state if k != name)
 
     @torch.inference_mode()
     def _generate(

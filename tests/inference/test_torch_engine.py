@@ -150,3 +150,36 @@ def test_a_prompt_is_forwarded_once_for_its_n_samples(engine: TorchEngine) -> No
     assert len({tuple(c.token_ids) for c in batch[:4]}) > 1  # the 4 samples of one prompt differ
     for c in batch:
         assert engine.score(c.prompt_token_ids, c.token_ids, sp)[0] == c.logprobs  # bitwise
+
+
+def test_a_tied_head_model_hot_swaps_from_a_folder_that_holds_only_the_embedding(dense_dir: Path,
+                                                                                 tmp_path: Path) -> None:
+    """Qwen2-0.5B and most small models tie the LM head to the embedding; transformers saves only
+    the embedding. Loading such a folder loads the head too, and the new version is what samples;
+    a weight that is really missing still refuses the load."""
+    from safetensors.torch import load_file
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from training.pretrain import save_policy
+
+    tokenizer = load_tokenizer(dense_dir)
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    folders = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        save_policy(tmp_path / f"v{seed}", Qwen2ForCausalLM(config), tokenizer)
+        folders.append(tmp_path / f"v{seed}")
+    assert "lm_head.weight" not in load_file(folders[1] / "model.safetensors")
+    engine = make_engine("torch", folders[0], exact=False)
+    sp = SamplingParams(max_tokens=8, seed=3, ignore_eos=True)
+    engine.load_weights(folders[1], version=2)
+    swapped = engine.generate(PROMPTS[:2], n=2, sampling=sp)
+    fresh = make_engine("torch", folders[1], exact=False).generate(PROMPTS[:2], n=2, sampling=sp)
+    assert [c.token_ids for c in swapped] == [c.token_ids for c in fresh]
+    assert [c.logprobs for c in swapped] == [c.logprobs for c in fresh]
+    state = load_file(folders[1] / "model.safetensors")
+    del state["model.norm.weight"]
+    with pytest.raises(ValueError, match="model.norm.weight"):
+        engine.load_weights(state, version=3)
