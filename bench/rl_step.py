@@ -44,8 +44,9 @@ Figures (per size; `_small` suffix for the small size):
 
 * `_bf16` keys (`--precisions`, on by default): the extra figure with both sides in bf16 mixed
   precision, float32 master weights and bf16 autocast: ours as a run with `precision: "bf16"` trains
-  (training.rl.precision: the update under autocast; the torch engine's rollouts stay float32), TRL
-  with `bf16=True`, its own default. vLLM loops are left out of it.
+  (training.rl.precision: the update under autocast; the torch engine's rollouts sample from bf16
+  weights, as a bf16 run's rollouts do: `serving_dtype`), TRL with `bf16=True`, its own default.
+  vLLM loops are left out of it.
 
 Every phase of every loop is timed and printed (median s/step). The machine may be shared: runs
 are interleaved (`--reps` rounds of TRL 1 thread, ours, TRL 2 threads, ...), each figure is a
@@ -133,7 +134,7 @@ class Ours:
     """Our trainer (training.rl) fed by one of our engines; engine_kind None: trainer only."""
 
     def __init__(self, folder: Path, prompts: list[list[int]], G: int, completion: int, lr: float,
-                 engine_kind: str | None = "vllm") -> None:
+                 engine_kind: str | None = "vllm", engine_dtype: Any = None) -> None:
         import torch
         from transformers import AutoModelForCausalLM
 
@@ -143,7 +144,9 @@ class Ours:
 
         self.prompts, self.G = prompts, G
         # the torch engine as a training run's rollouts use it: the sampler's log-probs, no scoring forward
-        extra = {"exact": False} if engine_kind == "torch" else {}
+        extra: dict[str, Any] = {"exact": False} if engine_kind == "torch" else {}
+        if engine_dtype is not None:
+            extra["dtype"] = engine_dtype
         self.engine = make_engine(engine_kind, folder, seed=0, max_model_len=MODEL["max_position"], **extra) \
             if engine_kind else None
         self.sampling = SamplingParams(max_tokens=completion, temperature=1.0, ignore_eos=True)
@@ -229,11 +232,12 @@ def bench_production(folder: Path, prompts: list[list[int]], args: argparse.Name
     into the in-process torch engine, generate + reward + pack, pi_old as the job takes it (the
     engine's log-probs), one rl_step. Runs in this process (the caller sets the
     thread count); also times the plain-torch floor on each batch, outside the step."""
-    from training.rl.precision import compute_context
+    from training.rl.precision import compute_context, serving_dtype
     from training.rl.trainer import pi_old
 
     precision = getattr(args, "precision", "fp32")
-    ours = Ours(folder, prompts, args.G, args.completion, args.lr, "torch")
+    # a bf16 run samples from the bf16 weights it serves (training.runs.job's GroupRollouts)
+    ours = Ours(folder, prompts, args.G, args.completion, args.lr, "torch", engine_dtype=serving_dtype(precision))
     assert ours.engine is not None
     parts: dict[str, list[float]] = {k: [] for k in ("full_s", "push_s", "gen_s", "batch_s", "pi_old_s", "update_s",
                                                        "plain_s")}

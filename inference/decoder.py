@@ -13,7 +13,9 @@ projections as separate matrix products. This forward does the same arithmetic w
 * the rotary embedding and RMSNorm written as transformers writes them (same formula, same order).
 
 Logits agree with transformers' forward of the same tokens within float rounding (the fused
-products sum in the same order per output, but a library may block them differently). The
+products sum in the same order per output, but a library may block them differently). A bf16
+model runs in bf16 as transformers runs it: activations and cache in bf16, RMSNorm and the softmax
+in float32. The
 engine uses it where the sampler's own log-probs are the record (`TorchEngine(exact=False)`: a
 training run's rollouts); an exact engine keeps transformers' forward. Pure torch, no Django.
 """
@@ -102,8 +104,12 @@ class Decoder:
         return self._pointers() == self._storage
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """RMSNorm as transformers' Qwen2RMSNorm: in float32, back to the activations' dtype
+        before the weight (no-ops for a float32 model)."""
+        dtype = x.dtype
+        x = x.float()
         variance = x.pow(2).mean(-1, keepdim=True)
-        return weight * (x * torch.rsqrt(variance + self.eps))
+        return weight * (x * torch.rsqrt(variance + self.eps)).to(dtype)
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         half = x.shape[-1] // 2
@@ -123,11 +129,16 @@ class Decoder:
         qg = q.view(batch, self.kv_heads, group, self.head_dim)  # query heads h*g..h*g+g-1 share key head h
         scores = torch.matmul(qg, k.transpose(-1, -2)) * self.scale  # (B, Hk, g, L)
         scores = scores.masked_fill(~visible, float("-inf"))
-        return torch.matmul(scores.softmax(-1), v).view(batch, self.heads, 1, self.head_dim)
+        probs = scores.softmax(-1, dtype=torch.float32).to(v.dtype)  # in float32, as transformers' eager attention
+        return torch.matmul(probs, v).view(batch, self.heads, 1, self.head_dim)
 
     def start(self, rows: int, length: int) -> Cache:
+        """An empty cache for `rows` sequences of up to `length` tokens, in the weights' dtype (a
+        bf16 model's keys and values are bf16, as its projections make them)."""
         shape = (len(self.layers), rows, self.kv_heads, length, self.head_dim)
-        return Cache(torch.empty(shape), torch.empty(shape), torch.zeros((rows, length), dtype=torch.bool), 0)
+        dtype = self.model.model.embed_tokens.weight.dtype
+        return Cache(torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype),
+                     torch.zeros((rows, length), dtype=torch.bool), 0)
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, cache: Cache, keep: torch.Tensor,

@@ -42,6 +42,12 @@ def resolve_precision(precision: str | None, device: str | torch.device = "cpu")
     return value
 
 
+def serving_dtype(precision: str | None, device: str | torch.device = "cpu") -> torch.dtype:
+    """The dtype a run's candidate is served in, so the dtype its own rollouts sample in: a bf16
+    run samples from bf16 weights (the served model's numerics, and bf16 matmuls), fp32 otherwise."""
+    return SERVING_DTYPES[resolve_precision(precision, device)]
+
+
 def compute_context(precision: str, device: str | torch.device = "cpu") -> AbstractContextManager[None]:
     """The context a forward and backward run in: bf16 autocast for "bf16", nothing for "fp32"."""
     return torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=precision == "bf16")

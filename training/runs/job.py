@@ -39,7 +39,7 @@ from training.rl.advantages import RunningBaseline
 from training.rl.config import AdapterConfig, RLConfig
 from training.rl.lora import AdapterMismatch, lora_attach, merged_state_dict
 from training.rl.loss import k3
-from training.rl.precision import resolve_precision
+from training.rl.precision import resolve_precision, serving_dtype
 from training.rl.trainer import Batch, Sample, chunked_logprobs, filter_stale, pi_old, prepare_batch
 from training.runs.replay import ReplayRollouts, replay_prompt_count, with_replay
 from training.runs.selectors import training_run_last
@@ -346,7 +346,8 @@ class GroupRollouts:
         self.max_tokens = int(group.get("max_tokens", 16))
         self.seed = settings.seed * 1_000_003 + run.pk
         # The sampler's own log-probs (no scoring forward): they are this round's pi_old and mu.
-        self.engine = make_engine("torch", base_dir, version=run.base_version.number, seed=self.seed, exact=False)
+        self.engine = make_engine("torch", base_dir, version=run.base_version.number, seed=self.seed, exact=False,
+                                  dtype=serving_dtype(settings.precision))  # a bf16 run samples what it serves
         # The project's replicas with background rollouts on sample the rounds first (this engine
         # what they give back): training.replicas.background.
         self.replicas = ReplicaSampler.setup(run.project_id, self.engine)

@@ -23,6 +23,7 @@ from training.corpora.selectors import corpus_get, corpus_texts
 from training.models import TrainingRun
 from training.rewards.usefulness import kept_share
 from training.rl.lora import merged_state_dict
+from training.rl.precision import serving_dtype
 from training.rl.trainer import Sample
 from training.runs.settings import RunSettings
 
@@ -51,7 +52,8 @@ class ReplayRollouts:
         self.G, self.per_round = int(group["G"]), replay_prompt_count(group, cfg)
         self.max_tokens = int(group.get("max_tokens", 16))
         self.seed = settings.seed * 1_000_003 + run.pk + 17
-        self.engine = make_engine("torch", base_dir, version=run.base_version.number, seed=self.seed, exact=False)
+        self.engine = make_engine("torch", base_dir, version=run.base_version.number, seed=self.seed, exact=False,
+                                  dtype=serving_dtype(settings.precision))  # a bf16 run samples what it serves
         self.rewards: list[float] = []
         self.count = 0
         self.files = sorted({path for path, _ in texts})

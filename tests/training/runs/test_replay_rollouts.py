@@ -6,7 +6,10 @@ characters against what was actually written; the held-out files never used.
 
 from __future__ import annotations
 
+import math
+
 import pytest
+import torch
 
 from core.errors import BadRequest
 from tests.training.runs.test_midtrain import CODE
@@ -93,3 +96,23 @@ def test_replay_needs_group_rollouts_and_a_corpus(creds, production, marked_code
                                                                  "replay": {"share": 0.5}}), enqueue=False)
     assert RunSettings.from_dict(RunSettings.from_dict({"group": {"prompts": 4, "G": 2}, "replay": {"share": 0.5}})
                                  .to_dict()).replay == {"share": 0.5, "corpus": None, "min_prefix": 4}
+
+
+def test_a_bf16_run_samples_its_rollouts_in_bf16_and_trains(creds, production, marked_code):
+    """A bf16 run's candidate is served in bf16, so its rollouts sample from bf16 weights (the fused
+    forward in bf16): the behaviour log-probs are those of the weights it serves."""
+    root, _ = marked_code
+    corpus_add_paths(creds.project, [str(root)])
+    settings = RunSettings.from_dict({"steps": 2, "batch_size": 8, "replay": {"share": 1.0}, "precision": "bf16",
+                                      "group": {"prompts": 4, "G": 3, "max_tokens": 8, "rounds": 2}})
+    run, _ = training_run_start(creds.project, settings, enqueue=False)
+    replay = ReplayRollouts.setup(run, settings, policy_folder(production))
+    try:
+        assert replay.engine.model.dtype == torch.bfloat16
+        samples = replay.round(0)
+        assert samples and all(math.isfinite(lp) for s in samples for lp in s.behaviour_logprobs)
+    finally:
+        replay.close()
+    run = train_policy(run.pk)
+    assert run.state == "succeeded", run.error
+    assert run.result["precision"] == "bf16" and run.result["replay_rollouts"] > 0
