@@ -13,13 +13,30 @@ concurrent clients it was the largest part of what asking for log-probs cost an 
 for on CPU: the same gather, the same rank (tokens at least as likely, the token itself included),
 the same dtypes, computed by plain tensor ops. Any other call (top-k log-probs, another device)
 goes to vLLM's own.
+
+A seeded request whose prompt is prefilled in chunks (longer than a step's token budget, or many
+prompts at once) samples a token after each partial step that vLLM discards, rewinding the
+request's generator with `Generator.set_offset`. A CPU generator has no offset: on the CPU build
+that call raised "CPU Generator does not use offset" and killed the engine with every request in
+flight. Here the runner keeps such a generator's state before it samples and restores it instead,
+so the request samples what it would have after a prefill in one step
+(tests/inference/test_vllm_chunked_seeds.py).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
+import numpy as np
 import torch
 from vllm.v1.outputs import LogprobsTensors
 from vllm.v1.sample.sampler import Sampler
+from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+from inference import vllm_lora_ops
+
+_vllms_sample_tokens = GPUModelRunner.sample_tokens
+_vllms_bookkeeping_sync = GPUModelRunner._bookkeeping_sync
 
 _vllms_gather_logprobs = Sampler.gather_logprobs
 
@@ -34,9 +51,49 @@ def gather_logprobs(logprobs: torch.Tensor, num_logprobs: int, token_ids: torch.
     return LogprobsTensors(token_ids.to(torch.int32), token_logprobs, ranks)
 
 
+def _partial(runner: Any) -> list[int]:
+    """Rows of this step's batch whose prefill is not finished (their sampled token is discarded)."""
+    return [int(i) for i in np.nonzero(runner.discard_request_mask.np[: runner.input_batch.num_reqs])[0]]
+
+
+def sample_tokens(self: Any, *args: Any, **kwargs: Any) -> Any:
+    """vLLM's, with each partially prefilled request's CPU generator state kept before it samples."""
+    self._flywheel_rewind = {}
+    if self.execute_model_state is not None:
+        for i in _partial(self):
+            gen = self.input_batch.generators.get(i)
+            if gen is not None and gen.device.type == "cpu":
+                self._flywheel_rewind[i] = (gen, gen.get_state())
+    try:
+        return _vllms_sample_tokens(self, *args, **kwargs)
+    finally:
+        self._flywheel_rewind = {}
+
+
+def _bookkeeping_sync(self: Any, *args: Any, **kwargs: Any) -> Any:
+    """vLLM's, rewinding a partially prefilled request's CPU generator by its state (vLLM rewinds
+    by `set_offset`, which a CPU generator refuses): the generator is held out of the batch while
+    vLLM's rewind loop runs and put back as it was before the discarded draw."""
+    rewind = getattr(self, "_flywheel_rewind", {})
+    generators = self.input_batch.generators
+    for i, (gen, state) in rewind.items():
+        if generators.get(i) is gen:
+            gen.set_state(state)
+            del generators[i]
+    try:
+        return _vllms_bookkeeping_sync(self, *args, **kwargs)
+    finally:
+        for i, (gen, _) in rewind.items():
+            generators.setdefault(i, gen)
+
+
 class SampledLogprobs:
     """The worker extension vLLM mixes into its worker class: it adds no calls, its import
-    installs `gather_logprobs` in this worker process."""
+    installs `gather_logprobs`, the CPU LoRA ops (inference/vllm_lora_ops.py) and the CPU
+    generators' rewind after a partial prefill in this worker process."""
 
 
 Sampler.gather_logprobs = staticmethod(gather_logprobs)
+vllm_lora_ops.install()
+GPUModelRunner.sample_tokens = sample_tokens
+GPUModelRunner._bookkeeping_sync = _bookkeeping_sync
