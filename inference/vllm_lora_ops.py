@@ -9,6 +9,12 @@ per adapter in the batch over that adapter's tokens: no copy, a GEMM instead of 
 On the tiny policy, two adapters (production + a 10% canary) served 0.51x the tokens/s of one
 merged model at 16 clients with vLLM's ops (bench/serving.py --adapters).
 
+vLLM also wraps every linear layer of the model for LoRA (q/k/v, o, gate/up, down), whichever
+modules the loaded adapters train, and runs the LoRA products on all of them every step: for an
+adapter on q and v (PEFT's default), the o, gate/up and down layers add zeros. A layer whose
+adapter slots all hold zero B matrices (`set_lora`/`reset_lora` say when that changes) returns
+its base output unchanged (`_skip_idle_layers`): the same bits, since its LoRA term is x A^T 0.
+
 The functions here are vLLM's `bgmv_shrink`, `bgmv_expand` and `bgmv_expand_slice`, output for
 output (the same rows of the same adapter slots, a negative index meaning the last slot as
 Python indexing has it, the same padding and `add_inputs` rules); the sums run in a different
@@ -94,13 +100,63 @@ def bgmv_expand_slice(inputs: torch.Tensor, lora_b_weights: torch.Tensor, output
         output_tensor[:, slice_offset : slice_offset + slice_size] = outputs
 
 
+def _live(layer: Any) -> bool:
+    """Whether any adapter slot of `layer` has a non-zero B (cached until set_lora/reset_lora)."""
+    live = getattr(layer, "_flywheel_live", None)
+    if live is None:
+        live = layer._flywheel_live = any(bool(b.any()) for b in layer.lora_b_stacked)
+    return bool(live)
+
+
+def _marking(method: Any) -> Any:
+    def changed(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self._flywheel_live = None
+
+    return changed
+
+
+def _skip_idle_layers() -> None:
+    """LoRA linear layers with no adapter weights skip the LoRA products (module docstring)."""
+    from vllm.lora.layers.base_linear import BaseLinearLayerWithLoRA
+    from vllm.lora.layers.row_parallel_linear import RowParallelLinearWithLoRA
+
+    classes, todo = [], [BaseLinearLayerWithLoRA]
+    while todo:
+        cls = todo.pop()
+        classes.append(cls)
+        todo += cls.__subclasses__()
+    for cls in classes:
+        for name in ("set_lora", "reset_lora"):
+            if name in vars(cls):
+                setattr(cls, name, _marking(vars(cls)[name]))
+    to_output = BaseLinearLayerWithLoRA._apply_lora_to_output
+
+    def _apply_lora_to_output(self: Any, x: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
+        return to_output(self, x, output) if _live(self) else output
+
+    BaseLinearLayerWithLoRA._apply_lora_to_output = _apply_lora_to_output
+    row_apply = RowParallelLinearWithLoRA.apply
+
+    def apply(self: Any, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.tp_size == 1 and not _live(self):  # its base output, as vLLM's apply starts
+            return self._get_quant_method().apply(self.base_layer, x, bias)
+        return row_apply(self, x, bias)
+
+    RowParallelLinearWithLoRA.apply = apply
+
+
 def install() -> None:
-    """Put these ops where vLLM's CPU punica wrapper and its prefill ops look them up (once)."""
+    """Put these ops where vLLM's CPU punica wrapper and its prefill ops look them up, and let
+    idle LoRA layers skip (once)."""
     from vllm.lora.ops.torch_ops import lora_ops
     from vllm.lora.punica_wrapper import punica_cpu
 
     if _ORIGINAL:
         return
+    _skip_idle_layers()
     for name, ours in (("bgmv_shrink", bgmv_shrink), ("bgmv_expand", bgmv_expand),
                        ("bgmv_expand_slice", bgmv_expand_slice)):
         _ORIGINAL[name] = getattr(lora_ops, name)

@@ -96,3 +96,33 @@ def test_prefill_ops_reach_ours_once_installed(gen: torch.Generator) -> None:
         ours._products = original
     assert calls == [1]
     assert torch.allclose(y[:3], x[:3] @ w[1].T, atol=1e-5) and torch.allclose(y[3:], x[3:] @ w[0].T, atol=1e-5)
+
+
+def test_a_lora_layer_whose_adapters_have_zero_b_returns_its_base_output_until_one_is_set() -> None:
+    """vLLM wraps every linear layer for LoRA; one no loaded adapter trains (o, gate/up, down for a
+    q/v adapter) adds x A^T 0. Installed, it returns the base output untouched and skips the
+    products, until set_lora gives it weights (and again after reset_lora)."""
+    from vllm.lora.layers.base_linear import BaseLinearLayerWithLoRA
+    from vllm.lora.layers.row_parallel_linear import RowParallelLinearWithLoRA
+
+    ours.install()
+
+    class Punica:
+        calls = 0
+
+        def add_lora_linear(self, output, *args):  # in place, as vLLM's CPU wrapper adds
+            Punica.calls += 1
+            output += 1
+            return output
+
+    layer = object.__new__(RowParallelLinearWithLoRA)  # the state the wrappers read, no model
+    object.__setattr__(layer, "_modules", {})
+    layer.__dict__.update(lora_a_stacked=(torch.zeros(2, 1, 8, 16),), lora_b_stacked=(torch.zeros(2, 1, 16, 8),),
+                          punica_wrapper=Punica(), output_slices=(16,), n_slices=1, tp_size=1, tp_rank=0)
+    x, out = torch.randn(3, 16), torch.randn(3, 16)
+    assert BaseLinearLayerWithLoRA._apply_lora_to_output(layer, x, out) is out and Punica.calls == 0
+    BaseLinearLayerWithLoRA.set_lora(layer, 1, torch.ones(8, 16), torch.ones(16, 8))
+    before = out.clone()
+    assert torch.equal(BaseLinearLayerWithLoRA._apply_lora_to_output(layer, x, out), before + 1) and Punica.calls == 1
+    BaseLinearLayerWithLoRA.reset_lora(layer, 1)
+    assert BaseLinearLayerWithLoRA._apply_lora_to_output(layer, x, out) is out and Punica.calls == 1
