@@ -153,10 +153,14 @@ def install() -> None:
     idle LoRA layers skip (once)."""
     from vllm.lora.ops.torch_ops import lora_ops
     from vllm.lora.punica_wrapper import punica_cpu
+    from vllm.platforms import current_platform
 
     if _ORIGINAL:
         return
-    _skip_idle_layers()
+    if current_platform.is_cpu():
+        # CPU only: it decides in Python at every step, which a GPU's captured CUDA graphs would
+        # not re-run (a graph captured with no adapter loaded would never apply one).
+        _skip_idle_layers()
     for name, ours in (("bgmv_shrink", bgmv_shrink), ("bgmv_expand", bgmv_expand),
                        ("bgmv_expand_slice", bgmv_expand_slice)):
         _ORIGINAL[name] = getattr(lora_ops, name)
