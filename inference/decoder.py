@@ -15,9 +15,9 @@ projections as separate matrix products. This forward does the same arithmetic w
 Logits agree with transformers' forward of the same tokens within float rounding (the fused
 products sum in the same order per output, but a library may block them differently). A bf16
 model runs in bf16 as transformers runs it: activations and cache in bf16, RMSNorm and the softmax
-in float32. The
-engine uses it where the sampler's own log-probs are the record (`TorchEngine(exact=False)`: a
-training run's rollouts); an exact engine keeps transformers' forward. Pure torch, no Django.
+in float32. The engine uses it where the sampler's own log-probs are the record
+(`TorchEngine(exact=False)`: a training run's rollouts); an exact engine keeps transformers'
+forward. Pure torch, no Django.
 """
 
 from __future__ import annotations
