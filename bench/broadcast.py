@@ -75,8 +75,31 @@ def main() -> int:
             except subprocess.TimeoutExpired:
                 p.kill()
     _report(args, result)
-    ok = result["stale_responses"] == 0 and result["replicas_on_new"] == args.replicas
-    return 0 if ok and result.get("replicas_with_canary", args.replicas) == args.replicas else 1
+    failed = _failed(args, result)
+    for reason in failed:
+        print(f"FAILED: {reason}")
+    if failed and args.json:
+        print(json.dumps(result))  # the JSON line stays last
+    return 1 if failed else 0
+
+
+def _failed(args: argparse.Namespace, r: dict) -> list[str]:
+    """What makes this run's figures wrong or empty, one line each."""
+    out = []
+    if r["stale_responses"]:
+        out.append(f"{r['stale_responses']} requests sent after their replica's ack were answered by another version")
+    if not r["checked_after_ack"]:
+        out.append("no request was sent after a replica's ack: nothing checked for staleness")
+    if r["replicas_on_new"] != args.replicas:
+        out.append(f"{r['replicas_on_new']} of {args.replicas} replicas' rows say they serve the new version")
+    if r["load_errors"]:
+        out.append(f"{r['load_errors']} load requests failed: {r['load_error']}")
+    if "canary_share" in r:
+        if r["replicas_with_canary"] != args.replicas:
+            out.append(f"{r['replicas_with_canary']} of {args.replicas} replicas' rows hold the canary")
+        if r["canary_responses"] != args.canary_requests // args.replicas * args.replicas:
+            out.append(f"{r['canary_responses']} canary requests answered: {r.get('canary_error', '')}")
+    return out
 
 
 def _args() -> argparse.Namespace:
@@ -108,6 +131,9 @@ def _environment() -> dict[str, str]:
         "FLYWHEEL_INTERNAL_TOKEN": TOKEN, "FLYWHEEL_DEPLOY_TRANSPORT": "http",
         "FLYWHEEL_CHECKPOINT_DIR": str(VAR / "checkpoints"), "FLYWHEEL_REPLICA_HEARTBEAT_S": "1",
         "CELERY_KEY_PREFIX": f"bench-broadcast-{os.getpid()}:", "OMP_NUM_THREADS": "1",
+        # The load threads send as fast as the replicas answer: serving's per-minute rate limits
+        # (600 a key) would answer most of them 429 and leave nothing to check after the acks.
+        "FLYWHEEL_SERVE_RATE_PER_KEY": "10000000", "FLYWHEEL_SERVE_RATE_PER_PROJECT": "10000000",
     }
 
 
@@ -182,7 +208,7 @@ def _start_replicas(args: argparse.Namespace, env: dict[str, str]):
     return procs, urls
 
 
-def _load(url: str, key: str, stop: threading.Event, out: list[tuple[float, float, int]]) -> None:
+def _load(url: str, key: str, stop: threading.Event, out: list[tuple[float, float, int]], errors: list[str]) -> None:
     import httpx
 
     body = {"model": "broadcast", "prompt": "def add(a, b):", "max_tokens": 1, "temperature": 0}
@@ -192,6 +218,8 @@ def _load(url: str, key: str, stop: threading.Event, out: list[tuple[float, floa
             response = http.post(url + "/v1/completions", json=body)
             if response.status_code == 200:
                 out.append((sent, time.time(), int(response.headers["flywheel-policy-version"])))
+            else:
+                errors.append(f"{response.status_code}: {response.text[:300]}")
 
 
 def _measure(args: argparse.Namespace, state: dict, urls: dict[str, str]) -> dict:
@@ -207,7 +235,9 @@ def _measure(args: argparse.Namespace, state: dict, urls: dict[str, str]) -> dic
         time.sleep(0.2)
     stop = threading.Event()
     answers: dict[str, list[tuple[float, float, int]]] = {url: [] for url in urls}
-    threads = [threading.Thread(target=_load, args=(u, state["serve_key"], stop, answers[u]), daemon=True) for u in urls]
+    errors: list[str] = []
+    threads = [threading.Thread(target=_load, args=(u, state["serve_key"], stop, answers[u], errors), daemon=True)
+               for u in urls]
     for t in threads:
         t.start()
     time.sleep(2)
@@ -225,6 +255,7 @@ def _measure(args: argparse.Namespace, state: dict, urls: dict[str, str]) -> dic
         t.join(130)
     rows = {r.address: r for r in ServingReplica.objects.filter(project=state["project"])}
     result = _figures(args, state, urls, answers, rows, start, max(acked, done), number)
+    result.update(load_errors=len(errors), load_error=errors[0] if errors else "")
     if args.canary_share > 0:
         result.update(_canary(args, state, urls))
     return result
@@ -246,12 +277,17 @@ def _canary(args: argparse.Namespace, state: dict, urls: dict[str, str]) -> dict
     took = time.time() - start
     rows = list(ServingReplica.objects.filter(project=state["project"]))
     versions: list[int] = []
+    errors: list[str] = []
     body = {"model": "broadcast", "prompt": "x = 1", "max_tokens": 1, "temperature": 0}
 
     def ask(url: str, n: int) -> None:
         with httpx.Client(timeout=120, headers={"Authorization": f"Bearer {state['serve_key']}"}) as http:
             for _ in range(n):
-                versions.append(int(http.post(url + "/v1/completions", json=body).headers["flywheel-policy-version"]))
+                response = http.post(url + "/v1/completions", json=body)
+                if response.status_code != 200:
+                    errors.append(f"{response.status_code}: {response.text[:300]}")
+                    continue
+                versions.append(int(response.headers["flywheel-policy-version"]))
 
     threads = [threading.Thread(target=ask, args=(u, args.canary_requests // len(urls))) for u in urls]
     for t in threads:
@@ -262,7 +298,7 @@ def _canary(args: argparse.Namespace, state: dict, urls: dict[str, str]) -> dict
             "canary_bytes": sum(r.pushed_bytes for r in rows),
             "replicas_with_canary": sum(1 for r in rows if r.canary == v3.number),
             "canary_share_observed": round(sum(v == v3.number for v in versions) / max(len(versions), 1), 3),
-            "canary_responses": len(versions)}
+            "canary_responses": len(versions), "canary_error": errors[0] if errors else ""}
 
 
 def _figures(args, state, urls, answers, rows, start, done, number) -> dict:

@@ -261,9 +261,13 @@ class ReplicaAgent:
 
     def beat(self) -> None:
         close_old_connections()
-        if self.replica_id is None or not replica_heartbeat(self.replica_id, background=self.background(),
-                                                            **self.served()):
-            self.register()
+        # Under the push lock: a beat that read what is served before a push swapped, and wrote it
+        # after the broadcaster recorded the push's ack, would put the old version back in the row
+        # (until the next beat) for the registry, the broadcaster's next plan and the canary count.
+        with self._lock:
+            if self.replica_id is None or not replica_heartbeat(self.replica_id, background=self.background(),
+                                                                **self.served()):
+                self.register()
         self.catch_up()
 
     def catch_up(self, patience_s: float | None = None) -> bool:

@@ -110,6 +110,43 @@ def test_a_replica_registers_beats_and_counts_as_down_once_silent(creds, product
     agent.server.close()
 
 
+def test_a_heartbeat_racing_a_push_never_writes_the_old_version_over_the_push_ack(creds, production, tmp_path):
+    """The beat reads what is served; a push swaps and its ack is recorded; the beat's write must
+    not land after that with what it read before (the row would say v1 while v2 is served)."""
+    import threading
+
+    from training.replicas.services import PushOutcome, _record
+
+    v2 = _child(creds.project, production, tmp_path, seed=8)
+    agent = _agent(creds.project, production, tmp_path)
+    agent.register()
+    _make_production(v2)
+    body = _production_push(production, v2)
+    acks: list[dict] = []
+
+    def push_and_record() -> None:  # what the broadcaster does: POST, then record the ack
+        acks.append(agent.receive(body))
+        _record(PushOutcome(agent.replica_id, agent.address, ok=True, served=acks[-1], acked_at=timezone.now()))
+
+    read = agent.served
+    pusher = threading.Thread(target=push_and_record)
+
+    def served_then_push():  # the push arrives right after the beat read what is served
+        out = read()
+        if not pusher.is_alive() and not acks:
+            pusher.start()
+            pusher.join(3)  # it may have to wait for the beat
+        return out
+
+    agent.served = served_then_push
+    agent.beat()
+    agent.served = read
+    pusher.join(30)
+    assert acks and acks[0]["version"] == 2 and agent.server.engine.version == 2
+    assert ServingReplica.objects.get(id=agent.replica_id).version == 2
+    agent.server.close()
+
+
 def test_a_live_replica_that_missed_a_push_catches_up_from_the_store(creds, production, tmp_path):
     v2 = _child(creds.project, production, tmp_path, seed=6)
     agent = _agent(creds.project, production, tmp_path)
