@@ -1,13 +1,24 @@
-"""LoRA on vLLM's CPU engine without a weight copy per token: installed in each vLLM worker of a
-Flywheel engine (inference/vllm_worker.py imports it).
+"""LoRA on vLLM's CPU engine: tokens without an adapter get none, and no weight copy per token.
+Installed in each vLLM worker of a Flywheel engine (inference/vllm_worker.py imports it).
 
-vLLM's CPU punica ops (`vllm.lora.ops.torch_ops`) apply a batch's adapters by gathering every
-token's adapter matrix (`weights[indices]`, a (tokens, rank, hidden) copy) and contracting it with
-an einsum, on every LoRA layer of every engine step. A batch holds few adapters (a project's
-production and its canary, a handful of projects), so the same products are one matrix product
-per adapter in the batch over that adapter's tokens: no copy, a GEMM instead of a batched GEMV.
-On the tiny policy, two adapters (production + a 10% canary) served 0.51x the tokens/s of one
-merged model at 16 clients with vLLM's ops (bench/serving.py --adapters).
+**Tokens without an adapter.** vLLM marks a token of a request without an adapter (the base
+model's, or another project's base on a shared engine) with the adapter index -1. Its GPU kernels
+skip such tokens; its CPU punica ops (`vllm.lora.ops.torch_ops`) index the stacked weights with it
+(`weights[indices]`), and -1 is the *last* adapter slot. A prefill step whose tokens all lack an
+adapter returns early, so a base request served alone was right; batched with adapter requests it
+was computed through the last slot's adapter (measured: 0.37 nats a token from the base, other
+tokens). Here a negative index adds nothing, on every path: the linear layers, the logits, the
+other `bgmv_*` callers.
+
+**No weight copy per token.** vLLM's CPU ops gather every token's adapter matrix (a (tokens,
+rank, hidden) copy) and contract it with an einsum, slice by slice (q, k and v are three), each
+prefill op re-expanding the per-sequence indices to tokens first: about 45 tensor ops per LoRA
+layer per engine step on the q/k/v layer, most of the cost of serving adapters on a small model.
+`add_lora_linear` here groups the step's tokens by adapter once per step (when vLLM updates its
+mapping) and runs, per adapter present, one matrix product per slice and step of the LoRA (x A^T,
+then B): a batch holds few adapters (a project's production and its canary, a handful of
+projects). The `bgmv_*` ops take the same grouping per call for prefill-sized calls and keep
+vLLM's gather for small ones (below `MIN_GATHER`).
 
 vLLM also wraps every linear layer of the model for LoRA (q/k/v, o, gate/up, down), whichever
 modules the loaded adapters train, and runs the LoRA products on all of them every step: for an
@@ -15,11 +26,10 @@ adapter on q and v (PEFT's default), the o, gate/up and down layers add zeros. A
 adapter slots all hold zero B matrices (`set_lora`/`reset_lora` say when that changes) returns
 its base output unchanged (`_skip_idle_layers`): the same bits, since its LoRA term is x A^T 0.
 
-The functions here are vLLM's `bgmv_shrink`, `bgmv_expand` and `bgmv_expand_slice`, output for
-output (the same rows of the same adapter slots, a negative index meaning the last slot as
-Python indexing has it, the same padding and `add_inputs` rules); the sums run in a different
-order, so results agree within float rounding. A call whose shapes they do not cover goes to
-vLLM's own. The `sgmv_*` (prefill) ops call these through the module they live in.
+The results are vLLM's for every token with an adapter (the same rows of the same slots, the
+same padding and `add_inputs` rules, the shrink in float32 as vLLM's buffer, the expand in the
+output's dtype), the sums in another order, so within float rounding; zero for a token without.
+A call whose shapes these do not cover goes to vLLM's own.
 """
 
 from __future__ import annotations
@@ -33,20 +43,41 @@ _ORIGINAL: dict[str, Any] = {}
 # the adapters present. Measured on 2 cores, ours against vLLM's per call: 0.8-1.0x at 16-32 tokens
 # of hidden 896 or 64 of hidden 128 (rank 8: 65-230k), 2.3-2.5x at 64 tokens of hidden 896 (460k),
 # 2.8-4.5x at 128-256, 26-31x at 2,048 tokens with rank 16. So decode steps of a few sequences
-# keep vLLM's ops and prefills take these.
+# keep vLLM's gather and prefills take these.
 MIN_GATHER = 300_000
+
+Groups = list[tuple[int, "torch.Tensor | None"]]
+
+
+def groups_of(indices: torch.Tensor) -> Groups:
+    """The adapter slots `indices` use, each with its rows (None: every row); negative indices
+    (no adapter) are left out."""
+    if indices.numel() == 0:
+        return []
+    lo, hi = int(indices.min()), int(indices.max())
+    if lo == hi:
+        return [] if lo < 0 else [(lo, None)]
+    return [(slot, (indices == slot).nonzero(as_tuple=True)[0])
+            for slot in torch.unique(indices).tolist() if slot >= 0]
+
+
+def _slot(weights: torch.Tensor, slot: int) -> torch.Tensor:
+    w = weights[slot]
+    return w[0] if w.dim() == 3 else w  # (max_loras, 1, out, in) or (max_loras, out, in)
 
 
 def _products(inputs: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """(T, out): row t is weights[indices[t]] @ inputs[t], one matrix product per adapter present."""
+    """(T, out): row t is weights[indices[t]] @ inputs[t], zero where indices[t] < 0."""
     w = weights.squeeze(1) if weights.dim() == 4 else weights  # (slots, out, in)
     x = inputs.to(dtype)
-    present = torch.unique(indices)
-    if present.numel() == 1:
-        return x @ w[int(present.item())].to(dtype).T
-    out = x.new_empty((x.shape[0], w.shape[1]))
-    for slot in present.tolist():
-        rows = (indices == slot).nonzero(as_tuple=True)[0]
+    if inputs.shape[0] * w[0].numel() < MIN_GATHER:  # vLLM's gather, the no-adapter rows zeroed
+        outputs = torch.einsum("bi, boi -> bo", x, w[indices.clamp(min=0)].to(dtype))
+        return outputs.masked_fill_((indices < 0).unsqueeze(1), 0)
+    groups = groups_of(indices)
+    if len(groups) == 1 and groups[0][1] is None:
+        return x @ w[groups[0][0]].to(dtype).T
+    out = x.new_zeros((x.shape[0], w.shape[1]))
+    for slot, rows in groups:
         out.index_copy_(0, rows, x.index_select(0, rows) @ w[slot].to(dtype).T)
     return out
 
@@ -62,8 +93,7 @@ def _theirs(name: str) -> Any:
 
 def _covered(inputs: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> bool:
     return (inputs.dim() == 2 and indices.dim() == 1 and inputs.shape[0] == indices.shape[0] > 0
-            and weights.dim() in (3, 4) and (weights.dim() == 3 or weights.shape[1] == 1)
-            and inputs.shape[0] * weights[0].numel() >= MIN_GATHER)
+            and weights.dim() in (3, 4) and (weights.dim() == 3 or weights.shape[1] == 1))
 
 
 def bgmv_shrink(inputs: torch.Tensor, lora_b_weights: torch.Tensor, output_tensor: torch.Tensor,
@@ -148,6 +178,55 @@ def _skip_idle_layers() -> None:
     RowParallelLinearWithLoRA.apply = apply
 
 
+def _step_groups(wrapper: Any, indices: torch.Tensor) -> Groups:
+    """The step's tokens grouped by adapter, computed once per mapping (vLLM updates the wrapper's
+    indices only in `update_metadata`, which drops this)."""
+    groups = getattr(wrapper, "_flywheel_groups", None)
+    if groups is None:
+        groups = wrapper._flywheel_groups = groups_of(indices)
+    return groups
+
+
+def add_lora_linear(self: Any, y: torch.Tensor, x: torch.Tensor, lora_a_stacked: tuple[torch.Tensor, ...],
+                    lora_b_stacked: tuple[torch.Tensor, ...], scale: float, output_slices: tuple[int, ...],
+                    *, buffer: Any = None, **kwargs: Any) -> None:
+    """vLLM's CPU `add_lora_linear` (y[t, slice i] += (x[t] A_i^T * scale) B_i^T with the token's
+    adapter), grouped by adapter: per adapter present, one product per slice and step."""
+    indices = self.token_lora_indices
+    x2, y2 = x.view(-1, x.shape[-1]), y.view(-1, y.shape[-1])
+    if (buffer is not None or kwargs or x2.shape[0] != indices.shape[0] or y2.shape[0] != x2.shape[0]
+            or any(b.shape[-2] != size for b, size in zip(lora_b_stacked, output_slices, strict=True))):
+        return _ORIGINAL["add_lora_linear"](self, y, x, lora_a_stacked, lora_b_stacked, scale, output_slices,
+                                            buffer=buffer, **kwargs)
+    xf = x2.to(torch.float32)  # vLLM's shrink writes a float32 buffer
+    for slot, rows in _step_groups(self, indices):
+        xs = xf if rows is None else xf.index_select(0, rows)
+        offset = 0
+        for a, b, size in zip(lora_a_stacked, lora_b_stacked, output_slices, strict=True):
+            shrunk = xs @ _slot(a, slot).to(torch.float32).T
+            if scale != 1.0:
+                shrunk = shrunk * scale
+            term = shrunk.to(y2.dtype) @ _slot(b, slot).to(y2.dtype).T
+            target = y2[:, offset : offset + size]
+            if rows is None:
+                target += term
+            else:
+                target.index_add_(0, rows, term)
+            offset += size
+    return None
+
+
+def _dropping_groups(method: Any) -> Any:
+    def update_metadata(self: Any, *args: Any, **kwargs: Any) -> Any:
+        self._flywheel_groups = None
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self._flywheel_groups = None
+
+    return update_metadata
+
+
 def install() -> None:
     """Put these ops where vLLM's CPU punica wrapper and its prefill ops look them up, and let
     idle LoRA layers skip (once)."""
@@ -161,6 +240,10 @@ def install() -> None:
         # CPU only: it decides in Python at every step, which a GPU's captured CUDA graphs would
         # not re-run (a graph captured with no adapter loaded would never apply one).
         _skip_idle_layers()
+        wrapper = punica_cpu.PunicaWrapperCPU
+        _ORIGINAL["add_lora_linear"] = wrapper.add_lora_linear
+        wrapper.add_lora_linear = add_lora_linear
+        wrapper.update_metadata = _dropping_groups(wrapper.update_metadata)
     for name, ours in (("bgmv_shrink", bgmv_shrink), ("bgmv_expand", bgmv_expand),
                        ("bgmv_expand_slice", bgmv_expand_slice)):
         _ORIGINAL[name] = getattr(lora_ops, name)

@@ -8,6 +8,7 @@ full weights unload the adapter.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -122,6 +123,17 @@ def test_the_async_serving_engine_swaps_adapters_and_holds_production_and_canary
             assert verdict.max_diff < TOLERANCE
         wrong = probe_compare(probe_run(canary), probe_run(production), tolerance("vllm-async"))
         assert not wrong.ok  # production's adapter is not the canary's
+
+        # A request without an adapter (the base's; another project's on a shared engine) in one
+        # batch with both adapters' requests gets the base: vLLM's CPU ops gave it the last slot's.
+        async def together():
+            greedy = SamplingParams(max_tokens=8, temperature=0.0)
+            return await asyncio.gather(serving.agenerate(["def add(a, b):"], sampling=greedy),
+                                        production.agenerate(["import os\n"], sampling=greedy),
+                                        canary.agenerate(["class Stack:"], sampling=greedy))
+
+        base = asyncio.run(together())[0][0]
+        assert (torch.tensor(base.logprobs) - _scores(dense_dir, base.prompt_token_ids, base.token_ids)).abs().max() < TOLERANCE
         canary.close()
         assert serving.adapters_held() == [production.adapter]
         assert production.generate(["def add(a, b):"], sampling=SamplingParams(max_tokens=4, seed=0))[0].version == 5

@@ -1,8 +1,10 @@
-"""The CPU LoRA ops Flywheel installs in vLLM's workers (inference/vllm_lora_ops.py): output for
-output vLLM's own `bgmv_*` ops within float rounding, on batches of one adapter, of several, of
-tokens without one (a negative index, the last slot as vLLM's indexing has it), adding to or
-overwriting the output, with the model's padding; and installed where vLLM's CPU punica wrapper
-and prefill ops look them up. The served log-probs through them: tests/inference/test_vllm_lora.py.
+"""The CPU LoRA ops Flywheel installs in vLLM's workers (inference/vllm_lora_ops.py): vLLM's own
+`bgmv_*` ops and `add_lora_linear` output for output within float rounding for every token with an
+adapter, on batches of one adapter, of several, adding to or overwriting the output, with the
+model's padding; and nothing for a token without an adapter (index -1), which vLLM's CPU ops served
+through the last adapter slot. Installed where vLLM's CPU punica wrapper and prefill ops look them
+up; the step's grouping computed once per mapping. The served log-probs through them:
+tests/inference/test_vllm_lora.py (a base request batched with two adapters' included).
 
     .venv/bin/python -m pytest tests/inference/test_vllm_lora_ops.py -q
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from vllm.lora.layers import LoRAMapping
 from vllm.lora.ops.torch_ops import lora_ops
 from vllm.lora.punica_wrapper import punica_cpu
 
@@ -21,6 +24,8 @@ INDICES = {
     "one adapter": [2] * 7,
     "production and canary": [0, 1, 0, 0, 1, 0, 0],
     "no adapter and two": [-1, 0, 3, -1, 3, 3, 0],
+    "no adapter and the last slot's": [-1, 3, -1, 3],
+    "no adapter at all": [-1, -1, -1],
     "one token": [1],
 }
 
@@ -29,36 +34,33 @@ def _vllms(name: str):
     return ours._ORIGINAL.get(name) or getattr(lora_ops, name)
 
 
-@pytest.fixture
-def gen(monkeypatch: pytest.MonkeyPatch) -> torch.Generator:
-    monkeypatch.setattr(ours, "MIN_GATHER", 0)  # these small batches take our ops, not vLLM's
+def _with_empty_slot(w: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference for vLLM's op: one more slot of zeros, where the tokens without an adapter
+    point (what the GPU kernels compute by skipping them)."""
+    return torch.cat([w, torch.zeros_like(w[:1])]), torch.where(idx < 0, w.shape[0], idx)
+
+
+@pytest.fixture(params=["gathered", "grouped"])
+def gen(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> torch.Generator:
+    # These batches are small: both of our paths, the small calls' gather and the grouping
+    monkeypatch.setattr(ours, "MIN_GATHER", 10**12 if request.param == "gathered" else 0)
     return torch.Generator().manual_seed(0)
-
-
-def test_a_small_decode_batch_keeps_vllms_ops_and_a_prefill_takes_ours() -> None:
-    calls = []
-    original = ours._products
-    ours._products = lambda *a: calls.append(a[0].shape[0]) or original(*a)
-    try:
-        for tokens in (16, 512):
-            x, w = torch.randn(tokens, 896), torch.randn(2, 1, 8, 896)
-            ours.bgmv_shrink(x, w, torch.zeros(tokens, 8), torch.zeros(tokens, dtype=torch.long), 1.0)
-    finally:
-        ours._products = original
-    assert calls == [512]
 
 
 @pytest.mark.parametrize("case", list(INDICES))
 @pytest.mark.parametrize("stacked", [3, 4])
-def test_shrink_equals_vllms(case: str, stacked: int, gen: torch.Generator) -> None:
+def test_shrink_equals_vllms_and_adds_nothing_without_an_adapter(case: str, stacked: int,
+                                                                  gen: torch.Generator) -> None:
     idx = torch.tensor(INDICES[case])
     x = torch.randn(len(idx), HIDDEN, generator=gen)
     w = torch.randn(SLOTS, RANK, HIDDEN, generator=gen)
     w = w[:, None] if stacked == 4 else w
+    ref_w, ref_idx = _with_empty_slot(w, idx)
     theirs, mine = torch.zeros(len(idx), RANK + 2), torch.zeros(len(idx), RANK + 2)
-    _vllms("bgmv_shrink")(x, w, theirs, idx, 0.5)
+    _vllms("bgmv_shrink")(x, ref_w, theirs, ref_idx, 0.5)
     ours.bgmv_shrink(x, w, mine, idx, 0.5)
     assert torch.allclose(mine, theirs, atol=1e-5, rtol=1e-5)
+    assert not mine[idx < 0].any()
 
 
 @pytest.mark.parametrize("case", list(INDICES))
@@ -67,17 +69,70 @@ def test_expand_and_expand_slice_equal_vllms(case: str, add: bool, gen: torch.Ge
     idx = torch.tensor(INDICES[case])
     x = torch.randn(len(idx), RANK, generator=gen)
     w = torch.randn(SLOTS, 1, OUT, RANK, generator=gen)
+    ref_w, ref_idx = _with_empty_slot(w, idx)
     start = torch.randn(len(idx), OUT - 16, generator=gen)  # the model pads less than the adapter
     theirs, mine = start.clone(), start.clone()
-    _vllms("bgmv_expand")(x, w, theirs, idx, add)
+    _vllms("bgmv_expand")(x, ref_w, theirs, ref_idx, add)
     ours.bgmv_expand(x, w, mine, idx, add)
     assert torch.allclose(mine, theirs, atol=1e-5, rtol=1e-5)
     wide = torch.randn(len(idx), 3 * OUT, generator=gen)
     theirs, mine = wide.clone(), wide.clone()
-    _vllms("bgmv_expand_slice")(x, w, theirs, idx, OUT, OUT, add)
+    _vllms("bgmv_expand_slice")(x, ref_w, theirs, ref_idx, OUT, OUT, add)
     ours.bgmv_expand_slice(x, w, mine, idx, OUT, OUT, add)
     assert torch.allclose(mine, theirs, atol=1e-5, rtol=1e-5)
     assert torch.equal(mine[:, :OUT], wide[:, :OUT]) and torch.equal(mine[:, 2 * OUT :], wide[:, 2 * OUT :])
+
+
+def _wrapper(idx: list[int]) -> punica_cpu.PunicaWrapperCPU:
+    """vLLM's CPU punica wrapper given a step's mapping (slot s holds the adapter of id 10 + s; a
+    token without one has id 0), as vLLM's LoRA manager gives it."""
+    wrapper = punica_cpu.PunicaWrapperCPU(64, 8, "cpu")
+    ids = tuple(0 if i < 0 else 10 + i for i in idx)
+    wrapper.update_metadata(LoRAMapping(ids, ids, is_prefill=True), [10 + s for s in range(SLOTS)], SLOTS, 2048)
+    return wrapper
+
+
+@pytest.mark.parametrize("case", list(INDICES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_lora_linear_adds_each_tokens_adapter_over_three_slices(case: str, dtype: torch.dtype) -> None:
+    """q, k and v: y[t, slice i] += (x[t] A_i^T scale) B_i^T with token t's adapter, nothing
+    without one; against the product in float64."""
+    ours.install()
+    gen = torch.Generator().manual_seed(1)
+    idx = INDICES[case]
+    slices = (64, 32, 32)
+    a = tuple(torch.randn(SLOTS, 1, RANK, HIDDEN, generator=gen).to(dtype) for _ in slices)
+    b = tuple(torch.randn(SLOTS, 1, n, RANK, generator=gen).to(dtype) for n in slices)
+    x = torch.randn(len(idx), HIDDEN, generator=gen).to(dtype)
+    y = torch.randn(len(idx), sum(slices), generator=gen).to(dtype)
+    expected = y.double().clone()
+    for t, s in enumerate(idx):
+        if s >= 0:
+            expected[t] += torch.cat([(x[t].double() @ a_[s, 0].double().T * 0.5) @ b_[s, 0].double().T
+                                      for a_, b_ in zip(a, b)])
+    got = y.clone()
+    _wrapper(idx).add_lora_linear(got, x, a, b, 0.5, slices)
+    tol = 1e-4 if dtype == torch.float32 else 0.1
+    assert torch.allclose(got.double(), expected, atol=tol, rtol=tol * 0.1)
+    missing = torch.tensor(idx) < 0
+    assert torch.equal(got[missing], y[missing])  # untouched where no adapter is
+
+
+def test_the_steps_grouping_is_computed_once_per_mapping(monkeypatch: pytest.MonkeyPatch) -> None:
+    ours.install()
+    calls = []
+    original = ours.groups_of
+    monkeypatch.setattr(ours, "groups_of", lambda i: calls.append(i.tolist()) or original(i))
+    wrapper = _wrapper([0, 1, 1])
+    a, b = (torch.ones(SLOTS, 1, RANK, HIDDEN),), (torch.ones(SLOTS, 1, OUT, RANK),)
+    for _ in range(3):  # three layers of one step
+        wrapper.add_lora_linear(torch.zeros(3, OUT), torch.ones(3, HIDDEN), a, b, 1.0, (OUT,))
+    wrapper.update_metadata(LoRAMapping((0, 11), (0, 11), is_prefill=True), [10 + s for s in range(SLOTS)],
+                            SLOTS, 2048)
+    y = torch.zeros(2, OUT)
+    wrapper.add_lora_linear(y, torch.ones(2, HIDDEN), a, b, 1.0, (OUT,))
+    assert calls == [[0, 1, 1], [-1, 1]]
+    assert not y[0].any() and torch.equal(y[1], torch.full((OUT,), float(RANK * HIDDEN)))
 
 
 def test_prefill_ops_reach_ours_once_installed(gen: torch.Generator) -> None:
