@@ -109,7 +109,7 @@ def test_add_lora_linear_adds_each_tokens_adapter_over_three_slices(case: str, d
     for t, s in enumerate(idx):
         if s >= 0:
             expected[t] += torch.cat([(x[t].double() @ a_[s, 0].double().T * 0.5) @ b_[s, 0].double().T
-                                      for a_, b_ in zip(a, b)])
+                                      for a_, b_ in zip(a, b, strict=True)])
     got = y.clone()
     _wrapper(idx).add_lora_linear(got, x, a, b, 0.5, slices)
     tol = 1e-4 if dtype == torch.float32 else 0.1
