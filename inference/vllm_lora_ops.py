@@ -144,6 +144,7 @@ def _marking(method: Any) -> Any:
             return method(self, *args, **kwargs)
         finally:
             self._flywheel_live = None
+            _GENERATION[0] += 1
 
     return changed
 
@@ -187,32 +188,68 @@ def _step_groups(wrapper: Any, indices: torch.Tensor) -> Groups:
     return groups
 
 
+# Bumped by every set_lora/reset_lora (the stacked weights changed): the plans below are rebuilt.
+_GENERATION = [0]
+
+
+def _plan(wrapper: Any, a_stacked: tuple[torch.Tensor, ...], b_stacked: tuple[torch.Tensor, ...],
+          sizes: tuple[int, ...], slot: int, dtype: torch.dtype) -> tuple[torch.Tensor, list[tuple[int, int, torch.Tensor]]]:
+    """One layer's adapter in `slot`: its slices' A stacked (one shrink product for all of them,
+    float32) and, for each slice whose B is not zero, (column offset, columns, B in the output's
+    dtype); a q/v adapter's k slice drops out. Kept until the stacked weights change."""
+    plans = getattr(wrapper, "_flywheel_plans", None)
+    if plans is None or plans[0] != _GENERATION[0]:
+        plans = wrapper._flywheel_plans = (_GENERATION[0], {})
+    key = (id(b_stacked[0]), slot, dtype)
+    found = plans[1].get(key)
+    if found is not None and found[0] is b_stacked[0]:
+        return found[1]
+    live, offset = [], 0
+    for i, (b, size) in enumerate(zip(b_stacked, sizes, strict=True)):
+        weights = _slot(b, slot)
+        if weights.any():
+            live.append((i, offset, size, weights.to(dtype)))
+        offset += size
+    rank = a_stacked[0].shape[-2]
+    stacked = torch.cat([_slot(a_stacked[i], slot).to(torch.float32) for i, *_ in live]) if live else None
+    plan = (stacked, [(off, size, b, k * rank) for k, (_, off, size, b) in enumerate(live)])
+    plans[1][key] = (b_stacked[0], plan)  # the tensor kept: its id is not reused while cached
+    return plan
+
+
 def add_lora_linear(self: Any, y: torch.Tensor, x: torch.Tensor, lora_a_stacked: tuple[torch.Tensor, ...],
                     lora_b_stacked: tuple[torch.Tensor, ...], scale: float, output_slices: tuple[int, ...],
                     *, buffer: Any = None, **kwargs: Any) -> None:
     """vLLM's CPU `add_lora_linear` (y[t, slice i] += (x[t] A_i^T * scale) B_i^T with the token's
-    adapter), grouped by adapter: per adapter present, one product per slice and step."""
+    adapter), grouped by adapter: per adapter present, one shrink product for all slices and one
+    expand product per slice with a non-zero B."""
     indices = self.token_lora_indices
     x2, y2 = x.view(-1, x.shape[-1]), y.view(-1, y.shape[-1])
     if (buffer is not None or kwargs or x2.shape[0] != indices.shape[0] or y2.shape[0] != x2.shape[0]
-            or any(b.shape[-2] != size for b, size in zip(lora_b_stacked, output_slices, strict=True))):
+            or any(b.shape[-2] != size for b, size in zip(lora_b_stacked, output_slices, strict=True))
+            or len({a.shape[-2] for a in lora_a_stacked}) != 1):
         return _ORIGINAL["add_lora_linear"](self, y, x, lora_a_stacked, lora_b_stacked, scale, output_slices,
                                             buffer=buffer, **kwargs)
+    groups = _step_groups(self, indices)
+    if not groups:
+        return None
     xf = x2.to(torch.float32)  # vLLM's shrink writes a float32 buffer
-    for slot, rows in _step_groups(self, indices):
-        xs = xf if rows is None else xf.index_select(0, rows)
-        offset = 0
-        for a, b, size in zip(lora_a_stacked, lora_b_stacked, output_slices, strict=True):
-            shrunk = xs @ _slot(a, slot).to(torch.float32).T
-            if scale != 1.0:
-                shrunk = shrunk * scale
-            term = shrunk.to(y2.dtype) @ _slot(b, slot).to(y2.dtype).T
+    rank = lora_a_stacked[0].shape[-2]
+    for slot, rows in groups:
+        stacked, slices = _plan(self, lora_a_stacked, lora_b_stacked, output_slices, slot, y2.dtype)
+        if stacked is None:
+            continue
+        shrunk = (xf if rows is None else xf.index_select(0, rows)) @ stacked.T
+        if scale != 1.0:
+            shrunk = shrunk * scale
+        shrunk = shrunk.to(y2.dtype)
+        for offset, size, b, column in slices:
+            term = shrunk[:, column : column + rank] @ b.T
             target = y2[:, offset : offset + size]
             if rows is None:
                 target += term
             else:
                 target.index_add_(0, rows, term)
-            offset += size
     return None
 
 

@@ -75,9 +75,12 @@ def test_an_adapter_is_served_over_the_base_with_the_merged_weights_log_probs(en
     assert (served - _scores(dense_dir, out.prompt_token_ids, out.token_ids)).abs().max() > 1e-2  # not the base
     assert engine.version == 2
 
-    second, _ = _adapter(dense_dir, tmp_path / "v3", seed=2)
+    second, second_merged = _adapter(dense_dir, tmp_path / "v3", seed=2)
     engine.load_weights(second, 3)
     assert engine.lora.lora_int_id != first.lora_int_id and engine.lora.lora_name != first.lora_name
+    out = engine.generate(["def add(a, b):"], sampling=SamplingParams(max_tokens=8, seed=0))[0]
+    # the new adapter's weights, not the previous one's (which may have held the same slot)
+    assert (torch.tensor(out.logprobs) - _scores(second_merged, out.prompt_token_ids, out.token_ids)).abs().max() < TOLERANCE
     assert engine.llm.llm_engine.list_loras() == {engine.lora.lora_int_id}  # the previous one unloaded
 
     engine.load_weights(adapter, 4)  # the same folder again: still a new name and id

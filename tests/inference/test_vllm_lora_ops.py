@@ -181,3 +181,32 @@ def test_a_lora_layer_whose_adapters_have_zero_b_returns_its_base_output_until_o
     assert torch.equal(BaseLinearLayerWithLoRA._apply_lora_to_output(layer, x, out), before + 1) and Punica.calls == 1
     BaseLinearLayerWithLoRA.reset_lora(layer, 1)
     assert BaseLinearLayerWithLoRA._apply_lora_to_output(layer, x, out) is out and Punica.calls == 1
+
+
+def test_new_weights_in_a_slot_are_the_ones_applied() -> None:
+    """The grouped path keeps each layer's stacked A and live slices until set_lora or reset_lora
+    changes a slot: an adapter loaded where another was must be the one served."""
+    from vllm.lora.layers.base_linear import BaseLinearLayerWithLoRA
+    from vllm.lora.layers.row_parallel_linear import RowParallelLinearWithLoRA
+
+    ours.install()
+    layer = object.__new__(RowParallelLinearWithLoRA)  # the state set_lora touches, no model
+    object.__setattr__(layer, "_modules", {})
+    layer.__dict__.update(lora_a_stacked=(torch.zeros(2, 1, RANK, HIDDEN),),
+                          lora_b_stacked=(torch.zeros(2, 1, OUT, RANK),), output_slices=(OUT,), n_slices=1,
+                          tp_size=1, tp_rank=0)
+    wrapper, x = _wrapper([1, 1]), torch.randn(2, HIDDEN)
+
+    def applied() -> torch.Tensor:
+        y = torch.zeros(2, OUT)
+        wrapper.add_lora_linear(y, x, layer.lora_a_stacked, layer.lora_b_stacked, 1.0, layer.output_slices)
+        return y
+
+    assert not applied().any()  # zero B: nothing
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(2):
+        a, b = torch.randn(RANK, HIDDEN, generator=gen), torch.randn(OUT, RANK, generator=gen)
+        BaseLinearLayerWithLoRA.set_lora(layer, 1, a, b)
+        assert torch.allclose(applied(), x @ a.T @ b.T, atol=1e-4)
+    BaseLinearLayerWithLoRA.reset_lora(layer, 1)
+    assert not applied().any()
