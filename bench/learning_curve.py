@@ -188,7 +188,7 @@ def _prepare(args: argparse.Namespace) -> dict:
     from feedback.models import Project
     from feedback.services import api_key_create, project_create, service_account_get
     from training.promotion.services import membership_grant
-    from webapp.demo import _demo_loop_config
+    from webapp.demo import _demo_loop_config, simulated_user_keys
 
     call_command("migrate", verbosity=0)
     creds = project_create("Bench coding assistant", "demo")
@@ -198,9 +198,9 @@ def _prepare(args: argparse.Namespace) -> dict:
     membership_grant(creds.project, approver, "approver", "system:bench", "the learning bench's auto-approval")
     state = {"project": "demo", "webhook_secret": creds.webhook_secret,
              "approver_key": api_key_create(creds.project, ["admin", "read"], "auto-approver", owner=approver),
-             "serve_key": api_key_create(creds.project, ["serve"], "simulated-users")}
+             "serve_keys": simulated_user_keys(creds.project)}
     os.environ["FLYWHEEL_DEMO_SECRET"] = state["webhook_secret"]
-    os.environ["FLYWHEEL_SERVE_KEY"] = state["serve_key"]
+    os.environ["FLYWHEEL_SERVE_KEY"] = ",".join(state["serve_keys"])
     os.environ["FLYWHEEL_APPROVER_KEY"] = state["approver_key"]
     _demo_loop_config(Project.objects.get(slug="demo"), taste=args.taste, corpus=str(_corpus(args)))
     source = ["--from", str(_quick_base())] if args.quick else ["--steps", str(args.pretrain_steps)]

@@ -94,16 +94,19 @@ def _serve_key(creds) -> dict[str, str]:
 
 def _users(loop: dict, creds, stop: threading.Event, users_stop: threading.Event) -> list[threading.Thread]:
     """The population (until `users_stop`) and the auto-approver (until `stop`)."""
+    from webapp.demo import simulated_user_keys
     from webapp.demo.simulator import auto_approve, run_users
 
     lines = stdlib_corpus(max_lines=20_000)
     sender = FlywheelClient(loop["web"], creds.webhook_secret, project=creds.project.slug)
     model = httpx.get(loop["serving"] + "/v1/models", headers=_serve_key(creds)).json()["data"][0]["id"]
 
+    keys = simulated_user_keys(creds.project, USERS)  # a key each, as the demo's users
+
     def population() -> None:
         seed = SEED
         while not users_stop.is_set():  # bounded rounds, so the stop is seen between them
-            run_users(loop["serving"], sender, model, lines, serve_key=creds.api_key, requests=40, pause_s=0.1,
+            run_users(loop["serving"], sender, model, lines, serve_key=keys, requests=40, pause_s=0.1,
                       seed=seed, users=USERS, taste=TASTE)
             seed += 1
 

@@ -22,6 +22,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository (this is webapp/demo/__init__.py)
 DEMO_FILE = ROOT / "var" / "demo.json"
@@ -186,11 +187,8 @@ def _demo_state() -> dict:
     if not Project.objects.filter(slug="demo").exists():
         creds = project_create("Demo coding assistant", "demo")
         state.update(project=creds.project.slug, api_key=creds.api_key, webhook_secret=creds.webhook_secret)
-    if "serve_key" not in state:  # the simulated users ask the serving process with it
-        # after django.setup() (see _environment)
-        from feedback.services import api_key_create
-
-        state["serve_key"] = api_key_create(Project.objects.get(slug="demo"), ["serve"], "simulated-users")
+    if len(state.get("serve_keys", [])) < DEMO_USERS:  # the simulated users ask the serving process with them
+        state["serve_keys"] = simulated_user_keys(Project.objects.get(slug="demo"))
     if "webhook_secret" not in state:  # var/demo.json was lost: issue a fresh secret
         # after django.setup() (see _environment)
         from feedback.services import webhook_secret_rotate
@@ -358,6 +356,19 @@ def _demo_schedule(project) -> None:
 _HAND_OPENED = {"kl_budget": 4.0, "length_ratio_max": 2.0, "min_median_chars": 6}  # the demo's bounds until 2026-12
 
 
+# Simulated users, each asking with a key of its own: serving limits each key's rate (600
+# completions a minute by default, FLYWHEEL_SERVE_RATE_PER_KEY), and six users pausing 0.25 s
+# between requests ask ~1,000 a minute; on one shared key 40% were answered 429.
+DEMO_USERS = 6
+
+
+def simulated_user_keys(project: Any, users: int = DEMO_USERS) -> list[str]:
+    """A `serve` key per simulated user (what the 429's fix says to a product: a key per client)."""
+    from feedback.services import api_key_create
+
+    return [api_key_create(project, ["serve"], f"simulated-user-{i + 1}") for i in range(users)]
+
+
 def demo_processes(port: int, state: dict, simulate: bool) -> list[tuple[str, list[str]]]:
     py = sys.executable
     procs = [
@@ -381,7 +392,8 @@ def _loop_processes(port: int, state: dict, simulate: bool) -> list[tuple[str, l
                             "--port", serving.rsplit(":", 1)[1], "--internal-port", internal.rsplit(":", 1)[1]])]
     if simulate:
         users = [py, manage, "simulate_users", "--project", state["project"],
-                 "--web", f"http://127.0.0.1:{port}", "--serving", serving, "--users", "6", "--pause", "0.25"]
+                 "--web", f"http://127.0.0.1:{port}", "--serving", serving, "--users", str(DEMO_USERS),
+                 "--pause", "0.25"]
         if auto_approval():
             users.append("--approve")
         procs.append(("users", users))
@@ -396,7 +408,7 @@ def main() -> int:
     env = _environment()
     state = _prepare(env)
     env["FLYWHEEL_DEMO_SECRET"] = state["webhook_secret"]
-    env["FLYWHEEL_SERVE_KEY"] = state["serve_key"]
+    env["FLYWHEEL_SERVE_KEY"] = ",".join(state["serve_keys"])
     if state.get("approver_key"):
         env["FLYWHEEL_APPROVER_KEY"] = state["approver_key"]
     port = _port(args.port)

@@ -306,13 +306,21 @@ class UserSettings:
     noise: float = 0.05
 
 
+def user_keys(serve_key: str | Sequence[str], users: int) -> list[str]:
+    """The key each of `users` users asks with: user i takes key i modulo the keys given."""
+    keys = [serve_key] if isinstance(serve_key, str) else list(serve_key)
+    if not keys:
+        raise ValueError("simulated users need at least one serve key")
+    return [keys[i % len(keys)] for i in range(max(users, 1))]
+
+
 def run_users(
     serving_url: str,
     sender: FlywheelClient,
     model: str,
     source: CodeBase | Sequence[str],
     *,
-    serve_key: str,
+    serve_key: str | Sequence[str],
     requests: int | None = None,
     pause_s: float = 0.5,
     max_tokens: int = 16,
@@ -325,13 +333,14 @@ def run_users(
 
     `source`: the code base the users write in (or, for a line taste, plain lines).
     `users` simulated users work concurrently (the server batches their requests); they ask with
-    `serve_key`, an API key of scope `serve`."""
+    `serve_key`, an API key of scope `serve`, or one key each from a list (user i takes key i
+    modulo their number): serving limits each key's rate, as it would a client's."""
     budget = Budget(requests)
-    settings = UserSettings(model, serve_key, pause_s, max_tokens, taste, noise)
+    settings = [UserSettings(model, key, pause_s, max_tokens, taste, noise) for key in user_keys(serve_key, users)]
     if users <= 1:
-        user_run(serving_url, sender, source, settings, budget, random.Random(seed))
+        user_run(serving_url, sender, source, settings[0], budget, random.Random(seed))
         return budget.served
-    threads = [threading.Thread(target=user_run, args=(serving_url, sender, source, settings, budget,
+    threads = [threading.Thread(target=user_run, args=(serving_url, sender, source, settings[i], budget,
                                                        random.Random(seed + 1000 * i)), daemon=True)
                for i in range(users)]
     for t in threads:

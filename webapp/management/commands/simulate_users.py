@@ -40,7 +40,8 @@ class Command(BaseCommand):
         parser.add_argument("--serving", default=os.environ.get("FLYWHEEL_INFERENCE_URL", "http://127.0.0.1:8001"))
         parser.add_argument("--secret", default=os.environ.get("FLYWHEEL_DEMO_SECRET", ""))
         parser.add_argument("--serve-key", default=os.environ.get("FLYWHEEL_SERVE_KEY", ""),
-                            help="an API key with scope 'serve' (or FLYWHEEL_SERVE_KEY)")
+                            help="an API key with scope 'serve' (or FLYWHEEL_SERVE_KEY); several, comma-separated, "
+                                 "give each user its own (serving limits each key's rate)")
         parser.add_argument("--requests", type=int, default=None)
         parser.add_argument("--pause", type=float, default=0.5)
         parser.add_argument("--users", type=int, default=4)
@@ -72,7 +73,8 @@ class Command(BaseCommand):
         if opts["approve"]:
             threading.Thread(target=auto_approve, args=(opts["web"], opts["api_key"], stop), daemon=True).start()
         sender = FlywheelClient(opts["web"], opts["secret"], project=opts["project"])
-        served = run_users(opts["serving"], sender, opts["project"], code, serve_key=opts["serve_key"],
+        keys = [k.strip() for k in opts["serve_key"].split(",") if k.strip()]
+        served = run_users(opts["serving"], sender, opts["project"], code, serve_key=keys,
                            requests=opts["requests"],
                            pause_s=opts["pause"], seed=opts["seed"], users=opts["users"], taste=opts["taste"],
                            noise=opts["noise"])
