@@ -15,9 +15,9 @@ rank, hidden) copy) and contract it with an einsum, slice by slice (q, k and v a
 prefill op re-expanding the per-sequence indices to tokens first: about 45 tensor ops per LoRA
 layer per engine step on the q/k/v layer, most of the cost of serving adapters on a small model.
 `add_lora_linear` here groups the step's tokens by adapter once per step (when vLLM updates its
-mapping) and runs, per adapter present, one matrix product per slice and step of the LoRA (x A^T,
-then B): a batch holds few adapters (a project's production and its canary, a handful of
-projects). The `bgmv_*` ops take the same grouping per call for prefill-sized calls and keep
+mapping) and runs, per adapter present, one shrink product for all of a layer's slices (their A
+stacked) and one expand product per slice whose B is not zero: a batch holds few adapters (a
+project's production and its canary, a handful of projects). The `bgmv_*` ops take the same grouping per call for prefill-sized calls and keep
 vLLM's gather for small ones (below `MIN_GATHER`).
 
 vLLM also wraps every linear layer of the model for LoRA (q/k/v, o, gate/up, down), whichever
@@ -192,11 +192,15 @@ def _step_groups(wrapper: Any, indices: torch.Tensor) -> Groups:
 _GENERATION = [0]
 
 
+Plan = tuple["torch.Tensor | None", list[tuple[int, int, torch.Tensor, int]]]
+
+
 def _plan(wrapper: Any, a_stacked: tuple[torch.Tensor, ...], b_stacked: tuple[torch.Tensor, ...],
-          sizes: tuple[int, ...], slot: int, dtype: torch.dtype) -> tuple[torch.Tensor, list[tuple[int, int, torch.Tensor]]]:
-    """One layer's adapter in `slot`: its slices' A stacked (one shrink product for all of them,
-    float32) and, for each slice whose B is not zero, (column offset, columns, B in the output's
-    dtype); a q/v adapter's k slice drops out. Kept until the stacked weights change."""
+          sizes: tuple[int, ...], slot: int, dtype: torch.dtype) -> Plan:
+    """One layer's adapter in `slot`: its live slices' A stacked (one shrink product for all of
+    them, float32; None if no slice is live) and, for each slice whose B is not zero, (output
+    column offset, columns, B in the output's dtype, its rows in the shrink's output); a q/v
+    adapter's k slice drops out. Kept until the stacked weights change."""
     plans = getattr(wrapper, "_flywheel_plans", None)
     if plans is None or plans[0] != _GENERATION[0]:
         plans = wrapper._flywheel_plans = (_GENERATION[0], {})
@@ -255,11 +259,10 @@ def add_lora_linear(self: Any, y: torch.Tensor, x: torch.Tensor, lora_a_stacked:
 
 def _dropping_groups(method: Any) -> Any:
     def update_metadata(self: Any, *args: Any, **kwargs: Any) -> Any:
-        self._flywheel_groups = None
         try:
             return method(self, *args, **kwargs)
         finally:
-            self._flywheel_groups = None
+            self._flywheel_groups = None  # the token indices may have changed
 
     return update_metadata
 
