@@ -14,6 +14,7 @@ registers through the checkpoint store like any run's weights. Launched by `laun
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -33,6 +34,7 @@ from training.rl.config import RLConfig
 from training.rl.nodes import Nodes
 from training.rl.trainer import METRIC_KEYS, Batch, DriftSums, StepMetrics, backward_batch
 
+_log = logging.getLogger(__name__)
 _IMPORTED = time.perf_counter()  # a rank's imports done (torch's above all): `_Stages` counts them
 
 
@@ -199,7 +201,11 @@ def run_job(folder: Path) -> None:
     memory = rank_memory(model, optimizer)
     optimizer_save(model, optimizer, folder / "optim")
     _save(model, spec, folder, world)
+    # No rank tears down while another still works (rank 0 writes the weights after the gather).
+    dist.barrier()
     stages.mark("save_s")
+    # Written once every rank is past the save: the launcher reads "the job's work is complete"
+    # from all of them, whatever the teardown below does.
     (folder / f"rank-{world.rank}.json").write_text(json.dumps({**memory, **stages.seconds}))
     dist.destroy_process_group()
 
@@ -329,9 +335,21 @@ def launch(folder: Path, nproc: int, timeout_s: float, on_metrics: Callable[[dic
                 raise DistributedRunFailed(f"the job outlived {timeout_s:.0f} s and was killed; {_tail(log)}")
             time.sleep(0.2)
     seen.read()
-    if proc.returncode != 0 or not (folder / "policy").is_dir():
+    ranks = nproc * (nodes or Nodes()).nnodes
+    if proc.returncode != 0 and completed(folder, ranks):
+        # Every rank passed the final barrier and wrote its record, and the weights are whole: a
+        # rank died in its teardown (gloo's threads at exit), after the work. Kept, and said.
+        _log.warning("torchrun exited %s after all %s ranks completed the job in %s; kept its weights; %s",
+                     proc.returncode, ranks, folder, _tail(log, 600))
+    elif proc.returncode != 0 or not (folder / "policy").is_dir():
         raise DistributedRunFailed(f"torchrun exited {proc.returncode}; {_tail(log)}")
     return JobResult(folder / "policy", seen.lines)
+
+
+def completed(folder: Path, ranks: int) -> bool:
+    """Whether a job's work is whole: the weights' folder (renamed into place once complete) and
+    every rank's record (written after the barrier that follows the save)."""
+    return (folder / "policy").is_dir() and all((folder / f"rank-{r}.json").is_file() for r in range(ranks))
 
 
 class _MetricsTail:
@@ -364,3 +382,9 @@ def _tail(log: Path, chars: int = 1500) -> str:
 
 if __name__ == "__main__":
     run_job(Path(sys.argv[1]))
+    # The work is done and the process group destroyed. Leave without the interpreter's and
+    # C++'s teardown: a rank aborted there now and then ("terminate called without an active
+    # exception", SIGABRT, from a thread still joinable at exit), failing a finished job.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -146,3 +146,36 @@ def test_a_hung_rank_is_timed_out_and_writes_no_weights(tmp_path, tiny_policy_di
         launch(folder, nproc=2, timeout_s=240)
     watcher.join()
     assert not (folder / "policy").exists()
+
+
+# A rank that aborts once its work is done, as gloo's teardown did now and then in CI ("terminate
+# called without an active exception", SIGABRT): loaded into the ranks alone (torchrun sets
+# LOCAL_RANK for them, not for its agent) through Python's sitecustomize.
+_ABORT_AT_EXIT = """
+import os, signal
+if "LOCAL_RANK" in os.environ and os.environ.get("ABORT_RANK") == os.environ["LOCAL_RANK"]:
+    os._exit = lambda code: os.kill(os.getpid(), signal.SIGABRT)
+"""
+
+
+def test_a_rank_dying_in_its_teardown_after_the_work_keeps_the_job_and_says_so(tmp_path, tiny_policy_dir,
+                                                                               monkeypatch, caplog):
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(_ABORT_AT_EXIT)
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path / 'site'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    monkeypatch.setenv("ABORT_RANK", "1")
+    folder = _job(tmp_path, tiny_policy_dir, _batches(steps=1, rows=4, vocab=384))
+    with caplog.at_level("WARNING", logger="training.rl.distributed"):
+        result = launch(folder, nproc=2, timeout_s=300)
+    assert (result.policy / "model.safetensors").exists() and len(result.metrics) == 1
+    assert "after all 2 ranks completed the job" in caplog.text and "SIGABRT" in caplog.text  # the abort happened
+
+
+def test_a_rank_dying_before_it_completed_still_fails_the_job(tmp_path, tiny_policy_dir):
+    from training.rl.distributed import completed
+
+    folder = _job(tmp_path, tiny_policy_dir, _batches(steps=1, rows=4, vocab=384))
+    launch(folder, nproc=2, timeout_s=300)
+    assert completed(folder, 2)
+    (folder / "rank-1.json").unlink()  # rank 1 never got past the barrier after the save
+    assert not completed(folder, 2) and not completed(tmp_path / "elsewhere", 1)
