@@ -16,9 +16,9 @@ import logging
 import time
 
 from django.conf import settings
-from django.core.cache import cache
 from redis.exceptions import RedisError
 
+from core.cache import shared_cache
 from core.errors import RateLimited
 from feedback.models import Project
 
@@ -31,6 +31,7 @@ def rate_count(key: str, cost: int) -> int | None:
     window = int(time.time() // WINDOW_S)
     bucket = f"rate:{key}:{window}"
     try:
+        cache = shared_cache()
         cache.add(bucket, 0, timeout=2 * WINDOW_S)
         return cache.incr(bucket, max(cost, 1))
     except (RedisError, OSError):

@@ -26,10 +26,11 @@ from django import forms
 from django.conf import settings
 from django.contrib.admin.forms import AdminAuthenticationForm
 from django.contrib.auth.forms import AuthenticationForm
-from django.core.cache import cache
 from django.core.cache.backends.base import BaseCache
 from django.core.cache.backends.locmem import LocMemCache
 from redis.exceptions import RedisError
+
+from core.cache import shared_cache
 
 log = logging.getLogger(__name__)
 _LOCAL = LocMemCache("flywheel-login-failures", {"TIMEOUT": None, "OPTIONS": {"MAX_ENTRIES": 10_000}})
@@ -38,7 +39,7 @@ _LOCAL = LocMemCache("flywheel-login-failures", {"TIMEOUT": None, "OPTIONS": {"M
 def _counted(op: Callable[[BaseCache], Any]) -> Any:
     """`op` on the shared cache, or on this process's memory while Redis is away."""
     try:
-        return op(cache)
+        return op(shared_cache())
     except (RedisError, OSError):
         log.warning("sign-in failures counted in this process only: Redis is unreachable", exc_info=True)
         return op(_LOCAL)

@@ -14,12 +14,12 @@ from typing import Any, Literal
 
 from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
-from django.core.cache import cache
 from django.db import transaction
 from django.db.models import Q
 from django.utils import timezone
 from redis.exceptions import RedisError
 
+from core.cache import shared_cache
 from core.errors import BadRequest, Conflict, Forbidden, NotFound, RateLimited
 from feedback.auth import Principal
 from feedback.models import Project
@@ -146,6 +146,7 @@ def refusal_rate_check(actor: Actor) -> None:
     window = int(time.time() // window_s)
     key = f"promotion-refusals:{_refusal_counter(actor)}:{window}"
     try:
+        cache = shared_cache()
         cache.add(key, 0, timeout=window_s * 2)
         used = cache.incr(key)
     except (RedisError, OSError):
