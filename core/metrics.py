@@ -17,6 +17,7 @@ by collectors that the web app registers (webapp/metrics.py), so any one web rep
 
 from __future__ import annotations
 
+import collections
 import hmac
 import time
 from collections.abc import Callable, Iterable
@@ -32,8 +33,10 @@ INGEST_EVENTS = Counter("flywheel_ingest_events", "Events through feedback_inges
 HTTP_SECONDS = Histogram("flywheel_http_request_duration_seconds", "Time to answer an HTTP request, by route.",
                          ["method", "route", "status"], buckets=LATENCY_BUCKETS)
 def ingest_counted(statuses: Iterable[str]) -> None:
-    for status in statuses:
-        INGEST_EVENTS.labels(status).inc()
+    # One increment a status, not an event: a labelled counter's look-up and lock cost a batch of
+    # 1,000 events more than its parse of the body.
+    for status, count in collections.Counter(statuses).items():
+        INGEST_EVENTS.labels(status).inc(count)
 
 
 class RequestMetricsMiddleware:

@@ -27,13 +27,10 @@ from collections.abc import Iterator
 
 import uvicorn
 from django.conf import settings
-from django.core import signals
-from django.core.exceptions import RequestAborted
-from django.core.handlers.asgi import ASGIHandler, get_script_prefix
 from django.middleware.common import CommonMiddleware as DjangoCommonMiddleware
 from django.middleware.security import SecurityMiddleware as DjangoSecurityMiddleware
-from django.urls import set_script_prefix
 
+from core.asgi import LoopSignalsHandler
 from core.bodylimit import BodyLimit, Scope, header_values
 from inference.apis import MAX_BODY_BYTES, internal_token_valid
 
@@ -65,7 +62,7 @@ class CommonMiddleware(_OnTheLoop, DjangoCommonMiddleware):
     """django.middleware.common.CommonMiddleware, its hooks on the event loop."""
 
 
-class ListenerHandler(ASGIHandler):
+class ListenerHandler(LoopSignalsHandler):
     """Django's ASGI handler with its own URLconf (Django resolves `request.urlconf` first)."""
 
     def __init__(self, urlconf: str) -> None:
@@ -80,64 +77,6 @@ class ListenerHandler(ASGIHandler):
             super().load_middleware(is_async)
         finally:
             settings.MIDDLEWARE = chain
-
-    async def __call__(self, scope, receive, send):
-        # Django's enters a ThreadSensitiveContext here: a new sync thread for every request.
-        if scope["type"] != "http":
-            raise ValueError(f"this listener serves HTTP only, not {scope['type']}")
-        await self.handle(scope, receive, send)
-
-    async def handle(self, scope, receive, send):
-        """Django's ASGIHandler.handle, statement for statement, with two changes only: the request
-        signals are sent on the event loop (`send`, not `asend`) and a response is closed there
-        (`close()`, not `sync_to_async(close)()`), a thread hop each saved. A Django upgrade that
-        changes its handle fails tests/inference/test_listeners.py until this copy is read again."""
-        try:
-            body_file = await self.read_body(receive)
-        except RequestAborted:
-            return
-        set_script_prefix(get_script_prefix(scope))
-        signals.request_started.send(sender=self.__class__, scope=scope)
-        request, error_response = self.create_request(scope, body_file)
-        if request is None:
-            body_file.close()
-            await self.send_response(error_response, send)
-            error_response.close()
-            return
-
-        async def process_request(request, send):
-            response = await self.run_get_response(request)
-            try:
-                await self.send_response(response, send)
-            except asyncio.CancelledError:  # the client went away while it was sent
-                pass
-            return response
-
-        tasks = [asyncio.create_task(self.listen_for_disconnect(receive)),
-                 asyncio.create_task(process_request(request, send))]
-        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-        for task in tasks:
-            if task.done():
-                try:
-                    task.result()
-                except RequestAborted:
-                    pass
-                except AssertionError:
-                    body_file.close()
-                    raise
-            else:
-                task.cancel()
-                try:
-                    await task
-                except asyncio.CancelledError:
-                    pass
-        try:
-            response = tasks[1].result()
-        except asyncio.CancelledError:
-            signals.request_finished.send(sender=self.__class__)
-        else:
-            response.close()  # sends request_finished
-        body_file.close()
 
     def create_request(self, scope, body_file):
         request, error = super().create_request(scope, body_file)

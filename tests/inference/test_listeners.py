@@ -1,58 +1,16 @@
 """The serving listeners (inference/listeners.py) run Django's ASGI request handling with two thread
-hops taken out. Their `handle` is Django's, statement for statement, but for those two changes: a
-Django upgrade that changes `ASGIHandler.handle` fails here, and the copy must be read again."""
+hops taken out (core/asgi.py's handler, compared with Django's in tests/core/test_asgi.py), their
+own URLconf and a short middleware chain."""
 
 from __future__ import annotations
-
-import ast
-import inspect
-import textwrap
 
 import httpx
 import pytest
 from django.conf import settings
 from django.core import signals
-from django.core.handlers.asgi import ASGIHandler
 
-from inference.listeners import PUBLIC_URLS, ListenerHandler, listener_app
+from inference.listeners import PUBLIC_URLS, listener_app
 from tests.processes import InThreadServer
-
-
-def _function(fn) -> ast.AsyncFunctionDef:
-    node = ast.parse(textwrap.dedent(inspect.getsource(fn))).body[0]
-    assert isinstance(node, ast.AsyncFunctionDef)
-    if isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant):
-        node.body = node.body[1:]  # the docstring
-    return node
-
-
-class _OnTheLoop(ast.NodeTransformer):
-    """Django's handle with the listener's two changes made: `await signal.asend(...)` is
-    `signal.send(...)`, and `await sync_to_async(x.close)()` is `x.close()`."""
-
-    def visit_Await(self, node: ast.Await) -> ast.AST:
-        call = node.value
-        if isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and call.func.attr == "asend":
-            call.func.attr = "send"
-            return self.generic_visit(call)
-        if (isinstance(call, ast.Call) and isinstance(call.func, ast.Call) and not call.args
-                and isinstance(call.func.func, ast.Name) and call.func.func.id == "sync_to_async"):
-            return ast.Call(func=call.func.args[0], args=[], keywords=[])
-        return self.generic_visit(node)
-
-
-def test_the_listeners_handle_is_djangos_with_only_the_signals_and_the_close_on_the_loop():
-    django, ours = _function(ASGIHandler.handle), _function(ListenerHandler.handle)
-    changed = ast.fix_missing_locations(_OnTheLoop().visit(django))
-    assert ast.dump(changed) == ast.dump(ours), (
-        "Django's ASGIHandler.handle changed: read it again and carry the change into "
-        "inference/listeners.py ListenerHandler.handle")
-
-
-def test_djangos_handle_still_makes_the_two_hops_the_listener_saves():
-    source = inspect.getsource(ASGIHandler.handle)
-    assert "request_started.asend" in source and "request_finished.asend" in source
-    assert "sync_to_async(response.close)" in source
 
 
 def test_building_a_listener_leaves_the_web_apps_middleware_as_it_was():
