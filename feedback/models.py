@@ -182,7 +182,7 @@ class FeedbackEvent(models.Model):
     project = models.ForeignKey(Project, on_delete=models.CASCADE, related_name="feedback_events", db_index=False)
     event_id = models.CharField(max_length=255)
     # Feedback may arrive before its trajectory: the external id is kept and the link is made
-    # when the trajectory lands (feedback.services.trajectories_link_feedback).
+    # when the trajectory lands (feedback.services._INSERT_TRAJECTORIES; feedback_link_orphans on beat).
     trajectory_external_id = models.CharField(max_length=255)
     trajectory = models.ForeignKey(
         Trajectory, on_delete=models.CASCADE, null=True, blank=True, related_name="feedback_events"

@@ -18,7 +18,7 @@ import time
 from django.conf import settings
 from redis.exceptions import RedisError
 
-from core.cache import shared_cache
+from core.cache import count
 from core.errors import RateLimited
 from feedback.models import Project
 
@@ -31,9 +31,7 @@ def rate_count(key: str, cost: int) -> int | None:
     window = int(time.time() // WINDOW_S)
     bucket = f"rate:{key}:{window}"
     try:
-        cache = shared_cache()
-        cache.add(bucket, 0, timeout=2 * WINDOW_S)
-        return cache.incr(bucket, max(cost, 1))
+        return count(bucket, max(cost, 1), 2 * WINDOW_S)
     except (RedisError, OSError):
         log.warning("rate limit %s not applied: Redis is unreachable", key, exc_info=True)
         return None

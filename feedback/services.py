@@ -223,9 +223,8 @@ def _ingest(project: Project, raw_events: list[Any], webhook_id: str | None,
     results, trajectories, feedback, redacted = _parse_batch(project, raw_events, now)
     with transaction.atomic():
         _statement_timeout()
-        if webhook_id is not None and not _delivery_record(project, webhook_id, len(raw_events)):
+        if not _deliver_and_lock(project, webhook_id, len(raw_events), trajectories, feedback):
             return [_as_duplicate(r, "webhook-id was already delivered") for r in results]
-        _lock_trajectory_ids(project, trajectories, feedback)
         # Feedback naming a trajectory this project does not have is stored and linked when one
         # lands here, whether or not another project has that id: nothing tells the two apart.
         refused: dict[tuple[str, str], str] = {}
@@ -236,7 +235,6 @@ def _ingest(project: Project, raw_events: list[Any], webhook_id: str | None,
         except (DataError, IntegrityError, UnicodeError, TypeError, ValueError):
             log.exception("the database refused a batch that passed parse_event; retrying event by event")
             new_ids, new_feedback = _insert_each(project, list(trajectories.values()), rows, now, refused)
-        _link_feedback(project, list(new_ids))
         counts = _settle(results, new_ids, new_feedback, refused)
         if redacted:
             transaction.on_commit(lambda: redaction_tally(project, redacted))
@@ -312,29 +310,26 @@ def _as_duplicate(result: EventResult, reason: str) -> EventResult:
     return result
 
 
-def _delivery_record(project: Project, webhook_id: str, count: int) -> bool:
+def _deliver_and_lock(project: Project, webhook_id: str | None, count: int, trajectories: dict,
+                      feedback: dict) -> bool:
+    """Records the delivery (False: this webhook-id was delivered before) and takes the batch's
+    trajectory-id locks, in one statement.
+
+    The locks: feedback and its trajectory may arrive in two concurrent requests; each would miss
+    the other's uncommitted row and the link would never be made. A transaction-level advisory
+    lock per trajectory id (taken in sorted order: no deadlock) serialises exactly those pairs."""
+    ids = sorted(set(trajectories) | {f.trajectory_external_id for f in feedback.values()})
     with connection.cursor() as cur:
         cur.execute(
-            "INSERT INTO feedback_webhookdelivery (project_id, webhook_id, received_at, event_count) "
-            "VALUES (%s, %s, now(), %s) ON CONFLICT (project_id, webhook_id) DO NOTHING RETURNING id",
-            [project.id, webhook_id, count],
+            "WITH d AS (INSERT INTO feedback_webhookdelivery (project_id, webhook_id, received_at, event_count) "
+            "SELECT %s, w, now(), %s FROM unnest(%s::text[]) AS w "
+            "ON CONFLICT (project_id, webhook_id) DO NOTHING RETURNING id) "
+            "SELECT (SELECT count(*) FROM d), (SELECT count(pg_advisory_xact_lock(k)) FROM "
+            "(SELECT DISTINCT hashtextextended(x, %s) AS k FROM unnest(%s::text[]) AS x ORDER BY k) AS s)",
+            [project.id, count, [webhook_id] if webhook_id is not None else [], project.id, ids],
         )
-        return cur.fetchone() is not None
-
-
-def _lock_trajectory_ids(project: Project, trajectories: dict, feedback: dict) -> None:
-    # Feedback and its trajectory may arrive in two concurrent requests; each would miss the
-    # other's uncommitted row and the link would never be made. A transaction-level advisory
-    # lock per trajectory id (taken in sorted order: no deadlock) serialises exactly those pairs.
-    ids = set(trajectories) | {f.trajectory_external_id for f in feedback.values()}
-    if not ids:
-        return
-    with connection.cursor() as cur:
-        cur.execute(
-            "SELECT count(pg_advisory_xact_lock(k)) FROM (SELECT DISTINCT hashtextextended(x, %s) AS k "
-            "FROM unnest(%s::text[]) AS x ORDER BY k) AS s",
-            [project.id, sorted(ids)],
-        )
+        delivered, _ = cur.fetchone()
+    return webhook_id is None or delivered == 1
 
 
 def _insert_all(project: Project, trajectories: list[TrajectoryRecord], feedback: list[FeedbackRecord],
@@ -371,7 +366,9 @@ def _json_rows(rows: list[list[Any]]) -> str:
 
 
 # Trajectories and their steps in one statement: the steps join the trajectories the insert
-# returned, so a trajectory stored before (a duplicate) gets no second set of steps.
+# returned, so a trajectory stored before (a duplicate) gets no second set of steps; feedback that
+# arrived before its trajectory is linked in the same statement (it sees every earlier commit:
+# the batch's locks were taken first).
 _INSERT_TRAJECTORIES = """
 WITH t AS (
     INSERT INTO feedback_trajectory (project_id, external_id, policy_version, source, task, tags, prompt, extra,
@@ -386,6 +383,10 @@ WITH t AS (
            NULLIF(x->7, 'null'), (x->>8)::float8, x->9
     FROM jsonb_array_elements(%s::jsonb) WITH ORDINALITY AS e(x, n) JOIN t ON t.external_id = x->>0
     ORDER BY e.n
+), l AS (
+    -- feedback stored before its trajectory (an earlier request's): linked now
+    UPDATE feedback_feedbackevent fe SET trajectory_id = t.id FROM t
+    WHERE fe.project_id = %s AND fe.trajectory_id IS NULL AND fe.trajectory_external_id = t.external_id
 )
 SELECT external_id, id FROM t
 """
@@ -399,7 +400,7 @@ def _insert_trajectories(project: Project, trajectories: list[TrajectoryRecord],
     steps = [[t.external_id, s.index, s.role, s.content, s.tool_calls, s.token_ids, s.logprobs, s.routing, s.reward,
               s.extra] for t in trajectories for s in t.steps]
     with connection.cursor() as cur:
-        cur.execute(_INSERT_TRAJECTORIES, [project.id, now, _json_rows(rows), _json_rows(steps)])
+        cur.execute(_INSERT_TRAJECTORIES, [project.id, now, _json_rows(rows), _json_rows(steps), project.id])
         return dict(cur.fetchall())
 
 
@@ -422,20 +423,6 @@ def _insert_feedback(project: Project, rows: list[FeedbackRecord], now: datetime
     with connection.cursor() as cur:
         cur.execute(_INSERT_FEEDBACK, [project.id, now, _json_rows(data), project.id])
         return {row[0] for row in cur.fetchall()}
-
-
-def _link_feedback(project: Project, external_ids: list[str]) -> int:
-    """Links stored feedback that arrived before these trajectories."""
-    if not external_ids:
-        return 0
-    with connection.cursor() as cur:
-        cur.execute(
-            "UPDATE feedback_feedbackevent fe SET trajectory_id = t.id FROM feedback_trajectory t "
-            "WHERE fe.project_id = %s AND fe.trajectory_id IS NULL AND t.project_id = %s "
-            "AND fe.trajectory_external_id = t.external_id AND t.external_id = ANY(%s::text[])",
-            [project.id, project.id, external_ids],
-        )
-        return cur.rowcount
 
 
 def feedback_link_orphans(project: Project) -> int:

@@ -11,7 +11,7 @@ import uuid
 import redis
 from django.conf import settings
 
-from core.cache import shared_cache
+from core.cache import count, shared_cache
 from feedback.ratelimit import rate_count
 
 
@@ -54,3 +54,17 @@ def test_swapped_cache_settings_get_a_client_of_their_own(settings):
     before = shared_cache()
     settings.CACHES = {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}}
     assert shared_cache() is not before and type(shared_cache()).__name__ == "LocMemCache"
+
+
+def test_a_count_is_the_caches_own_key_with_its_expiry():
+    key = f"test-{uuid.uuid4().hex}"
+    cache = shared_cache()
+    client = cache._cache.get_client(write=True)
+    assert count(key, 3, 120) == 3
+    assert count(key, 4, 120) == 7 and cache.get(key) == 7  # the cache API reads the same counter
+    assert 0 < client.ttl(cache.make_key(key)) <= 120  # the first count set the expiry; the second kept it
+
+
+def test_a_cache_without_redis_counts_through_the_cache_api(settings):
+    settings.CACHES = {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}}
+    assert count("k", 2, 60) == 2 and count("k", 5, 60) == 7

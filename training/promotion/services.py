@@ -19,7 +19,7 @@ from django.db.models import Q
 from django.utils import timezone
 from redis.exceptions import RedisError
 
-from core.cache import shared_cache
+from core.cache import count
 from core.errors import BadRequest, Conflict, Forbidden, NotFound, RateLimited
 from feedback.auth import Principal
 from feedback.models import Project
@@ -146,9 +146,7 @@ def refusal_rate_check(actor: Actor) -> None:
     window = int(time.time() // window_s)
     key = f"promotion-refusals:{_refusal_counter(actor)}:{window}"
     try:
-        cache = shared_cache()
-        cache.add(key, 0, timeout=window_s * 2)
-        used = cache.incr(key)
+        used = count(key, 1, window_s * 2)
     except (RedisError, OSError):
         log.warning("refusal limit not applied to %s: Redis is unreachable", actor_name(actor), exc_info=True)
         return
