@@ -34,7 +34,7 @@ from core.errors import (
     refuse_repeated,
     store_unavailable,
 )
-from core.notify import project_event
+from core.notify import ingest_pushed
 from core.params import parse_datetime_strict, text
 from feedback import export, selectors
 from feedback.auth import (
@@ -172,8 +172,7 @@ def _json_loads(text: str) -> Any:
 
 def _notifier(project_id: int):
     def notify(counts: dict[str, int]) -> None:
-
-        project_event(project_id, {"type": "ingest", **counts})
+        ingest_pushed(project_id, counts)
 
     return notify
 
