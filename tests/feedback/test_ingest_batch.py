@@ -64,3 +64,35 @@ def test_values_are_stored_as_sent_and_absent_ones_as_sql_null(creds):
     assert (t.tags, t.policy_version, t.prompt[0]["content"]) == (["x"], None, "def add(a, b):")
     assert FeedbackEvent.objects.get(event_id="f-1").aspect_labels == {"style": 0.5}
     assert FeedbackEvent.objects.filter(event_id="f-2", aspect_labels__isnull=True, value__isnull=True).exists()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_row_the_database_refuses_costs_only_its_event_and_the_delivery_is_recorded_once(creds, monkeypatch, caplog):
+    """parse_event leaves nothing for the database to refuse; should it refuse a row all the same,
+    the batch is rolled back whole and stored again event by event: the others land, that event is
+    rejected with the database's reason, and the webhook-id is recorded once."""
+    import feedback.services as services
+    from django.db import DataError
+
+    from feedback.models import WebhookDelivery
+
+    real = services._insert_trajectories
+
+    def refuse(project, trajectories, now):
+        if any(t.external_id == "r-t1" for t in trajectories):
+            real(project, trajectories, now)  # the batch's statement ran, then the database refused
+            raise DataError("value out of range for the planted row")
+        return real(project, trajectories, now)
+
+    monkeypatch.setattr(services, "_insert_trajectories", refuse)
+    project = Project.objects.get(pk=creds.project.pk)
+    with caplog.at_level("ERROR", logger="feedback.services"):
+        results = feedback_ingest(project, _batch("r", 3), webhook_id="msg_refused_once")
+    assert [(r.id, r.status) for r in results] == [
+        ("r-t0", "accepted"), ("r-f0", "accepted"), ("r-t1", "rejected"), ("r-f1", "accepted"),
+        ("r-t2", "accepted"), ("r-f2", "accepted")]
+    assert "the database refused this event (value out of range for the planted row)" in results[2].reason
+    assert sorted(Trajectory.objects.values_list("external_id", flat=True)) == ["r-t0", "r-t2"]
+    assert Step.objects.count() == 2 and FeedbackEvent.objects.count() == 3  # r-f1 kept, waits for its trajectory
+    assert WebhookDelivery.objects.filter(webhook_id="msg_refused_once").count() == 1
+    assert "event by event" in caplog.text
