@@ -71,9 +71,9 @@ def test_a_row_the_database_refuses_costs_only_its_event_and_the_delivery_is_rec
     """parse_event leaves nothing for the database to refuse; should it refuse a row all the same,
     the batch is rolled back whole and stored again event by event: the others land, that event is
     rejected with the database's reason, and the webhook-id is recorded once."""
-    import feedback.services as services
     from django.db import DataError
 
+    import feedback.services as services
     from feedback.models import WebhookDelivery
 
     real = services._insert_trajectories
