@@ -18,7 +18,7 @@ import time
 from django.conf import settings
 from redis.exceptions import RedisError
 
-from core.cache import count
+from core.cache import count, count_within
 from core.errors import RateLimited
 from feedback.models import Project
 
@@ -61,15 +61,25 @@ _SERVE_FIX = "Retry after {retry} s (Retry-After); nothing was generated or reco
 
 def serving_rate_check(project: Project, key_id: int | None, completions: int) -> None:
     """A serving request for `completions` choices: counted per key and per project, and, as the
-    trajectories it will record, against the project's ingest rate. Raises RateLimited over any."""
-    per_key, per_project = settings.FLYWHEEL_SERVE_RATE_PER_KEY, settings.FLYWHEEL_SERVE_RATE_PER_PROJECT
-    used = rate_count(f"serve-key:{key_id}", 1)
-    if used is not None and used > per_key:
-        raise _over(f"this API key is over its rate of {per_key} completion requests per minute",
+    trajectories it will record, against the project's ingest rate, in that order and in one round
+    trip (a budget spends nothing once an earlier one refused). Raises RateLimited over any."""
+    window = int(time.time() // WINDOW_S)
+    counters = [(f"rate:serve-key:{key_id}:{window}", 1, settings.FLYWHEEL_SERVE_RATE_PER_KEY),
+                (f"rate:serve-project:{project.id}:{window}", 1, settings.FLYWHEEL_SERVE_RATE_PER_PROJECT),
+                (f"rate:ingest:{project.id}:{window}", max(completions, 1), project.rate_limit_per_minute)]
+    try:
+        over = count_within(counters, 2 * WINDOW_S)
+    except (RedisError, OSError):
+        log.warning("serving rate limits not applied: Redis is unreachable", exc_info=True)
+        return
+    if over is None:
+        return
+    if over[0] == 0:
+        raise _over(f"this API key is over its rate of {counters[0][2]} completion requests per minute",
                     _SERVE_FIX + " Spread requests over the minute, or use a key per client.")
-    used = rate_count(f"serve-project:{project.id}", 1)
-    if used is not None and used > per_project:
-        raise _over(f"project {project.slug!r} is over its rate of {per_project} completion requests per minute",
+    if over[0] == 1:
+        raise _over(f"project {project.slug!r} is over its rate of {counters[1][2]} completion requests per minute",
                     _SERVE_FIX)
-    ingest_rate_check(project, completions, fix=_SERVE_FIX + " (Every completion is recorded as a trajectory, "
-                                                             "which counts against the project's ingest rate.)")
+    raise _over(f"project {project.slug!r} is over its rate of {project.rate_limit_per_minute} events per minute",
+                _SERVE_FIX + " (Every completion is recorded as a trajectory, which counts against the project's "
+                             "ingest rate.)")

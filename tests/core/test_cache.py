@@ -11,7 +11,7 @@ import uuid
 import redis
 from django.conf import settings
 
-from core.cache import count, shared_cache
+from core.cache import count, count_within, shared_cache
 from feedback.ratelimit import rate_count
 
 
@@ -68,3 +68,21 @@ def test_a_count_is_the_caches_own_key_with_its_expiry():
 def test_a_cache_without_redis_counts_through_the_cache_api(settings):
     settings.CACHES = {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}}
     assert count("k", 2, 60) == 2 and count("k", 5, 60) == 7
+
+
+def _cascade_case() -> None:
+    a, b = f"a-{uuid.uuid4().hex}", f"b-{uuid.uuid4().hex}"
+    assert count_within([(a, 1, 2), (b, 5, 10)], 60) is None
+    assert count_within([(a, 1, 2), (b, 5, 10)], 60) is None  # a at 2, b at 10: each at its limit, within
+    assert count_within([(a, 1, 2), (b, 5, 10)], 60) == (0, 3)  # a over: b not added to
+    assert shared_cache().get(b) == 10
+    assert count_within([(b, 1, 100), (a, 0, 5)], 60) is None and shared_cache().get(b) == 11
+
+
+def test_counters_in_a_cascade_stop_at_the_first_over_its_limit():
+    _cascade_case()
+
+
+def test_a_cascade_without_redis_counts_through_the_cache_api(settings):
+    settings.CACHES = {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}}
+    _cascade_case()
