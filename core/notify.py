@@ -126,20 +126,11 @@ def ingest_pushed(project_id: int, counts: dict[str, int]) -> None:
 
 
 def _flush_soon(project_id: int) -> None:
-    asyncio.ensure_future(_flush(project_id))
-
-
-async def _flush(project_id: int) -> None:
+    """On the push loop: the project's summed counts, pushed as any payload is."""
     with _tally_lock:
         counts = _tallies.pop(project_id, None)
-    layer = get_channel_layer()
-    if not counts or layer is None:
-        return
-    payload = {"type": "ingest", **counts}
-    try:
-        await channel_layer_call(layer.group_send, project_group(project_id), {"type": "project.event", "payload": payload})
-    except Exception as exc:  # noqa: BLE001 - a lost push is shown as stale data, never as a failed write
-        log.warning("could not push ingest to project %s: %s: %s", project_id, type(exc).__name__, exc)
+    if counts:
+        project_event(project_id, {"type": "ingest", **counts})
 
 
 _loop_lock = threading.Lock()

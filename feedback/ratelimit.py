@@ -28,13 +28,16 @@ WINDOW_S = 60
 
 def rate_count(key: str, cost: int) -> int | None:
     """Adds `cost` to this minute's counter `key`; the total so far, or None with Redis away."""
-    window = int(time.time() // WINDOW_S)
-    bucket = f"rate:{key}:{window}"
     try:
-        return count(bucket, max(cost, 1), 2 * WINDOW_S)
+        return count(_bucket(key), max(cost, 1), 2 * WINDOW_S)
     except (RedisError, OSError):
         log.warning("rate limit %s not applied: Redis is unreachable", key, exc_info=True)
         return None
+
+
+def _bucket(key: str) -> str:
+    """This minute's counter of `key` (ingest and serving count the project's events in one)."""
+    return f"rate:{key}:{int(time.time() // WINDOW_S)}"
 
 
 def retry_after_s() -> int:
@@ -63,10 +66,9 @@ def serving_rate_check(project: Project, key_id: int | None, completions: int) -
     """A serving request for `completions` choices: counted per key and per project, and, as the
     trajectories it will record, against the project's ingest rate, in that order and in one round
     trip (a budget spends nothing once an earlier one refused). Raises RateLimited over any."""
-    window = int(time.time() // WINDOW_S)
-    counters = [(f"rate:serve-key:{key_id}:{window}", 1, settings.FLYWHEEL_SERVE_RATE_PER_KEY),
-                (f"rate:serve-project:{project.id}:{window}", 1, settings.FLYWHEEL_SERVE_RATE_PER_PROJECT),
-                (f"rate:ingest:{project.id}:{window}", max(completions, 1), project.rate_limit_per_minute)]
+    counters = [(_bucket(f"serve-key:{key_id}"), 1, settings.FLYWHEEL_SERVE_RATE_PER_KEY),
+                (_bucket(f"serve-project:{project.id}"), 1, settings.FLYWHEEL_SERVE_RATE_PER_PROJECT),
+                (_bucket(f"ingest:{project.id}"), max(completions, 1), project.rate_limit_per_minute)]
     try:
         over = count_within(counters, 2 * WINDOW_S)
     except (RedisError, OSError):
