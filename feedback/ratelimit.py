@@ -8,6 +8,11 @@
 
 When Redis cannot be reached the limit is not applied (logged): the durable write goes to
 PostgreSQL, and refusing feedback because a counter is down would lose it.
+
+The serving process counts its budgets in a `Tally` (core/cache.py): a request far from every limit
+is admitted on the process's own counts, settled with Redis within 0.1 s, and only one near a
+limit (or the first of a counter in this process) waits on Redis. A served completion's share of
+the ingest budget reaches the webhook's count within that settle.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import time
 from django.conf import settings
 from redis.exceptions import RedisError
 
-from core.cache import count, count_within
+from core.cache import Tally, count
 from core.errors import RateLimited
 from feedback.models import Project
 
@@ -62,15 +67,28 @@ def ingest_rate_check(project: Project, events: int, *,
 _SERVE_FIX = "Retry after {retry} s (Retry-After); nothing was generated or recorded for this request."
 
 
+SERVING = Tally()
+
+
+def _serving_counters(project: Project, key_id: int | None, completions: int) -> list[tuple[str, int, int]]:
+    return [(_bucket(f"serve-key:{key_id}"), 1, settings.FLYWHEEL_SERVE_RATE_PER_KEY),
+            (_bucket(f"serve-project:{project.id}"), 1, settings.FLYWHEEL_SERVE_RATE_PER_PROJECT),
+            (_bucket(f"ingest:{project.id}"), max(completions, 1), project.rate_limit_per_minute)]
+
+
+def serving_admitted_here(project: Project, key_id: int | None, completions: int) -> bool:
+    """True when a serving request is within its budgets by this process's counts (counted, no
+    I/O); False when `serving_rate_check` must count it in Redis."""
+    return SERVING.admit(_serving_counters(project, key_id, completions), 2 * WINDOW_S)
+
+
 def serving_rate_check(project: Project, key_id: int | None, completions: int) -> None:
     """A serving request for `completions` choices: counted per key and per project, and, as the
     trajectories it will record, against the project's ingest rate, in that order and in one round
     trip (a budget spends nothing once an earlier one refused). Raises RateLimited over any."""
-    counters = [(_bucket(f"serve-key:{key_id}"), 1, settings.FLYWHEEL_SERVE_RATE_PER_KEY),
-                (_bucket(f"serve-project:{project.id}"), 1, settings.FLYWHEEL_SERVE_RATE_PER_PROJECT),
-                (_bucket(f"ingest:{project.id}"), max(completions, 1), project.rate_limit_per_minute)]
+    counters = _serving_counters(project, key_id, completions)
     try:
-        over = count_within(counters, 2 * WINDOW_S)
+        over = SERVING.count_within(counters, 2 * WINDOW_S)
     except (RedisError, OSError):
         log.warning("serving rate limits not applied: Redis is unreachable", exc_info=True)
         return

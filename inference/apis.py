@@ -31,7 +31,7 @@ from core.errors import ApplicationError
 from core.metrics import metrics_response
 from feedback.auth import Principal, api_key_principal, bearer_token
 from feedback.models import ApiKey
-from feedback.ratelimit import serving_rate_check
+from feedback.ratelimit import serving_admitted_here, serving_rate_check
 from inference import conversations, metrics, serving, tools
 from inference.engines import SamplingParams
 from inference.serving import CompletionRequest, Served, ServingError
@@ -272,7 +272,7 @@ async def _admit(principal: Principal, body: dict[str, Any], server: serving.Pol
     """Before anything is generated or a conversation slot is taken: room in the recorder (a
     completion it cannot hold is refused, not answered and lost), then the rate limits per key
     and per project, and the ingest rate the recorded completions count against (Redis, shared
-    by the replicas: feedback/ratelimit.py)."""
+    by the replicas, waited on only near a limit: feedback/ratelimit.py)."""
     n = _number(body, "n", 1, 1, serving.MAX_N, integer=True)
     recorder = server.recorder
     if recorder is not None and recorder.full():
@@ -280,6 +280,8 @@ async def _admit(principal: Principal, body: dict[str, Any], server: serving.Pol
         raise ServingError(503, "this serving process is behind on recording completions",
                            f"Retry after {RECORDER_RETRY_S} s (Retry-After); the store is slow or away.",
                            headers={"Retry-After": str(RECORDER_RETRY_S)})
+    if serving_admitted_here(principal.project, principal.key_id, n):
+        return  # far from every limit: counted here, settled with Redis in the background
     # Off the event loop (a Redis round trip), on no particular thread; RateLimited is a 429 as it is.
     await sync_to_async(serving_rate_check, thread_sensitive=False)(principal.project, principal.key_id, n)
 

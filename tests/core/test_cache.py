@@ -6,12 +6,13 @@ from __future__ import annotations
 import contextvars
 import os
 import threading
+import time
 import uuid
 
 import redis
 from django.conf import settings
 
-from core.cache import count, count_within, shared_cache
+from core.cache import Tally, count, count_within, shared_cache
 from feedback.ratelimit import rate_count
 
 
@@ -86,3 +87,88 @@ def test_counters_in_a_cascade_stop_at_the_first_over_its_limit():
 def test_a_cascade_without_redis_counts_through_the_cache_api(settings):
     settings.CACHES = {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}}
     _cascade_case()
+
+
+def _tally_key() -> str:
+    return f"tally-{uuid.uuid4().hex}"
+
+
+def test_a_tally_counts_far_from_the_limit_without_redis_and_settles_later():
+    tally, key = Tally(settle_s=3600), _tally_key()  # settled by hand below
+    assert tally.admit([(key, 1, 100)], 60) is False  # a counter not seen yet: counted in Redis
+    assert tally.count_within([(key, 1, 100)], 60) is None and shared_cache().get(key) == 1
+    assert all(tally.admit([(key, 2, 100)], 60) for _ in range(10))
+    assert shared_cache().get(key) == 1  # nothing sent yet
+    tally.settle()
+    assert shared_cache().get(key) == 21
+
+
+def test_a_tally_near_its_limit_counts_in_redis_with_its_pending_counts_sent_along():
+    tally, key = Tally(settle_s=3600), _tally_key()
+    assert tally.count_within([(key, 1, 5)], 60) is None
+    admitted = 1 + sum(tally.admit([(key, 1, 5)], 60) for _ in range(10))
+    assert admitted == 5 and shared_cache().get(key) == 1  # the 6th would pass 5: Redis must say
+    assert tally.count_within([(key, 1, 5)], 60) == (0, 6)  # the 4 pending went with it: refused
+    assert shared_cache().get(key) == 6 and tally.admit([(key, 1, 5)], 60) is False
+
+
+def test_processes_sharing_a_counter_hold_its_limit_to_within_one_settle_of_the_others():
+    """Two tallies (two processes) each counting a request per step and settling every 5 steps:
+    together they admit no more than the limit plus one settle of the other's counts."""
+    key, limit = _tally_key(), 60
+    a, b = Tally(settle_s=3600), Tally(settle_s=3600)
+    admitted = 0
+    for step in range(200):
+        for tally in (a, b):
+            if tally.admit([(key, 1, limit)], 60) or tally.count_within([(key, 1, limit)], 60) is None:
+                admitted += 1
+        if step % 5 == 4:
+            a.settle()
+            b.settle()
+    assert limit - 5 <= admitted <= limit + 5
+    a.settle()
+    b.settle()
+    assert shared_cache().get(key) == 400  # every request counted, refused ones too (as count_within counts)
+
+
+def test_a_tally_with_redis_away_keeps_its_counts_pending_and_sends_them_later(settings, monkeypatch):
+    tally, key = Tally(settle_s=3600), _tally_key()
+    assert tally.count_within([(key, 1, 100)], 60) is None
+    assert tally.admit([(key, 3, 100)], 60)
+
+    def away(*args, **kwargs):
+        raise redis.ConnectionError("Redis is away")
+
+    monkeypatch.setattr("core.cache.add_many", away)
+    tally.settle()
+    assert tally.admit([(key, 3, 100)], 60)  # admitted on its own counts meanwhile
+    monkeypatch.undo()
+    tally.settle()
+    assert shared_cache().get(key) == 7
+
+
+def test_a_tally_settles_in_the_background():
+    tally, key = Tally(settle_s=0.01), _tally_key()
+    tally.count_within([(key, 1, 100)], 60)
+    assert tally.admit([(key, 4, 100)], 60)
+    deadline = time.monotonic() + 5
+    while shared_cache().get(key) != 5 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert shared_cache().get(key) == 5
+
+
+def test_a_forked_child_forgets_its_parents_pending_counts():
+    tally, key = Tally(settle_s=3600), _tally_key()
+    tally.count_within([(key, 1, 100)], 60)
+    assert tally.admit([(key, 5, 100)], 60)
+    pid = os.fork()
+    if pid == 0:
+        try:
+            tally.settle()  # nothing of the parent's to send
+            os._exit(0 if shared_cache().get(key) == 1 and tally.admit([(key, 1, 100)], 60) is False else 1)
+        except BaseException:
+            os._exit(2)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    tally.settle()
+    assert shared_cache().get(key) == 6

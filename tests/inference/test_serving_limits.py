@@ -125,3 +125,25 @@ def test_the_recorder_queue_is_bounded_and_sheds_with_a_metric():
     recorder.put([{"id": f"t-{i}"} for i in range(5)])
     assert recorder.pending() == 2 and recorder.full()
     assert _metric("flywheel_serving_recorder_shed_total", how="dropped") == before + 3
+
+
+def test_requests_far_from_their_limits_wait_on_no_redis_round_trip(client, creds, server, settings, one_rate_window):
+    import redis
+
+    from core.cache import shared_cache
+    from feedback import ratelimit
+
+    probe = redis.Redis.from_url(settings.CACHES["default"]["LOCATION"])
+
+    def evals() -> int:
+        return int(probe.info("commandstats").get("cmdstat_eval", {}).get("calls", 0))
+
+    try:
+        assert _chat(client, creds.api_key).status_code == 200  # the key's counters are new here: Redis counts it
+        before = evals()
+        assert [_chat(client, creds.api_key).status_code for _ in range(5)] == [200] * 5
+        assert evals() == before
+        ratelimit.SERVING.settle()  # the five reach the shared counter within a settle
+        assert shared_cache().get(ratelimit._bucket(f"serve-project:{creds.project.id}")) == 6
+    finally:
+        probe.close()
