@@ -107,15 +107,31 @@ class _SecondServer(uvicorn.Server):
         yield
 
 
+class Listeners:
+    """The public and the internal listener of a serving process. `serve` runs both until the
+    public one stops, then stops the other; on the main thread the public one stops on SIGINT or
+    SIGTERM (uvicorn's own handlers). On another thread's loop (the engine's: no hop between a
+    request and the engine) uvicorn cannot take the signals: the main thread calls `stop`."""
+
+    def __init__(self, host: str, port: int, internal_host: str, internal_port: int) -> None:
+        self.internal = _SecondServer(uvicorn.Config(listener_app(INTERNAL_URLS), host=internal_host,
+                                                     port=internal_port, log_level="warning", lifespan="off"))
+        self.public = uvicorn.Server(uvicorn.Config(listener_app(PUBLIC_URLS), host=host, port=port,
+                                                    log_level="warning", lifespan="off"))
+
+    async def serve(self) -> None:
+        task = asyncio.create_task(self.internal.serve())
+        try:
+            await self.public.serve()
+        finally:
+            self.internal.should_exit = True
+            await task
+
+    def stop(self) -> None:
+        """Both stop after their requests in flight (uvicorn reads the flag on its loop)."""
+        self.public.should_exit = True
+
+
 async def serve_both(host: str, port: int, internal_host: str, internal_port: int) -> None:
     """Runs both listeners until the public one stops (SIGINT/SIGTERM), then stops the other."""
-    internal = _SecondServer(uvicorn.Config(listener_app(INTERNAL_URLS), host=internal_host, port=internal_port,
-                                            log_level="warning", lifespan="off"))
-    public = uvicorn.Server(uvicorn.Config(listener_app(PUBLIC_URLS), host=host, port=port,
-                                           log_level="warning", lifespan="off"))
-    task = asyncio.create_task(internal.serve())
-    try:
-        await public.serve()
-    finally:
-        internal.should_exit = True
-        await task
+    await Listeners(host, port, internal_host, internal_port).serve()

@@ -17,6 +17,7 @@ only through its project's server, so a key of A never reaches B's adapter.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -47,6 +48,9 @@ class AdapterView(Engine):
     @property
     def tokenizer(self) -> Any:
         return self.host.tokenizer
+
+    def home_loop(self) -> asyncio.AbstractEventLoop | None:
+        return self.host.home_loop()
 
     # --- generation ---------------------------------------------------------------------------
     def _take(self) -> tuple[str, int]:

@@ -107,6 +107,12 @@ class Engine(abc.ABC):
         run one at a time under the lock; engines that batch concurrent calls override it."""
         return await asyncio.to_thread(self.generate, prompts, n, sampling)
 
+    def home_loop(self) -> asyncio.AbstractEventLoop | None:
+        """The event loop this engine's asynchronous work runs on, where it has one of its own
+        (vllm-async): a server that runs its listeners on it awaits the engine with no hop
+        between threads. None: any loop will do."""
+        return None
+
     def load_weights(self, source: WeightsSource, version: int) -> None:
         """Swap to new weights (an HF folder or a state dict in HF names), atomically."""
         with self._lock:

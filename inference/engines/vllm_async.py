@@ -97,8 +97,22 @@ class AsyncVLLMEngine(Engine):
         return self._tokenizer
 
     # --- the engine loop ----------------------------------------------------------------------
+    def home_loop(self) -> asyncio.AbstractEventLoop:
+        return self._loop
+
     def _call(self, coro: Any, timeout: float | None = None) -> Any:
+        if threading.current_thread() is self._thread:
+            coro.close()
+            raise RuntimeError("a blocking engine call on the engine's own loop would wait for itself; "
+                               "await the engine's async methods there (agenerate, agenerate_on)")
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    async def _on_loop(self, coro: Any) -> Any:
+        """`coro` run on the engine's loop: awaited in place when the caller is on it already
+        (a server whose listeners run there), else handed over to it."""
+        if asyncio.get_running_loop() is self._loop:
+            return await coro
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self._loop))
 
     async def _start(self, settings: dict[str, Any]) -> Any:
         # Built on this loop so that AsyncLLM's output handler runs here.
@@ -121,9 +135,7 @@ class AsyncVLLMEngine(Engine):
     async def agenerate(
         self, prompts: Prompts, n: int = 1, sampling: SamplingParams | None = None
     ) -> list[Completion]:
-        future = asyncio.run_coroutine_threadsafe(
-            self._run(self._encode(prompts), n, sampling or SamplingParams()), self._loop)
-        return await asyncio.wrap_future(future)
+        return await self._on_loop(self._run(self._encode(prompts), n, sampling or SamplingParams()))
 
     def generate_on(self, adapter: str | None, prompts: Prompts, n: int = 1,
                     sampling: SamplingParams | None = None) -> list[Completion]:
@@ -131,9 +143,7 @@ class AsyncVLLMEngine(Engine):
 
     async def agenerate_on(self, adapter: str | None, prompts: Prompts, n: int = 1,
                            sampling: SamplingParams | None = None) -> list[Completion]:
-        future = asyncio.run_coroutine_threadsafe(
-            self._run(self._encode(prompts), n, sampling or SamplingParams(), adapter), self._loop)
-        return await asyncio.wrap_future(future)
+        return await self._on_loop(self._run(self._encode(prompts), n, sampling or SamplingParams(), adapter))
 
     # --- several adapters held at once (inference/engines/adapters.py AdapterView) -----------------
     def adapter_add(self, folder: Path) -> str:

@@ -80,6 +80,8 @@ def test_concurrent_requests_share_engine_steps_and_each_is_recorded(creds, dens
         choices = [a.json()["choices"][0] for a in answers]
     finally:
         _stop(proc)  # shutdown flushes the recorder
+    # A graceful stop (SIGTERM): the listeners run on the engine's loop, the main thread takes the signal.
+    assert proc.returncode == 0
     stored = {t.external_id: t for t in Trajectory.objects.filter(external_id__in=[c["trajectory_id"] for c in choices])}
     assert len(stored) == len(PROMPTS) and {t.policy_version for t in stored.values()} == {1}
     score = _scorer(dense_dir)

@@ -137,6 +137,18 @@ def test_the_async_serving_engine_swaps_adapters_and_holds_production_and_canary
 
         base = asyncio.run(together())[0][0]
         assert (torch.tensor(base.logprobs) - _scores(dense_dir, base.prompt_token_ids, base.token_ids)).abs().max() < TOLERANCE
+        # On the engine's own loop (where a serving process runs its listeners) the same calls are
+        # awaited in place; a blocking call there says why instead of waiting for itself forever.
+        loop = serving.home_loop()
+        assert production.home_loop() is loop
+        base = asyncio.run_coroutine_threadsafe(together(), loop).result(120)[0][0]
+        assert (torch.tensor(base.logprobs) - _scores(dense_dir, base.prompt_token_ids, base.token_ids)).abs().max() < TOLERANCE
+
+        async def blocking():
+            return serving.generate(["x"], sampling=SamplingParams(max_tokens=1))
+
+        with pytest.raises(RuntimeError, match="own loop"):
+            asyncio.run_coroutine_threadsafe(blocking(), loop).result(60)
         canary.close()
         assert serving.adapters_held() == [production.adapter]
         assert production.generate(["def add(a, b):"], sampling=SamplingParams(max_tokens=4, seed=0))[0].version == 5

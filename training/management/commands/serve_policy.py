@@ -59,7 +59,7 @@ from feedback.services import feedback_ingest, quarantine_record
 from inference import apis, background, metrics, replica, serving
 from inference.background import BackgroundRollouts
 from inference.engines import AdapterView, Engine, EngineFactory, is_adapter_folder, new_event_loop
-from inference.listeners import serve_both
+from inference.listeners import Listeners
 from inference.serving import PolicyServer, Recorder, ServingError
 from inference.tokens import replica_token
 from kernels.delta import CheckpointCorrupt
@@ -136,9 +136,9 @@ class Command(BaseCommand):
         # uvicorn re-raises SIGTERM after its graceful shutdown; with the default action the process
         # would die before the recorder flushes. Raising SystemExit runs the `finally` below.
         signal.signal(signal.SIGTERM, _exit_on_signal)
+        listeners = Listeners(opts["host"], opts["port"], internal_host, internal_port)
         try:
-            with asyncio.Runner(loop_factory=new_event_loop) as runner:
-                runner.run(serve_both(opts["host"], opts["port"], internal_host, internal_port))
+            _serve(listeners, server.engine.home_loop())
         finally:
             replica.RECEIVER = None
             for agent in agents.values():
@@ -330,6 +330,31 @@ def _receive(agents: dict[str, ReplicaAgent], body: bytes, project: str | None =
 
 def _exit_on_signal(signum, frame) -> None:
     raise SystemExit(0)
+
+
+def _serve(listeners: Listeners, loop: asyncio.AbstractEventLoop | None) -> None:
+    """Runs the listeners until SIGINT or SIGTERM. With an engine that has a loop of its own
+    (vllm-async), on that loop: a request's handler then awaits the engine in place, where a loop
+    of the listeners' own handed every request to the engine's thread and back (two hops and the
+    GIL passed between threads, per request). The main thread waits and takes the signals."""
+    if loop is None:
+        with asyncio.Runner(loop_factory=new_event_loop) as runner:
+            runner.run(listeners.serve())
+        return
+    stopped: list[int] = []
+
+    def stop(signum, frame) -> None:
+        stopped.append(signum)
+        listeners.stop()
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        asyncio.run_coroutine_threadsafe(listeners.serve(), loop).result()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if stopped:
+        raise SystemExit(0)
 
 
 def recorder_for(project: Project) -> Recorder:
