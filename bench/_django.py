@@ -9,7 +9,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
+if sys.path[:1] != [str(ROOT)]:  # first: bench/inference.py must not shadow the package
     sys.path.insert(0, str(ROOT))
 
 from core import devsecrets  # noqa: E402 - after the path above

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
+if sys.path[:1] != [str(ROOT)]:  # first: bench/inference.py must not shadow the package
     sys.path.insert(0, str(ROOT))
 
 from training.corpora.config import MidtrainConfig  # noqa: E402 - torch- and Django-free
