@@ -183,3 +183,42 @@ def test_a_tied_head_model_hot_swaps_from_a_folder_that_holds_only_the_embedding
     del state["model.norm.weight"]
     with pytest.raises(ValueError, match="model.norm.weight"):
         engine.load_weights(state, version=3)
+
+
+
+def test_calls_from_an_event_loop_run_on_one_thread_of_the_engine_in_the_callers_context(policy_dir: Path) -> None:
+    """A pool of threads taking turns would leave an OpenMP team on each (inference/engines/base.py
+    `_on_own_thread`): every call from a loop, from any loop, runs on the engine's one thread, the
+    caller's context variables with it, and answers as `generate` does."""
+    import asyncio
+    import contextvars
+    import threading
+
+    engine = make_engine("torch", policy_dir)
+    request = contextvars.ContextVar("request", default=None)
+    seen: list[tuple[int, object]] = []
+    generate = engine.generate
+
+    def recorded(*args, **kwargs):
+        seen.append((threading.get_ident(), request.get()))
+        return generate(*args, **kwargs)
+
+    engine.generate = recorded
+    sampling = SamplingParams(max_tokens=4, seed=3)
+
+    async def one(i: int):
+        request.set(i)
+        return await engine.agenerate(["def add(a, b):"], sampling=sampling)
+
+    async def many():
+        return await asyncio.gather(*(one(i) for i in range(6)))
+
+    try:
+        answers = asyncio.run(many())
+        asyncio.run(one(6))  # another loop
+        assert len({ident for ident, _ in seen}) == 1 and seen[0][0] != threading.get_ident()
+        assert sorted(r for _, r in seen) == list(range(7))
+        alone = generate(["def add(a, b):"], sampling=sampling)[0].token_ids
+        assert all(a[0].token_ids == alone for a in answers)
+    finally:
+        engine.close()
