@@ -45,18 +45,10 @@ def shared_cache() -> BaseCache:
 
 def count(key: str, amount: int, timeout_s: int) -> int:
     """Adds `amount` to counter `key` (created at 0, expiring after `timeout_s`); the new total.
-    On Redis one round trip (SET NX EX, INCRBY, pipelined); Django's add and incr take three (its
-    incr checks EXISTS first). The key is the cache's own (its prefix and version), so the cache
-    API reads the same counter."""
-    cache = shared_cache()
-    if not isinstance(cache, RedisCache):
-        cache.add(key, 0, timeout=timeout_s)
-        return cache.incr(key, amount)
-    full = cache.make_and_validate_key(key)
-    pipe = cache._cache.get_client(full, write=True).pipeline(transaction=False)
-    pipe.set(full, 0, ex=timeout_s, nx=True)
-    pipe.incrby(full, amount)
-    return int(pipe.execute()[1])
+    On Redis one round trip (SET NX EX, INCRBY, pipelined: `add_many`); Django's add and incr take
+    three (its incr checks EXISTS first). The key is the cache's own (its prefix and version), so
+    the cache API reads the same counter."""
+    return add_many({key: amount}, timeout_s)[key]
 
 
 # Counters in order, each added to only while every one before it stayed within its limit (a

@@ -101,7 +101,7 @@ def listener_app(urlconf: str) -> BodyLimit:
 
 
 class _SecondServer(uvicorn.Server):
-    # The first server owns the signals; this one stops when it does (see serve_both).
+    # The first server owns the signals; this one stops when it does (see Listeners.serve).
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         yield
@@ -131,7 +131,3 @@ class Listeners:
         """Both stop after their requests in flight (uvicorn reads the flag on its loop)."""
         self.public.should_exit = True
 
-
-async def serve_both(host: str, port: int, internal_host: str, internal_port: int) -> None:
-    """Runs both listeners until the public one stops (SIGINT/SIGTERM), then stops the other."""
-    await Listeners(host, port, internal_host, internal_port).serve()

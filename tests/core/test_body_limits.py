@@ -1,6 +1,6 @@
 """Every listener bounds request bodies before reading them (core/bodylimit.py), over real HTTP:
 the web app under the suite's uvicorn, the serving process's public and internal listeners as
-`serve_both` builds them (inference/listeners.py `listener_app`) under uvicorn in a thread.
+`Listeners` builds them (inference/listeners.py `listener_app`) under uvicorn in a thread.
 
 A 413 that arrives while the client has sent no byte of its body proves the server answered
 without reading (or spooling) any of it.
