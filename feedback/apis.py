@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator, Iterator
 from itertools import islice
 from typing import Any
 
+import msgspec
 from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.core.exceptions import RequestDataTooBig
@@ -160,7 +161,19 @@ def _events(body: bytes) -> list[Any]:
     return events
 
 
+_STRICT_JSON = msgspec.json.Decoder()
+
+
 def _json_loads(text: str) -> Any:
+    # msgspec first: a batch decodes in about a third of json.loads's time, to the same values
+    # (tested on generated JSON). It takes only strict JSON whose numbers fit a float and whose
+    # integers have at most 4,300 digits; anything else (NaN, Infinity, 1e400, a lone surrogate,
+    # deep nesting, a malformed body) falls through to json.loads, whose answers and errors stay
+    # the contract.
+    try:
+        return _STRICT_JSON.decode(text)
+    except (msgspec.MsgspecError, RecursionError, ValueError):  # ValueError: a str with a lone surrogate
+        pass
     try:
         return json.loads(text)
     except ValueError:

@@ -248,3 +248,70 @@ def test_the_parser_only_ever_raises_event_error(event):
     values = [record.extra] + ([record.prompt, record.tags] if hasattr(record, "prompt") else [])
     for value in values:
         _clean(json.loads(json.dumps(value, allow_nan=False)))  # JSON as the service serialises it
+
+
+# --- the body's JSON: the fast decoder and the rows' encoder agree with the standard library -----
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal values of the same types all the way down (1 and 1.0 differ; -0.0 and 0.0 differ)."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, float):
+        return repr(a) == repr(b)
+    if isinstance(a, list):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, dict):
+        return list(a) == list(b) and all(_same(a[k], b[k]) for k in a)
+    return a == b
+
+
+literal = st.from_regex(r"-?(0|[1-9][0-9]{0,30}|[1-9][0-9]{300,320}|[1-9][0-9]{4290,4310})(\.[0-9]{1,25})?"
+                        r"([eE][+-]?[0-9]{1,3})?", fullmatch=True)
+body_text = st.one_of(
+    json_value.map(lambda v: json.dumps(v, ensure_ascii=False)),  # NaN, Infinity and lone surrogates included
+    json_value.map(json.dumps),
+    st.lists(literal, max_size=4).map(lambda xs: "[" + ",".join(xs) + "]"),
+    st.text(st.sampled_from('[]{}",:0123456789.eE-+ \\u"nulltrefasNIy'), max_size=24),
+)
+
+
+@PURE
+@given(text=body_text)
+def test_the_body_decodes_as_json_loads_decodes_it(text):
+    from feedback.apis import _json_loads
+
+    try:
+        expected = json.loads(text)
+    except RecursionError:
+        with pytest.raises(RecursionError):
+            _json_loads(text)
+        return
+    except ValueError:
+        expected = ValueError
+    if expected is ValueError:  # the huge-integer retry, or a refusal (a 400 naming the JSON error)
+        try:
+            expected = json.loads(text, parse_int=lambda s: int(s) if len(s) <= 310 else float(s))
+        except ValueError:
+            with pytest.raises(ValueError):
+                _json_loads(text)
+            return
+    assert _same(_json_loads(text), expected)
+
+
+@PURE
+@given(rows=st.lists(st.lists(json_value, max_size=4), max_size=4))
+def test_the_rows_encode_as_json_dumps_writes_them(rows):
+    from feedback.services import _json_rows
+
+    try:
+        expected = json.dumps(rows, ensure_ascii=False, allow_nan=False).encode()
+    except ValueError:  # NaN or an infinity: parse_event refuses them before any row is written
+        return
+    except UnicodeEncodeError:  # a lone surrogate: parse_event refuses it too
+        return
+    try:
+        written = _json_rows(rows)
+    except UnicodeEncodeError:
+        return  # the same refusal, raised one step earlier
+    assert _same(json.loads(written), json.loads(expected))
