@@ -19,6 +19,7 @@ from django.conf import settings  # noqa: E402
 from core import dbthreads  # noqa: E402
 from core.asgi import LoopSignalsHandler  # noqa: E402
 from core.bodylimit import BodyLimit  # noqa: E402
+from core.heap import lifespan  # noqa: E402
 from webapp.consumers import StoreGuard  # noqa: E402
 from webapp.routing import websocket_urlpatterns  # noqa: E402
 
@@ -64,5 +65,7 @@ application = ProtocolTypeRouter(
         "http": BodyLimit(http_application, limit=settings.REQUEST_MAX_BODY_BYTES,
                           anonymous_limit=settings.ANONYMOUS_MAX_BODY_BYTES),
         "websocket": StoreGuard(AllowedHostsOriginValidator(AuthMiddlewareStack(URLRouter(websocket_urlpatterns)))),
+        # At the server's startup the loaded heap is frozen: full collections skip it (core/heap.py).
+        "lifespan": lifespan,
     }
 )

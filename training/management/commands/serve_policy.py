@@ -54,12 +54,13 @@ from django.db import InterfaceError, OperationalError, close_old_connections
 
 from core.db import keep_connections
 from core.errors import NotFound
+from core.heap import freeze_startup_heap
 from feedback.models import Project
 from feedback.services import feedback_ingest, quarantine_record
 from inference import apis, background, metrics, replica, serving
 from inference.background import BackgroundRollouts
 from inference.engines import AdapterView, Engine, EngineFactory, is_adapter_folder, new_event_loop
-from inference.listeners import Listeners
+from inference.listeners import INTERNAL_URLS, PUBLIC_URLS, Listeners
 from inference.serving import PolicyServer, Recorder, ServingError
 from inference.tokens import replica_token
 from kernels.delta import CheckpointCorrupt
@@ -336,7 +337,9 @@ def _serve(listeners: Listeners, loop: asyncio.AbstractEventLoop | None) -> None
     """Runs the listeners until SIGINT or SIGTERM. With an engine that has a loop of its own
     (vllm-async), on that loop: a request's handler then awaits the engine in place, where a loop
     of the listeners' own handed every request to the engine's thread and back (two hops and the
-    GIL passed between threads, per request). The main thread waits and takes the signals."""
+    GIL passed between threads, per request). The main thread waits and takes the signals.
+    The heap loaded so far (engines up, versions loaded) is frozen first (core/heap.py)."""
+    freeze_startup_heap((PUBLIC_URLS, INTERNAL_URLS))
     if loop is None:
         with asyncio.Runner(loop_factory=new_event_loop) as runner:
             runner.run(listeners.serve())

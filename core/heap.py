@@ -1,0 +1,47 @@
+"""A long-lived process's startup heap, marked permanent once it has loaded (`gc.freeze`).
+
+Python's cyclic collector walks every object of its oldest generation on a full collection. A
+web process starts with about 265,000 tracked objects (Django, DRF, and torch through the apps'
+imports), a serving process with more (vLLM's frontend beside them); none of them is garbage. An
+ingest batch of 1,000 events allocates about 60,000 containers, so a full collection came every
+few batches and took 150-300 ms of CPU, holding the GIL: measured in one process, a batch's CPU
+averaged 47 ms with them and 31.5 ms with the startup heap frozen (medians 29 and 30 ms).
+vLLM's API server and engine core do the same after their start (`freeze_gc_heap`).
+
+Objects made after the freeze are collected as before. A frozen object that later becomes
+cyclic garbage is kept: only what exists at start-up is frozen, which is loaded once."""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Iterable
+from typing import Any
+
+
+def freeze_startup_heap(urlconfs: Iterable[str | None] = (None,)) -> int:
+    """Loads the URLconfs `urlconfs` (None: the site's), collects what start-up left as garbage,
+    then freezes the rest; returns how many objects are frozen.
+
+    Django imports a URLconf, its views and all they import on the first request: in the web
+    process that is most of the heap (transformers, PEFT and the training app through the
+    views: 210,000 objects), which would be left unfrozen and walked by every full collection."""
+    from django.urls import get_resolver
+
+    for urlconf in urlconfs:
+        get_resolver(urlconf).url_patterns  # noqa: B018 - the import is the point
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
+
+
+async def lifespan(scope: dict[str, Any], receive, send) -> None:
+    """The ASGI lifespan protocol: the heap is frozen at the server's startup (after the app and
+    its imports loaded, before the first request)."""
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            freeze_startup_heap()
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            await send({"type": "lifespan.shutdown.complete"})
+            return
