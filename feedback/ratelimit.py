@@ -1,5 +1,5 @@
 """Rate limits: fixed one-minute windows counted in Redis, shared by every process that counts
-(web replicas, serving replicas). One counter, `rate_count`; three budgets over it:
+(web replicas, serving replicas). Three budgets:
 
 - ingest: a project's events per minute (`Project.rate_limit_per_minute`), for the webhook and
   bearer ingest, and for what the serving process will record (a served completion is an event);
@@ -9,10 +9,10 @@
 When Redis cannot be reached the limit is not applied (logged): the durable write goes to
 PostgreSQL, and refusing feedback because a counter is down would lose it.
 
-The serving process counts its budgets in a `Tally` (core/cache.py): a request far from every limit
-is admitted on the process's own counts, settled with Redis within 0.1 s, and only one near a
-limit (or the first of a counter in this process) waits on Redis. A served completion's share of
-the ingest budget reaches the webhook's count within that settle.
+Every process counts its budgets in one `Tally` (core/cache.py), `RATES`: a request far from every
+limit is admitted on the process's own counts, settled with Redis within 0.1 s, and only one near
+a limit (or the first of a counter in this process) waits on Redis. Each process's counts reach
+the others' within that settle (a served completion's share of the ingest budget, the webhook's).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import time
 from django.conf import settings
 from redis.exceptions import RedisError
 
-from core.cache import Tally, count
+from core.cache import Tally
 from core.errors import RateLimited
 from feedback.models import Project
 
@@ -31,13 +31,7 @@ log = logging.getLogger(__name__)
 WINDOW_S = 60
 
 
-def rate_count(key: str, cost: int) -> int | None:
-    """Adds `cost` to this minute's counter `key`; the total so far, or None with Redis away."""
-    try:
-        return count(_bucket(key), max(cost, 1), 2 * WINDOW_S)
-    except (RedisError, OSError):
-        log.warning("rate limit %s not applied: Redis is unreachable", key, exc_info=True)
-        return None
+RATES = Tally()
 
 
 def _bucket(key: str) -> str:
@@ -58,16 +52,20 @@ def ingest_rate_check(project: Project, events: int, *,
                       fix: str = "Retry after {retry} s with the same webhook-id; nothing from this request was "
                                  "stored.") -> None:
     """Counts `events` against the project's per-minute budget; raises RateLimited over it."""
-    used = rate_count(f"ingest:{project.id}", events)
-    if used is not None and used > project.rate_limit_per_minute:
+    counters = [(_bucket(f"ingest:{project.id}"), max(events, 1), project.rate_limit_per_minute)]
+    if RATES.admit(counters, 2 * WINDOW_S):
+        return
+    try:
+        over = RATES.count_within(counters, 2 * WINDOW_S)
+    except (RedisError, OSError):
+        log.warning("ingest rate limit not applied: Redis is unreachable", exc_info=True)
+        return
+    if over is not None:
         raise _over(f"project {project.slug!r} is over its rate of {project.rate_limit_per_minute} events per "
                     "minute", fix)
 
 
 _SERVE_FIX = "Retry after {retry} s (Retry-After); nothing was generated or recorded for this request."
-
-
-SERVING = Tally()
 
 
 def _serving_counters(project: Project, key_id: int | None, completions: int) -> list[tuple[str, int, int]]:
@@ -79,7 +77,7 @@ def _serving_counters(project: Project, key_id: int | None, completions: int) ->
 def serving_admitted_here(project: Project, key_id: int | None, completions: int) -> bool:
     """True when a serving request is within its budgets by this process's counts (counted, no
     I/O); False when `serving_rate_check` must count it in Redis."""
-    return SERVING.admit(_serving_counters(project, key_id, completions), 2 * WINDOW_S)
+    return RATES.admit(_serving_counters(project, key_id, completions), 2 * WINDOW_S)
 
 
 def serving_rate_check(project: Project, key_id: int | None, completions: int) -> None:
@@ -88,7 +86,7 @@ def serving_rate_check(project: Project, key_id: int | None, completions: int) -
     trip (a budget spends nothing once an earlier one refused). Raises RateLimited over any."""
     counters = _serving_counters(project, key_id, completions)
     try:
-        over = SERVING.count_within(counters, 2 * WINDOW_S)
+        over = RATES.count_within(counters, 2 * WINDOW_S)
     except (RedisError, OSError):
         log.warning("serving rate limits not applied: Redis is unreachable", exc_info=True)
         return

@@ -13,7 +13,6 @@ import redis
 from django.conf import settings
 
 from core.cache import Tally, count, count_within, shared_cache
-from feedback.ratelimit import rate_count
 
 
 def _in_fresh_contexts(fn, times: int) -> None:
@@ -28,27 +27,27 @@ def test_counts_from_many_requests_open_no_connection_after_the_first():
     probe = redis.Redis.from_url(settings.CACHES["default"]["LOCATION"])
     key = f"test-{uuid.uuid4().hex}"
     try:
-        rate_count(key, 1)  # the process's client connects here
+        count(key, 1, 120)  # the process's client connects here
         before = probe.info("stats")["total_connections_received"]
-        _in_fresh_contexts(lambda: rate_count(key, 2), 20)
+        _in_fresh_contexts(lambda: count(key, 2, 120), 20)
         assert probe.info("stats")["total_connections_received"] == before  # was one connection per context
-        assert rate_count(key, 0) == 1 + 20 * 2 + 1  # a cost below 1 counts 1
+        assert count(key, 1, 120) == 1 + 20 * 2 + 1
     finally:
         probe.close()
 
 
 def test_a_forked_child_counts_on_connections_of_its_own():
     key = f"test-{uuid.uuid4().hex}"
-    rate_count(key, 1)
+    count(key, 1, 120)
     pid = os.fork()
     if pid == 0:
         try:
-            os._exit(0 if rate_count(key, 5) == 6 else 1)
+            os._exit(0 if count(key, 5, 120) == 6 else 1)
         except BaseException:
             os._exit(2)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
-    assert rate_count(key, 1) == 7  # the parent's connection still works after the child's
+    assert count(key, 1, 120) == 7  # the parent's connection still works after the child's
 
 
 def test_swapped_cache_settings_get_a_client_of_their_own(settings):

@@ -143,7 +143,7 @@ def test_requests_far_from_their_limits_wait_on_no_redis_round_trip(client, cred
         before = evals()
         assert [_chat(client, creds.api_key).status_code for _ in range(5)] == [200] * 5
         assert evals() == before
-        ratelimit.SERVING.settle()  # the five reach the shared counter within a settle
+        ratelimit.RATES.settle()  # the five reach the shared counter within a settle
         assert shared_cache().get(ratelimit._bucket(f"serve-project:{creds.project.id}")) == 6
     finally:
         probe.close()
