@@ -266,8 +266,16 @@ def _same(a: Any, b: Any) -> bool:
     return a == b
 
 
-literal = st.from_regex(r"-?(0|[1-9][0-9]{0,30}|[1-9][0-9]{300,320}|[1-9][0-9]{4290,4310})(\.[0-9]{1,25})?"
-                        r"([eE][+-]?[0-9]{1,3})?", fullmatch=True)
+# A JSON number: an integer part of up to 30 digits, or near the float range (309), or near
+# Python's 4,300-digit limit on int(), with a fraction and an exponent or not.
+literal = st.builds(
+    lambda sign, head, size, fraction, exponent: sign + (head + "7" * (size - 1) if head != "0" else "0") + fraction
+    + exponent,
+    st.sampled_from(["", "-"]), st.sampled_from(["0", "1", "9"]),
+    st.one_of(st.integers(1, 30), st.integers(305, 315), st.integers(4295, 4305)),
+    st.one_of(st.just(""), st.from_regex(r"\.[0-9]{1,25}", fullmatch=True)),
+    st.one_of(st.just(""), st.from_regex(r"[eE][+-]?[0-9]{1,3}", fullmatch=True)),
+)
 body_text = st.one_of(
     json_value.map(lambda v: json.dumps(v, ensure_ascii=False)),  # NaN, Infinity and lone surrogates included
     json_value.map(json.dumps),
