@@ -10,6 +10,8 @@ database and Redis and runs both at batch 100 and 1,000 in interleaved rounds (t
 every round): the median events/s with their range, and the CPU each event cost the web server
 and the database (microseconds, from /proc: a figure the load of a shared machine disturbs far
 less than the wall clock). Every run counts the rows stored against the events sent.
+Every run but --quick starts on a fresh bench database (dropped and migrated again; --keep-db keeps
+the last one), so that runs compare on tables of the same size.
 
 The redaction column: a project with every built-in redactor on (the default of a new project:
 e-mail, API keys and tokens, IPv4, IPv6; one prompt in ten holds an address to replace) against
@@ -393,11 +395,16 @@ def main() -> None:
     parser.add_argument("--before", help="a checkout to compare with (git worktree add ../before main): both served "
                                          "on one database, batch 100 and 1,000 interleaved, CPU per event")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of --before")
+    parser.add_argument("--keep-db", action="store_true", help="keep the bench database of earlier runs (by default "
+                                                               "it is dropped and made again)")
     args = parser.parse_args()
     if args.pairs < 7:
         parser.error("--pairs must be at least 7: fewer pairs give no spread worth reading")
 
-    url = setup_django(BENCH_DB)
+    # A fresh database each run: its tables grow by about 250,000 events a run, and on the
+    # millionth row the same code measured 20-30% slower (its indexes out of PostgreSQL's cache).
+    # --quick (the suite's check, in process, a few batches) keeps it: no migration to wait for.
+    url = setup_django(BENCH_DB, fresh=not (args.keep_db or args.quick))
     if args.before is not None:
         lines, compared = compare(url, Path(args.before).resolve(), args.events, args.clients, args.rounds)
         print("\n".join(lines))
