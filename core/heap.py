@@ -19,9 +19,10 @@ from collections.abc import Iterable
 from typing import Any
 
 
-def freeze_startup_heap(urlconfs: Iterable[str | None] = (None,)) -> int:
+def freeze_startup_heap(urlconfs: Iterable[str | None] = (None,)) -> None:
     """Loads the URLconfs `urlconfs` (None: the site's), collects what start-up left as garbage,
-    then freezes the rest; returns how many objects are frozen.
+    then freezes the rest (`gc.get_freeze_count()` says how many: it walks them, so it is not
+    called here).
 
     Django imports a URLconf, its views and all they import on the first request: in the web
     process that is most of the heap (transformers, PEFT and the training app through the
@@ -32,7 +33,6 @@ def freeze_startup_heap(urlconfs: Iterable[str | None] = (None,)) -> int:
         get_resolver(urlconf).url_patterns  # noqa: B018 - the import is the point
     gc.collect()
     gc.freeze()
-    return gc.get_freeze_count()
 
 
 async def lifespan(scope: dict[str, Any], receive, send) -> None:

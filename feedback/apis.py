@@ -172,7 +172,7 @@ def _json_loads(text: str) -> Any:
     # the contract.
     try:
         return _STRICT_JSON.decode(text)
-    except (msgspec.MsgspecError, RecursionError, ValueError):  # ValueError: a str with a lone surrogate
+    except (ValueError, RecursionError):  # msgspec's DecodeError is a ValueError; so is a lone surrogate's
         pass
     try:
         return json.loads(text)

@@ -43,6 +43,16 @@ def retry_after_s() -> int:
     return WINDOW_S - int(time.time() % WINDOW_S)
 
 
+def _counted_in_redis(counters: list[tuple[str, int, int]], what: str) -> tuple[int, int] | None:
+    """`RATES.count_within`: (index, total) of the counter over its limit, or None, also when
+    Redis is away (the limit not applied, logged)."""
+    try:
+        return RATES.count_within(counters, 2 * WINDOW_S)
+    except (RedisError, OSError):
+        log.warning("%s not applied: Redis is unreachable", what, exc_info=True)
+        return None
+
+
 def _over(what: str, fix: str) -> RateLimited:
     retry = retry_after_s()
     return RateLimited(what, fix.format(retry=retry), headers={"Retry-After": str(retry)})
@@ -53,14 +63,7 @@ def ingest_rate_check(project: Project, events: int, *,
                                  "stored.") -> None:
     """Counts `events` against the project's per-minute budget; raises RateLimited over it."""
     counters = [(_bucket(f"ingest:{project.id}"), max(events, 1), project.rate_limit_per_minute)]
-    if RATES.admit(counters, 2 * WINDOW_S):
-        return
-    try:
-        over = RATES.count_within(counters, 2 * WINDOW_S)
-    except (RedisError, OSError):
-        log.warning("ingest rate limit not applied: Redis is unreachable", exc_info=True)
-        return
-    if over is not None:
+    if not RATES.admit(counters, 2 * WINDOW_S) and _counted_in_redis(counters, "ingest rate limit") is not None:
         raise _over(f"project {project.slug!r} is over its rate of {project.rate_limit_per_minute} events per "
                     "minute", fix)
 
@@ -85,11 +88,7 @@ def serving_rate_check(project: Project, key_id: int | None, completions: int) -
     trajectories it will record, against the project's ingest rate, in that order and in one round
     trip (a budget spends nothing once an earlier one refused). Raises RateLimited over any."""
     counters = _serving_counters(project, key_id, completions)
-    try:
-        over = RATES.count_within(counters, 2 * WINDOW_S)
-    except (RedisError, OSError):
-        log.warning("serving rate limits not applied: Redis is unreachable", exc_info=True)
-        return
+    over = _counted_in_redis(counters, "serving rate limits")
     if over is None:
         return
     if over[0] == 0:
