@@ -32,6 +32,7 @@ import math
 import re
 import sys
 from dataclasses import dataclass, field
+from functools import lru_cache
 from datetime import UTC, datetime, timedelta
 from itertools import chain
 from typing import Any
@@ -221,7 +222,14 @@ def _consent(raw: Any) -> str | None:
 def hash_user(user: str, key: str) -> str:
     """HMAC-SHA256 of the user id under `key` (the server's per-project key, from its pepper):
     without the key a hash cannot be matched against guessed ids (e.g. emails)."""
-    return hmac.new(key.encode(), user.encode(), hashlib.sha256).hexdigest()
+    mac = _keyed_hmac(key).copy()  # the key's pads hashed once per key, not once per event
+    mac.update(user.encode())
+    return mac.hexdigest()
+
+
+@lru_cache(maxsize=256)
+def _keyed_hmac(key: str) -> hmac.HMAC:
+    return hmac.new(key.encode(), digestmod=hashlib.sha256)
 
 
 def _is_custom(signal: str) -> bool:

@@ -184,8 +184,10 @@ class FeedbackEvent(models.Model):
     # Feedback may arrive before its trajectory: the external id is kept and the link is made
     # when the trajectory lands (feedback.services._INSERT_TRAJECTORIES; feedback_link_orphans on beat).
     trajectory_external_id = models.CharField(max_length=255)
+    # Indexed by fb_trajectory, which holds linked rows only: a look-up of orphans (trajectory IS
+    # NULL) can then only take fb_orphans, whatever the planner's statistics say.
     trajectory = models.ForeignKey(
-        Trajectory, on_delete=models.CASCADE, null=True, blank=True, related_name="feedback_events"
+        Trajectory, on_delete=models.CASCADE, null=True, blank=True, related_name="feedback_events", db_index=False
     )
     signal = models.CharField(max_length=64)
     value = models.FloatField(null=True, blank=True)
@@ -208,6 +210,7 @@ class FeedbackEvent(models.Model):
                 name="fb_orphans",
                 condition=Q(trajectory__isnull=True),
             ),
+            models.Index(fields=["trajectory"], name="fb_trajectory", condition=Q(trajectory__isnull=False)),
         ]
 
     def __str__(self) -> str:

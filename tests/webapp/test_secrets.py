@@ -80,6 +80,10 @@ def test_user_ids_are_hmac_ed_with_the_server_pepper_not_the_project_slug(creds,
     assert stored == hmac.new(key.encode(), b"ada@example.com", hashlib.sha256).hexdigest()
     settings.FLYWHEEL_USER_PEPPER = "another-server"
     assert user_hash_key(creds.project) != key  # without the pepper the hashes cannot be recomputed
+    feedback_ingest(creds.project, [{**event, "id": "fb-2"}])  # under the new key, not a remembered one
+    again = FeedbackEvent.objects.get(event_id="fb-2").user_hash
+    assert again == hmac.new(user_hash_key(creds.project).encode(), b"ada@example.com", hashlib.sha256).hexdigest()
+    assert again != stored
 
 
 def _settings_process(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:

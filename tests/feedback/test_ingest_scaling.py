@@ -1,0 +1,99 @@
+"""A batch's database work is bounded by the batch, not by the size of the project or of the
+deployment: the look-ups that link feedback to its trajectory (and a late trajectory to the
+feedback that came first) probe an index per event, whatever the planner's statistics say.
+
+The statistics are made stale on purpose, as they are for a project that grew after the last
+ANALYZE (autovacuum analyses a table only after a tenth of it changed): the planner then takes the
+big project for an empty one. Each test counts the pages the batch's statements read from the
+looked-up table (EXPLAIN ANALYZE, BUFFERS) and bounds them by the batch."""
+
+from __future__ import annotations
+
+import pytest
+from django.db import connection
+
+from feedback.models import Project
+from feedback.services import feedback_ingest, project_create
+from tests.factories import feedback, trajectory
+
+pytestmark = pytest.mark.django_db
+
+BIG = 20_000  # rows already in the looked-up table
+BATCH = 20
+PAGES_PER_PROBE = 4  # an index descent (root, inner, leaf) and the heap page
+
+
+def _planned(statements: tuple[str, ...]):
+    """Wraps the connection: each statement starting with one of `statements` is first run under
+    EXPLAIN (ANALYZE, BUFFERS) in a savepoint that is rolled back, then for real."""
+    plans: list[dict] = []
+
+    def wrapper(execute, sql, params, many, context):
+        if sql.lstrip().startswith(statements):
+            cur = context["cursor"]
+            cur.execute("SAVEPOINT explained")
+            cur.execute("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + sql, params)
+            plans.append(cur.fetchone()[0][0]["Plan"])
+            cur.execute("ROLLBACK TO SAVEPOINT explained")
+        return execute(sql, params, many, context)
+
+    return wrapper, plans
+
+
+def _pages_scanned(plan: dict, relation: str) -> int:
+    """Pages (shared buffers hit or read) the plan's scans of `relation` touched."""
+    own = plan["Shared Hit Blocks"] + plan["Shared Read Blocks"] if (
+        "Scan" in plan["Node Type"] and plan.get("Relation Name") == relation) else 0
+    return own + sum(_pages_scanned(child, relation) for child in plan.get("Plans", []))
+
+
+_TRAJECTORIES = """
+INSERT INTO feedback_trajectory (project_id, external_id, policy_version, source, task, tags, prompt, extra,
+                                 occurred_at, received_at, user_hash, no_train)
+SELECT %(project)s, %(prefix)s || g, 1, 'live', '', '[]', '[]', '{}', now(), now(), '', false
+FROM generate_series(1, %(n)s) AS g
+"""
+
+_FEEDBACK = """
+INSERT INTO feedback_feedbackevent (project_id, event_id, trajectory_external_id, trajectory_id, signal, user_hash,
+                                    extra, occurred_at, received_at, no_train)
+SELECT %(project)s, %(prefix)s || g, 'never-' || g,
+       (SELECT min(id) FROM feedback_trajectory WHERE project_id = %(project)s AND %(linked)s),
+       'accept', '', '{}', now(), now(), false
+FROM generate_series(1, %(n)s) AS g
+"""
+
+
+def test_feedback_finds_its_trajectory_with_a_probe_per_event_in_a_big_project(creds):
+    project = Project.objects.get(pk=creds.project.pk)
+    small = project_create("small").project
+    with connection.cursor() as cur:  # a small project's trajectories analysed, then the big one's
+        cur.execute(_TRAJECTORIES, {"project": small.id, "prefix": "small-", "n": 500})
+        cur.execute("ANALYZE feedback_trajectory")
+        cur.execute(_TRAJECTORIES, {"project": project.id, "prefix": "old-", "n": BIG})
+    events = [feedback(f"f-{i}", f"old-{i * 997 % BIG + 1}") for i in range(BATCH)]
+    wrapper, plans = _planned(("INSERT INTO feedback_feedbackevent",))
+    with connection.execute_wrapper(wrapper):
+        results = feedback_ingest(project, events)
+    assert {r.status for r in results} == {"accepted"}
+    assert project.feedback_events.filter(trajectory__isnull=False).count() == BATCH  # every one linked
+    (plan,) = plans
+    assert _pages_scanned(plan, "feedback_trajectory") <= BATCH * PAGES_PER_PROBE
+
+
+def test_a_late_trajectory_finds_its_feedback_without_reading_other_projects_orphans(creds):
+    project = Project.objects.get(pk=creds.project.pk)
+    elsewhere = project_create("elsewhere").project  # its feedback's trajectories never come
+    with connection.cursor() as cur:  # linked feedback analysed, then the orphans
+        cur.execute(_TRAJECTORIES, {"project": elsewhere.id, "prefix": "seen-", "n": 1})
+        cur.execute(_FEEDBACK, {"project": elsewhere.id, "prefix": "linked-", "n": 500, "linked": True})
+        cur.execute("ANALYZE feedback_feedbackevent")
+        cur.execute(_FEEDBACK, {"project": elsewhere.id, "prefix": "orphan-", "n": BIG, "linked": False})
+    feedback_ingest(project, [feedback(f"early-{i}", f"t-{i}") for i in range(BATCH // 2)])  # before its trajectory
+    wrapper, plans = _planned(("WITH t AS (",))
+    with connection.execute_wrapper(wrapper):
+        results = feedback_ingest(project, [trajectory(f"t-{i}") for i in range(BATCH)])
+    assert {r.status for r in results} == {"accepted"}
+    assert project.feedback_events.filter(trajectory__isnull=True).count() == 0  # the early ones linked
+    (plan,) = plans
+    assert _pages_scanned(plan, "feedback_feedbackevent") <= BATCH * PAGES_PER_PROBE
