@@ -32,8 +32,8 @@ import math
 import re
 import sys
 from dataclasses import dataclass, field
-from functools import lru_cache
 from datetime import UTC, datetime, timedelta
+from functools import lru_cache
 from itertools import chain
 from typing import Any
 
