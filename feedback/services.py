@@ -37,6 +37,10 @@ from feedback.models import SERVICE_ACCOUNT_PREFIX, ApiKey, DataPolicy, Membersh
 from feedback.userdata import redaction
 
 SECRET_ROTATION_GRACE = timedelta(hours=24)
+# How long a delivered webhook-id is remembered. A Standard Webhooks sender retries a message
+# under its first id with a new timestamp for about a day (Svix's schedule ends near 27 h); after
+# that a re-sent batch is still stored once, each event answered "duplicate" by its own id.
+DELIVERY_KEEP = timedelta(days=7)
 
 log = logging.getLogger(__name__)
 
@@ -454,6 +458,23 @@ def feedback_link_orphans(project: Project) -> int:
             [project.id, project.id],
         )
         return cur.rowcount
+
+
+def webhook_deliveries_prune(now: datetime | None = None, batch: int = 1000, max_batches: int = 100) -> int:
+    """Forgets the webhook-ids delivered before DELIVERY_KEEP, oldest first, `batch` rows a
+    statement and at most `max_batches` a call (beat's next tick goes on): the table and its
+    unique index, which every signed batch inserts into at a random place, stay the size of a
+    week of deliveries instead of growing with every batch ever sent."""
+    cutoff = (now or timezone.now()) - DELIVERY_KEEP
+    gone = 0
+    with connection.cursor() as cur:
+        for _ in range(max_batches):
+            cur.execute("DELETE FROM feedback_webhookdelivery WHERE id IN (SELECT id FROM feedback_webhookdelivery "
+                        "WHERE received_at < %s ORDER BY id LIMIT %s)", [cutoff, batch])
+            gone += cur.rowcount
+            if cur.rowcount < batch:
+                break
+    return gone
 
 
 def _settle(results: list[EventResult], new_ids: dict[str, int], new_feedback: set[str],

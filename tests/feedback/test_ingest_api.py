@@ -71,6 +71,29 @@ def test_a_replayed_webhook_id_is_answered_as_duplicate(post_events, creds):
     assert FeedbackEvent.objects.count() == 1 and WebhookDelivery.objects.count() == 1
 
 
+def test_webhook_ids_are_forgotten_after_a_week_and_a_late_retry_still_stores_nothing_twice(post_events, creds):
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from feedback.services import DELIVERY_KEEP
+    from feedback.tasks import retention_sweep_all
+
+    body = json.dumps({"events": [feedback()]}).encode()
+    assert post_events(None, raw=body, headers=sign(creds.webhook_secret, body, msg_id="msg_old")).status_code == 202
+    recent = json.dumps({"events": [feedback("fb-2")]}).encode()
+    assert post_events(None, raw=recent, headers=sign(creds.webhook_secret, recent, msg_id="msg_recent")).status_code == 202
+    WebhookDelivery.objects.filter(webhook_id="msg_old").update(received_at=timezone.now() - DELIVERY_KEEP
+                                                                - timedelta(minutes=1))
+    assert retention_sweep_all()["deliveries"] == 1
+    assert list(WebhookDelivery.objects.values_list("webhook_id", flat=True)) == ["msg_recent"]
+    # The sender retries the old message (a new timestamp, the same id): each event is a duplicate by its own id.
+    again = post_events(None, raw=body, headers=sign(creds.webhook_secret, body, msg_id="msg_old"))
+    assert [r["status"] for r in again.json()["results"]] == ["duplicate"]
+    assert "stored before" in again.json()["results"][0]["reason"]
+    assert FeedbackEvent.objects.count() == 2
+
+
 def test_a_bearer_key_with_ingest_scope_is_accepted(client, creds):
     response = client.post("/api/v1/events", {"events": [feedback()]}, content_type="application/json",
                            HTTP_AUTHORIZATION=f"Bearer {creds.api_key}")
