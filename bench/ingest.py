@@ -26,7 +26,8 @@ runs the in-process pairs at batch 50.
 
 (b) runs uvicorn serving webapp.asgi (a separate process) on a bench database of the embedded
 PostgreSQL (or DATABASE_URL's server), with concurrent signed clients (feedback/client.py).
-Half the events are trajectories with one step of 24 tokens, half feedback on them.
+Half the events are trajectories with one step of 24 tokens (ids across a real vocabulary, log-probs
+with a float32's digits, as an engine reports them), half feedback on them.
 The embedded PostgreSQL is durable here (fsync, full-page writes and synchronous commit on): an
 event counts only once its commit reached the disk.
 """
@@ -36,7 +37,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -52,16 +55,26 @@ from bench._django import setup_django  # noqa: E402
 BENCH_DB = "flywheel_bench"
 
 
+def _sampled(i: int) -> tuple[list[int], list[float]]:
+    """24 token ids and their log-probs as an engine reports them: ids across a real vocabulary
+    (Qwen2's 151,936), log-probs float32 values widened to float (up to 17 digits in JSON: the
+    numbers PostgreSQL parses), the same for the same `i`."""
+    rng = random.Random(i)
+    ids = [rng.randrange(151_936) for _ in range(24)]
+    logprobs = struct.unpack("24f", struct.pack("24f", *(-rng.expovariate(2.0) for _ in range(24))))
+    return ids, list(logprobs)
+
+
 def make_events(prefix: str, n: int) -> list[dict]:
     events: list[dict] = []
     for i in range(n // 2):
+        ids, logprobs = _sampled(i)
         tid = f"{prefix}-t{i}"
         events.append({
             "type": "trajectory", "id": tid, "policy_version": 1, "task": "tab-completion",
             "prompt": [{"role": "user", "content": f"def f{i}(x):  # ask ann{i}@example.com, host 10.0.{i % 250}.1"
                         if i % 10 == 0 else f"def f{i}(x):  # returns x plus one, see the docs of version 1.2"}],
-            "steps": [{"role": "assistant", "content": " return x + 1", "token_ids": list(range(24)),
-                       "logprobs": [-0.25] * 24}],
+            "steps": [{"role": "assistant", "content": " return x + 1", "token_ids": ids, "logprobs": logprobs}],
             "occurred_at": "2026-11-29T08:00:00Z",
         })
         events.append({"type": "feedback", "id": f"{prefix}-f{i}", "trajectory_id": tid,
