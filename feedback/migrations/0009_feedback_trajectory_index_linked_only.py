@@ -2,25 +2,28 @@
 # The feedback's trajectory index holds linked rows only (trajectory IS NOT NULL), so that the
 # per-batch look-up of orphans (trajectory IS NULL) can only take fb_orphans: through the old
 # index, a planner whose statistics saw no orphans read every orphan of every project per batch.
+# The new index is built concurrently (ingest goes on writing meanwhile), before the old one goes.
 
 import django.db.models.deletion
+from django.contrib.postgres.operations import AddIndexConcurrently
 from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
+    atomic = False  # CREATE INDEX CONCURRENTLY runs outside a transaction
 
     dependencies = [
         ('feedback', '0008_fk_indexes_covered'),
     ]
 
     operations = [
+        AddIndexConcurrently(
+            model_name='feedbackevent',
+            index=models.Index(condition=models.Q(('trajectory__isnull', False)), fields=['trajectory'], name='fb_trajectory'),
+        ),
         migrations.AlterField(
             model_name='feedbackevent',
             name='trajectory',
             field=models.ForeignKey(blank=True, db_index=False, null=True, on_delete=django.db.models.deletion.CASCADE, related_name='feedback_events', to='feedback.trajectory'),
-        ),
-        migrations.AddIndex(
-            model_name='feedbackevent',
-            index=models.Index(condition=models.Q(('trajectory__isnull', False)), fields=['trajectory'], name='fb_trajectory'),
         ),
     ]
