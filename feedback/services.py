@@ -449,12 +449,17 @@ def _insert_feedback(project: Project, rows: list[FeedbackRecord], now: datetime
 
 
 def feedback_link_orphans(project: Project) -> int:
-    """Safety net run by beat: links any feedback whose trajectory has landed since."""
+    """Safety net run by beat: links any feedback whose trajectory has landed since. Its work is
+    the project's orphans (fb_orphans), each probing the trajectories' unique index, as ingest's
+    look-ups do: never all of the project's trajectories."""
     with connection.cursor() as cur:
         cur.execute(
-            "UPDATE feedback_feedbackevent fe SET trajectory_id = t.id FROM feedback_trajectory t "
-            "WHERE fe.project_id = %s AND fe.trajectory_id IS NULL AND t.project_id = %s "
-            "AND fe.trajectory_external_id = t.external_id",
+            "UPDATE feedback_feedbackevent fe SET trajectory_id = m.trajectory_id FROM ("
+            " SELECT o.id, t.id AS trajectory_id FROM (SELECT id, trajectory_external_id FROM feedback_feedbackevent"
+            "  WHERE project_id = (SELECT %s::bigint) AND trajectory_id IS NULL OFFSET 0) o"
+            " CROSS JOIN LATERAL (SELECT id FROM feedback_trajectory WHERE project_id = (SELECT %s::bigint)"
+            "  AND external_id = o.trajectory_external_id LIMIT 1) t) m "
+            "WHERE fe.id = m.id",
             [project.id, project.id],
         )
         return cur.rowcount

@@ -97,3 +97,21 @@ def test_a_late_trajectory_finds_its_feedback_without_reading_other_projects_orp
     assert project.feedback_events.filter(trajectory__isnull=True).count() == 0  # the early ones linked
     (plan,) = plans
     assert _pages_scanned(plan, "feedback_feedbackevent") <= BATCH * PAGES_PER_PROBE
+
+
+def test_the_orphan_safety_net_links_by_probes_not_by_reading_the_project(creds):
+    from feedback.services import feedback_link_orphans
+
+    project = Project.objects.get(pk=creds.project.pk)
+    small = project_create("small").project
+    feedback_ingest(project, [feedback(f"early-{i}", f"old-{i * 997 % BIG + 1}") for i in range(BATCH)])
+    with connection.cursor() as cur:  # trajectories that landed without ingest's link, unseen by the statistics
+        cur.execute(_TRAJECTORIES, {"project": small.id, "prefix": "small-", "n": 500})
+        cur.execute("ANALYZE feedback_trajectory")
+        cur.execute(_TRAJECTORIES, {"project": project.id, "prefix": "old-", "n": BIG})
+    wrapper, plans = _planned(("UPDATE feedback_feedbackevent",))
+    with connection.execute_wrapper(wrapper):
+        assert feedback_link_orphans(project) == BATCH
+    assert project.feedback_events.filter(trajectory__isnull=True).count() == 0
+    (plan,) = plans
+    assert _pages_scanned(plan, "feedback_trajectory") <= BATCH * PAGES_PER_PROBE
