@@ -25,6 +25,7 @@ from django.utils import timezone
 
 from core.errors import BadRequest
 from feedback.models import ConsentOptOut, DataPolicy, FeedbackEvent, Project, Quarantine, Trajectory
+from feedback.selectors import in_project
 from feedback.services import data_policy_of, user_hash_of
 from feedback.userdata import redaction
 
@@ -113,7 +114,7 @@ def user_rows_erase(project: Project, user: Any) -> RowsErased:
         + Quarantine.objects.filter(project=project, item__in=[f"trajectory {e}" for e in external_ids]).delete()[0],
         "rewards_recomputed": _rewards_drop(others),
         "feedback": FeedbackEvent.objects.filter(project=project, user_hash=hashed).delete()[0]
-        + FeedbackEvent.objects.filter(project=project, trajectory__isnull=True,
+        + FeedbackEvent.objects.filter(in_project(project), trajectory__isnull=True,
                                        trajectory_external_id__in=external_ids).delete()[0],
         "trajectories": len(external_ids),
         "opt_out": ConsentOptOut.objects.filter(project=project, user_hash=hashed).delete()[0],

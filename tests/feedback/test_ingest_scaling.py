@@ -1,6 +1,7 @@
-"""A batch's database work is bounded by the batch, not by the size of the project or of the
-deployment: the look-ups that link feedback to its trajectory (and a late trajectory to the
-feedback that came first) probe an index per event, whatever the planner's statistics say.
+"""Look-ups by a project's own ids cost what they look up, not the size of the project or of the
+deployment: the ones that link feedback to its trajectory (and a late trajectory to the feedback
+that came first) probe an index per event, and a trajectory read by its id probes the unique
+index, whatever the planner's statistics say.
 
 The statistics are made stale on purpose, as they are for a project that grew after the last
 ANALYZE (autovacuum analyses a table only after a tenth of it changed): the planner then takes the
@@ -115,3 +116,18 @@ def test_the_orphan_safety_net_links_by_probes_not_by_reading_the_project(creds)
     assert project.feedback_events.filter(trajectory__isnull=True).count() == 0
     (plan,) = plans
     assert _pages_scanned(plan, "feedback_trajectory") <= BATCH * PAGES_PER_PROBE
+
+
+def test_a_trajectory_read_by_its_id_probes_the_unique_index_in_a_big_project(creds, client):
+    project = Project.objects.get(pk=creds.project.pk)
+    small = project_create("small").project
+    with connection.cursor() as cur:
+        cur.execute(_TRAJECTORIES, {"project": small.id, "prefix": "small-", "n": 500})
+        cur.execute("ANALYZE feedback_trajectory")
+        cur.execute(_TRAJECTORIES, {"project": project.id, "prefix": "old-", "n": BIG})
+    wrapper, plans = _planned(('SELECT "feedback_trajectory"."id"',))
+    with connection.execute_wrapper(wrapper):
+        response = client.get(f"/api/v1/trajectories/old-{BIG // 2}", HTTP_AUTHORIZATION=f"Bearer {creds.api_key}")
+    assert response.status_code == 200 and response.json()["id"] == f"old-{BIG // 2}"
+    (plan,) = plans
+    assert _pages_scanned(plan, "feedback_trajectory") <= PAGES_PER_PROBE

@@ -13,6 +13,7 @@ from django.db import connection
 from django.db.models import QuerySet
 
 from feedback.models import FeedbackEvent, Project, Trajectory
+from feedback.selectors import in_project
 from feedback.services import user_hash_of
 from training.models import PolicyVersion
 
@@ -63,9 +64,9 @@ def data_of(project: Project, *, user: str | None = None, trajectory: str | None
     if user is not None:
         hashed = user_hash_of(project, user)
         trajectories, feedback = trajectories.filter(user_hash=hashed), feedback.filter(user_hash=hashed)
-    if trajectory is not None:
-        trajectories = trajectories.filter(external_id=trajectory)
-        feedback = feedback.filter(trajectory__external_id=trajectory)
+    if trajectory is not None:  # by its unique key, the project hidden from the planner (in_project)
+        one = Trajectory.objects.filter(in_project(project), external_id=trajectory).values("pk")
+        trajectories, feedback = trajectories.filter(pk__in=one), feedback.filter(trajectory__in=one)
     if since is not None:
         trajectories, feedback = trajectories.filter(occurred_at__gte=since), feedback.filter(occurred_at__gte=since)
     if until is not None:

@@ -10,6 +10,7 @@ from typing import Any
 
 from core.errors import Conflict
 from feedback.models import Project, Trajectory
+from feedback.selectors import in_project
 from feedback.services import feedback_ingest
 from inference.engines import SamplingParams, make_engine
 from training.models import TrainingRun
@@ -91,7 +92,7 @@ def rollout_and_train(
     events = _rollout_events(pool, completions, G, base.number)
     for start in range(0, len(events), 1000):
         feedback_ingest(project, events[start : start + 1000])
-    ids = list(Trajectory.objects.filter(project=project, external_id__in=[e["id"] for e in events]).values_list(
+    ids = list(Trajectory.objects.filter(in_project(project), external_id__in=[e["id"] for e in events]).values_list(
         "pk", flat=True))
     rewards_compute(ids, reward_spec_current(project))
     run, created = training_run_start(project, replace(settings, batch_size=len(ids), trajectory_ids=tuple(ids)),
