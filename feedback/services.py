@@ -421,11 +421,14 @@ def _insert_trajectories(project: Project, trajectories: list[TrajectoryRecord],
         return dict(cur.fetchall())
 
 
-# Each event's trajectory is found by its own probe of the unique index (a lateral with LIMIT
-# stays a nested loop whatever the planner's statistics say): a batch's work is bounded by the
-# batch, not by the project. As a join, a planner that had not yet counted a new project's rows
-# hashed all of the project's trajectories for every batch (58 ms against 20 ms a 500-event
-# batch at 200,000 trajectories).
+# Each event's trajectory is found by its own probe of the unique index, whatever the planner's
+# statistics say: a batch's work is bounded by the batch, not by the project. A lateral with LIMIT
+# stays a nested loop (as a join, a planner that had not yet counted a new project's rows hashed
+# all of them for every batch: 58 ms against 20 ms a 500-event batch at 200,000 trajectories), and
+# the project id is an InitPlan, `(SELECT %s::bigint)`, not a literal: a literal the statistics do
+# not know is estimated at one row, every index that leads with project_id then ties with the
+# unique one, and the planner took one with a filter that read the project per probe
+# (feedback.selectors.in_project; tests/feedback/test_ingest_scaling.py).
 _INSERT_FEEDBACK = """
 INSERT INTO feedback_feedbackevent (project_id, event_id, trajectory_external_id, trajectory_id, signal, value, step,
                                     user_hash, aspect_labels, extra, occurred_at, received_at, no_train)
@@ -473,6 +476,10 @@ def webhook_deliveries_prune(now: datetime | None = None, batch: int = 1000, max
     cutoff = (now or timezone.now()) - DELIVERY_KEEP
     gone = 0
     with connection.cursor() as cur:
+        cur.execute("SELECT received_at FROM feedback_webhookdelivery ORDER BY id LIMIT 1")
+        oldest = cur.fetchone()
+        if oldest is None or oldest[0] >= cutoff:  # nothing that old: no scan of the week's rows
+            return 0
         for _ in range(max_batches):
             cur.execute("DELETE FROM feedback_webhookdelivery WHERE id IN (SELECT id FROM feedback_webhookdelivery "
                         "WHERE received_at < %s ORDER BY id LIMIT %s)", [cutoff, batch])

@@ -87,6 +87,7 @@ def test_webhook_ids_are_forgotten_after_a_week_and_a_late_retry_still_stores_no
                                                                 - timedelta(minutes=1))
     assert retention_sweep_all()["deliveries"] == 1
     assert list(WebhookDelivery.objects.values_list("webhook_id", flat=True)) == ["msg_recent"]
+    assert retention_sweep_all()["deliveries"] == 0  # the oldest is recent: nothing more to forget
     # The sender retries the old message (a new timestamp, the same id): each event is a duplicate by its own id.
     again = post_events(None, raw=body, headers=sign(creds.webhook_secret, body, msg_id="msg_old"))
     assert [r["status"] for r in again.json()["results"]] == ["duplicate"]
