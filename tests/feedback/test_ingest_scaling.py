@@ -65,13 +65,19 @@ FROM generate_series(1, %(n)s) AS g
 """
 
 
-def test_feedback_finds_its_trajectory_with_a_probe_per_event_in_a_big_project(creds):
-    project = Project.objects.get(pk=creds.project.pk)
+def _stale_trajectories(project: Project) -> None:
+    """BIG trajectories of `project` (old-1 .. old-BIG) that the statistics know nothing of: the
+    table was analysed while it held only a small project's rows."""
     small = project_create("small").project
-    with connection.cursor() as cur:  # a small project's trajectories analysed, then the big one's
+    with connection.cursor() as cur:
         cur.execute(_TRAJECTORIES, {"project": small.id, "prefix": "small-", "n": 500})
         cur.execute("ANALYZE feedback_trajectory")
         cur.execute(_TRAJECTORIES, {"project": project.id, "prefix": "old-", "n": BIG})
+
+
+def test_feedback_finds_its_trajectory_with_a_probe_per_event_in_a_big_project(creds):
+    project = Project.objects.get(pk=creds.project.pk)
+    _stale_trajectories(project)
     events = [feedback(f"f-{i}", f"old-{i * 997 % BIG + 1}") for i in range(BATCH)]
     wrapper, plans = _planned(("INSERT INTO feedback_feedbackevent",))
     with connection.execute_wrapper(wrapper):
@@ -104,12 +110,8 @@ def test_the_orphan_safety_net_links_by_probes_not_by_reading_the_project(creds)
     from feedback.services import feedback_link_orphans
 
     project = Project.objects.get(pk=creds.project.pk)
-    small = project_create("small").project
     feedback_ingest(project, [feedback(f"early-{i}", f"old-{i * 997 % BIG + 1}") for i in range(BATCH)])
-    with connection.cursor() as cur:  # trajectories that landed without ingest's link, unseen by the statistics
-        cur.execute(_TRAJECTORIES, {"project": small.id, "prefix": "small-", "n": 500})
-        cur.execute("ANALYZE feedback_trajectory")
-        cur.execute(_TRAJECTORIES, {"project": project.id, "prefix": "old-", "n": BIG})
+    _stale_trajectories(project)
     wrapper, plans = _planned(("UPDATE feedback_feedbackevent",))
     with connection.execute_wrapper(wrapper):
         assert feedback_link_orphans(project) == BATCH
@@ -120,11 +122,7 @@ def test_the_orphan_safety_net_links_by_probes_not_by_reading_the_project(creds)
 
 def test_a_trajectory_read_by_its_id_probes_the_unique_index_in_a_big_project(creds, client):
     project = Project.objects.get(pk=creds.project.pk)
-    small = project_create("small").project
-    with connection.cursor() as cur:
-        cur.execute(_TRAJECTORIES, {"project": small.id, "prefix": "small-", "n": 500})
-        cur.execute("ANALYZE feedback_trajectory")
-        cur.execute(_TRAJECTORIES, {"project": project.id, "prefix": "old-", "n": BIG})
+    _stale_trajectories(project)
     wrapper, plans = _planned(('SELECT "feedback_trajectory"."id"',))
     with connection.execute_wrapper(wrapper):
         response = client.get(f"/api/v1/trajectories/old-{BIG // 2}", HTTP_AUTHORIZATION=f"Bearer {creds.api_key}")
