@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from django.conf import settings as django_settings
+from django.contrib.postgres.fields import ArrayField
 from django.db import models
 
 from feedback.models import Project, Trajectory
@@ -20,12 +21,34 @@ class RewardSpec(models.Model):
     judge = models.JSONField(default=dict, blank=True)  # {"kind": "rule"|"model", ...}
     settle_seconds = models.PositiveIntegerField(default=60)
     created_at = models.DateTimeField(auto_now_add=True)
+    # When the reward queue last went over every trajectory of the project under this spec and
+    # found less than a pass's worth to score (NULL: never; a new or edited spec starts there).
+    full_pass_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         constraints = [models.UniqueConstraint(fields=["project", "version"], name="uniq_rewardspec_version")]
 
     def __str__(self) -> str:
         return f"{self.project.slug} reward spec v{self.version}"
+
+
+class RewardDue(models.Model):
+    """Trajectories whose reward may be missing or stale: one row per statement that stored
+    trajectories, linked feedback to one, or released a quarantined one, written by the database's
+    own triggers (migration 0014) in that statement's transaction, so nothing stored escapes it
+    whoever wrote it. `at` is the newest activity among them (their received_at); the reward queue
+    reads a row once that time has settled, scores what is pending among its trajectories and
+    deletes it (training.rewards.services.rewards_compute_pending): a pass costs the project's new
+    work, not its history."""
+
+    # No constraint: a trigger may write here while Django deletes the project (its quarantine first).
+    project = models.ForeignKey(Project, on_delete=models.CASCADE, related_name="+", db_constraint=False,
+                                db_index=False)
+    trajectory_ids = ArrayField(models.BigIntegerField())
+    at = models.DateTimeField()
+
+    class Meta:
+        indexes = [models.Index(fields=["project", "at"], name="rewarddue_project_at")]
 
 
 class Reward(models.Model):

@@ -3,29 +3,37 @@
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
+from django.db import connection
 from django.db.models import DateTimeField, Exists, F, Max, OuterRef, Prefetch, Q, QuerySet, Subquery
 from django.db.models.functions import Coalesce, Greatest
 
 from feedback.models import FeedbackEvent, Project, Quarantine, Step, Trajectory
 from feedback.selectors import trainable
-from training.models import AgentTask, Reward, RewardSpec, RubricScore
+from training.models import AgentTask, Reward, RewardDue, RewardSpec, RubricScore
 from training.rewards.calibration import Agreement, aspect_agreement
 from training.rewards.reward_model import Labelled
 from training.rewards.spec import RewardSpecData
 
 
-def trajectories_reward_pending(project: Project, spec: RewardSpec, now: datetime) -> QuerySet[Trajectory]:
+def trajectories_reward_pending(project: Project, spec: RewardSpec, now: datetime,
+                                among: Sequence[int] | None = None) -> QuerySet[Trajectory]:
     """Trajectories whose feedback has settled and whose reward under `spec` is missing or older
     than their newest feedback (late feedback makes a reward stale). Quarantined ones are left
-    out: scoring them raised, and retrying the oldest item forever would stall the queue."""
+    out: scoring them raised, and retrying the oldest item forever would stall the queue.
+    `among`: only these ids, the project's own (the due rows'), found by the primary key alone:
+    with the project in the filter too, a project that grew after the last ANALYZE looks empty
+    to the planner, which then read all of its rows to pick out these (tests/training/rewards/
+    test_reward_queue.py); None: the whole project."""
+    scope = Q(project=project) if among is None else Q(pk__in=among)
     quarantined = Quarantine.objects.filter(trajectory=OuterRef("pk"), kind="reward")
     rewarded_at = Reward.objects.filter(trajectory=OuterRef("pk"), spec=spec).values("computed_at")[:1]
     settled_before = now - timedelta(seconds=spec.settle_seconds)
     return (
-        Trajectory.objects.filter(project=project)
+        Trajectory.objects.filter(scope)
         .exclude(source="eval")
         .exclude(Exists(quarantined))
         .annotate(last_feedback=Max("feedback_events__received_at"))
@@ -37,6 +45,25 @@ def trajectories_reward_pending(project: Project, spec: RewardSpec, now: datetim
         .filter(Q(rewarded_at__isnull=True) | Q(rewarded_at__lt=F("last_feedback")))
         .order_by("received_at")
     )
+
+
+def reward_due_rows(project: Project, settled_before: datetime, cap: int) -> list[tuple[int, list[int]]]:
+    """The project's due rows (training.models.RewardDue) whose activity settled by
+    `settled_before`, oldest first, as (row id, trajectory ids): rows until they name `cap`
+    trajectories (at least one row)."""
+    with connection.cursor() as cur:
+        cur.execute(
+            "SELECT id, trajectory_ids FROM (SELECT id, trajectory_ids, at, sum(cardinality(trajectory_ids)) OVER "
+            "(ORDER BY at, id) - cardinality(trajectory_ids) AS before FROM training_rewarddue "
+            "WHERE project_id = %s AND at <= %s) d WHERE before < %s ORDER BY at, id",
+            [project.pk, settled_before, cap],
+        )
+        return [(row_id, list(ids)) for row_id, ids in cur.fetchall()]
+
+
+def reward_due_row_ids(project: Project, settled_before: datetime) -> list[int]:
+    """Every due row of the project whose activity settled by `settled_before` (ids only)."""
+    return list(RewardDue.objects.filter(project=project, at__lte=settled_before).values_list("pk", flat=True))
 
 
 def rewarded_trajectories_since(

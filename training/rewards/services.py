@@ -7,7 +7,7 @@ verifiable checks + judge rubric → Reward and RubricScore rows).
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from django.db import transaction
@@ -18,7 +18,7 @@ from core.errors import BadRequest
 from core.notify import project_event
 from feedback.models import FeedbackEvent, Project, Step, Trajectory
 from feedback.services import quarantine_record
-from training.models import AgentTask, Reward, RewardSpec, RubricScore
+from training.models import AgentTask, Reward, RewardDue, RewardSpec, RubricScore
 from training.rewards import selectors
 from training.rewards.checks import CheckConfigError, CheckResult, SandboxUnavailable, check_from_config
 from training.rewards.judges import AspectScore, Judge, make_judge
@@ -79,7 +79,7 @@ def reward_spec_update(project: Project, **changes: Any) -> RewardSpec:
         fields = {**{f: getattr(current, f) for f in SPEC_FIELDS}, **changes}
         _spec_validate(fields)
         if not Reward.objects.filter(spec=current).exists():
-            RewardSpec.objects.filter(pk=current.pk).update(**fields)
+            RewardSpec.objects.filter(pk=current.pk).update(**fields, full_pass_at=None)  # rescored in full
             current.refresh_from_db()
             return current
         return RewardSpec.objects.create(project=project, version=current.version + 1, **fields)
@@ -216,15 +216,59 @@ def _quarantine(trajectory: Trajectory, spec: RewardSpec, exc: Exception) -> Non
                       trajectory_id=trajectory.pk, detail={"spec": spec.version})
 
 
+# How often the reward queue also goes over the whole project (the due rows see every write made
+# through Flywheel or the ORM; this is the net under rows changed by hand in the database).
+FULL_PASS_EVERY = timedelta(hours=24)
+# A pass reads due rows until they name this many trajectories per trajectory it may score.
+DUE_READ_FACTOR = 4
+
+
 def rewards_compute_pending(project: Project, limit: int = 1000, now: datetime | None = None) -> int:
-    """Scores the trajectories whose feedback settled (and those with late feedback); returns count."""
+    """Scores up to `limit` trajectories whose feedback settled (and those with late feedback);
+    returns the count.
+
+    A pass reads the due rows (training.models.RewardDue) whose activity has settled and scores
+    what is pending among their trajectories, then deletes them: its cost is the project's new
+    work, not its history (at 200,000 trajectories the whole-project query costs about a second
+    of database time, every 30 s, with nothing to score: bench/reward_queue.py). A due row names
+    every trajectory a statement touched; one whose activity has not settled yet has a later due
+    row of its own, read when that settles. The whole project is read instead when the spec has
+    no complete pass (a new or edited spec has everything to score) and every FULL_PASS_EVERY."""
+    now = now or timezone.now()
     spec = reward_spec_current(project)
-    pending = selectors.trajectories_reward_pending(project, spec, now or timezone.now())
-    ids = list(pending.values_list("pk", flat=True)[:limit])
+    settled_before = now - timedelta(seconds=spec.settle_seconds)
+    full = spec.full_pass_at is None or spec.full_pass_at <= now - FULL_PASS_EVERY
+    leftover: list[int] = []
+    if full:
+        rows = selectors.reward_due_row_ids(project, settled_before)  # read first: the query below covers them
+        pending = selectors.trajectories_reward_pending(project, spec, now)
+        ids = list(pending.values_list("pk", flat=True)[:limit])
+    else:
+        due = selectors.reward_due_rows(project, settled_before, DUE_READ_FACTOR * limit)
+        if not due:
+            return 0
+        rows = [row_id for row_id, _ in due]
+        among = sorted({t for _, ts in due for t in ts})
+        found = list(selectors.trajectories_reward_pending(project, spec, now, among).values_list("pk", flat=True))
+        ids, leftover = found[:limit], found[limit:]
     if ids:
         rewards_compute(ids, spec)
         project_event(project.pk, {"type": "rewards_computed", "spec": spec.version, "count": len(ids)})
+    if not full or len(ids) < limit:  # a full pass stopped by the limit goes on next time, its rows kept
+        _due_done(project, rows, leftover, settled_before, spec_full_at=(spec, now) if full else None)
     return len(ids)
+
+
+def _due_done(project: Project, rows: list[int], leftover: list[int], settled_before: datetime,
+              spec_full_at: tuple[RewardSpec, datetime] | None) -> None:
+    """After a pass scored: its due rows deleted, what it left for the limit due again first
+    (`at` = settled_before), and a complete full pass recorded on its spec."""
+    with transaction.atomic():
+        if spec_full_at is not None:
+            RewardSpec.objects.filter(pk=spec_full_at[0].pk).update(full_pass_at=spec_full_at[1])
+        RewardDue.objects.filter(pk__in=rows).delete()
+        if leftover:
+            RewardDue.objects.create(project=project, trajectory_ids=leftover, at=settled_before)
 
 
 def suggestions_reward(

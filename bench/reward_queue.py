@@ -1,0 +1,133 @@
+"""The reward queue's pass (beat runs it every 30 s per project): its cost as a project grows.
+
+    .venv/bin/python bench/reward_queue.py [--sizes 20000,200000] [--repeat 5] [--json]
+    .venv/bin/python bench/reward_queue.py --quick --json      # seconds (CI)
+
+For each size, a project is filled with `seed_load` (trajectories with a step, two feedback events
+each, every one already rewarded) on a fresh bench database, and the pass is timed three ways:
+
+- `whole`: the whole-project query, which was every pass before the due rows (and is still the
+  first pass of a new spec and the daily net): with nothing to score it reads every trajectory
+  and its feedback;
+- `idle`: the pass with nothing new (no due rows);
+- `new`: the pass after a batch of 100 new events (50 trajectories, feedback on 50 old ones),
+  scoring those 100 trajectories (median of `--repeat` batches; the scoring itself is in it).
+  `whole+new` is the whole-project query over the same state, for the same work.
+
+Milliseconds of wall clock on an otherwise idle database (PostgreSQL's own work and Python's),
+the median of `--repeat` passes with their range.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench._django import setup_django  # noqa: E402
+
+BENCH_DB = "flywheel_bench_rewards"
+
+
+def _ms(samples: list[float]) -> tuple[float, float, float]:
+    return statistics.median(samples) * 1000, min(samples) * 1000, max(samples) * 1000
+
+
+def _measure(slug: str, size: int, repeat: int) -> dict[str, tuple[float, float, float]]:
+    from django.core.management import call_command
+    from django.db import connection
+    from django.utils import timezone
+
+    from feedback.models import Project
+    from feedback.services import feedback_ingest
+    from training.models import RewardSpec
+    from training.rewards import selectors
+    from training.rewards.services import reward_spec_current, rewards_compute_pending
+
+    call_command("seed_load", events=2 * size, trajectories=size, project=slug, run_steps=10, stdout=open(os.devnull, "w"))
+    project = Project.objects.get(slug=slug)
+    RewardSpec.objects.filter(project=project).update(judge={}, aspects=[], settle_seconds=0)
+    with connection.cursor() as cur:
+        # seed_load spreads feedback up to 5 minutes after its trajectory, the newest into the
+        # future: moved into the past, so that the seeded rewards are current and nothing waits.
+        cur.execute("UPDATE feedback_feedbackevent SET received_at = now() - interval '10 minutes' "
+                    "WHERE project_id = %s AND received_at > now() - interval '10 minutes'", [project.pk])
+        cur.execute("VACUUM ANALYZE")
+    spec = reward_spec_current(project)
+    rewards_compute_pending(project, now=timezone.now())  # the first (whole) pass: the queue starts empty
+
+    def whole() -> int:
+        return len(list(selectors.trajectories_reward_pending(project, spec, timezone.now())
+                        .values_list("pk", flat=True)[:1000]))
+
+    def timed(fn) -> tuple[float, int]:
+        start = time.perf_counter()
+        out = fn()
+        return time.perf_counter() - start, out
+
+    out: dict[str, list[float]] = {"whole": [], "idle": [], "new": [], "whole+new": []}
+    old = list(project.trajectories.order_by("id").values_list("external_id", flat=True)[:50 * repeat])
+    for r in range(repeat):
+        seconds, found = timed(whole)
+        assert found == 0, found
+        out["whole"].append(seconds)
+        seconds, scored = timed(lambda: rewards_compute_pending(project, now=timezone.now() + timedelta(seconds=1)))
+        assert scored == 0, scored
+        out["idle"].append(seconds)
+        events = []
+        for i in range(50):
+            tid = f"bench-{r}-t{i}"
+            events += [{"type": "trajectory", "id": tid, "policy_version": 1, "task": "tab-completion",
+                        "prompt": [{"role": "user", "content": f"def g{i}(x):"}],
+                        "steps": [{"role": "assistant", "content": " return x"}],
+                        "occurred_at": "2026-11-29T08:00:00Z"},
+                       {"type": "feedback", "id": f"bench-{r}-f{i}", "trajectory_id": old[r * 50 + i],
+                        "signal": "accept", "occurred_at": "2026-11-29T08:00:05Z"}]
+        feedback_ingest(project, events)
+        seconds, found = timed(whole)
+        assert found == 100, found
+        out["whole+new"].append(seconds)
+        seconds, scored = timed(lambda: rewards_compute_pending(project, now=timezone.now() + timedelta(seconds=1)))
+        assert scored == 100, scored
+        out["new"].append(seconds)
+    return {name: _ms(samples) for name, samples in out.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="20000,200000", help="trajectories per project, comma-separated")
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--quick", action="store_true", help="2,000 trajectories, 2 rounds (CI)")
+    args = parser.parse_args()
+    if args.quick:
+        args.sizes, args.repeat = "2000", 2
+    sizes = [int(s) for s in args.sizes.split(",")]
+
+    setup_django(BENCH_DB + ("_quick" if args.quick else ""), fresh=True)
+    rows = {size: _measure(f"bench{size}", size, args.repeat) for size in sizes}
+    print(f"reward queue pass, ms (median, range over {args.repeat}); {os.cpu_count()} cores")
+    print(f"{'trajectories':>12} {'whole':>22} {'idle':>18} {'whole+new':>22} {'new':>22}")
+    for size, row in rows.items():
+        cells = [f"{m:.1f} ({lo:.1f}-{hi:.1f})" for m, lo, hi in (row[k] for k in ("whole", "idle", "whole+new", "new"))]
+        print(f"{size:>12} {cells[0]:>22} {cells[1]:>18} {cells[2]:>22} {cells[3]:>22}")
+    if args.json:
+        out: dict[str, float] = {}
+        for size, row in rows.items():
+            for name, (median, _, _) in row.items():
+                out[f"{name.replace('+', '_')}_ms_{size}"] = round(median, 2)
+            out[f"idle_ratio_{size}"] = round(row["whole"][0] / max(row["idle"][0], 1e-3), 1)
+        out["cores"] = os.cpu_count() or 0
+        print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

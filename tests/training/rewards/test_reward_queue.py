@@ -1,0 +1,173 @@
+"""The reward queue's pass costs the project's new work, not its history: due rows written by the
+database's triggers (training.models.RewardDue) name what a statement touched, and a pass scores
+what is pending among them. Every way a trajectory becomes due is exercised here, through the
+same services a deployment uses, and the rows a pass reads are counted by PostgreSQL itself.
+
+    .venv/bin/python -m pytest tests/training/rewards/test_reward_queue.py -q
+"""
+
+from __future__ import annotations
+
+from django.db import connection
+
+from feedback.models import FeedbackEvent, Quarantine, Trajectory
+from feedback.services import feedback_ingest, feedback_link_orphans
+from tests.factories import feedback, trajectory
+from tests.training.test_services import later, plain_spec
+from training.models import Reward, RewardDue, RewardSpec
+from training.rewards.services import FULL_PASS_EVERY, reward_spec_update, rewards_compute_pending
+
+
+def _tuples_read(table: str) -> int:
+    """Rows of `table` this transaction has read so far (sequential and index fetches), as
+    PostgreSQL counts them."""
+    with connection.cursor() as cur:
+        cur.execute("SELECT coalesce(seq_tup_read, 0) + coalesce(idx_tup_fetch, 0) FROM pg_stat_xact_user_tables "
+                    "WHERE relname = %s", [table])
+        return int(cur.fetchone()[0])
+
+
+def _totals() -> dict[str, float]:
+    return dict(Reward.objects.values_list("trajectory__external_id", "total"))
+
+
+def _grown(project, n: int) -> None:
+    """`n` trajectories with a click each, all scored, the full pass done: the queue is empty."""
+    events = []
+    for i in range(n):
+        events += [trajectory(f"old-{i}"), feedback(f"old-fb-{i}", f"old-{i}", "accept")]
+    feedback_ingest(project, events)
+    assert rewards_compute_pending(project, limit=2 * n, now=later(3600)) == n  # settled whatever the spec says
+    assert rewards_compute_pending(project, now=later(3600)) == 0
+    assert not RewardDue.objects.exists()
+
+
+def test_a_pass_reads_the_new_work_not_the_projects_history(creds):
+    plain_spec(creds.project, settle_seconds=0)
+    _grown(creds.project, 1500)
+    feedback_ingest(creds.project, [trajectory("new-1"), trajectory("new-2"), feedback("late", "old-7", "reject")])
+
+    before = {t: _tuples_read(t) for t in ("feedback_trajectory", "feedback_feedbackevent")}
+    assert rewards_compute_pending(creds.project, now=later(3)) == 3
+    read = {t: _tuples_read(t) - n for t, n in before.items()}
+    assert read["feedback_trajectory"] <= 30 and read["feedback_feedbackevent"] <= 30, read
+    assert _totals()["old-7"] == 0.5 and _totals()["new-1"] == 0.0  # accept 0.75 + reject -0.25; silent
+
+    # The whole-project pass (a new spec's first, then once every FULL_PASS_EVERY) reads it all.
+    reward_spec_update(creds.project, signal_rewards={"accept": 1.0, "reject": -1.0})
+    before = _tuples_read("feedback_trajectory")
+    assert rewards_compute_pending(creds.project, limit=5000, now=later(4)) == 1502
+    assert _tuples_read("feedback_trajectory") - before >= 1500
+
+
+def test_feedback_before_its_trajectory_is_scored_when_the_trajectory_lands(creds):
+    plain_spec(creds.project, settle_seconds=60)
+    _grown(creds.project, 3)
+    feedback_ingest(creds.project, [feedback("early", "t-late", "accept")])
+    assert rewards_compute_pending(creds.project, now=later(61)) == 0  # no trajectory yet
+    feedback_ingest(creds.project, [trajectory("t-late")])  # links the early feedback
+    assert rewards_compute_pending(creds.project, now=later(30)) == 0  # not settled
+    assert rewards_compute_pending(creds.project, now=later(61)) == 1
+    assert _totals()["t-late"] == 0.75
+
+
+def test_feedback_linked_by_the_beats_safety_net_is_due(creds):
+    plain_spec(creds.project, settle_seconds=0)
+    _grown(creds.project, 3)
+    feedback_ingest(creds.project, [feedback("early", "t-x", "accept")])
+    # The trajectory landed without the link (the two batches raced), and its own due row is gone:
+    # only the link the beat makes can bring it to the queue.
+    feedback_ingest(creds.project, [trajectory("t-x")])
+    FeedbackEvent.objects.filter(event_id="early").update(trajectory=None)
+    RewardDue.objects.all().delete()
+    assert rewards_compute_pending(creds.project, now=later(1)) == 0
+    assert feedback_link_orphans(creds.project) == 1
+    assert rewards_compute_pending(creds.project, now=later(2)) == 1
+    assert _totals()["t-x"] == 0.75
+
+
+def test_late_feedback_is_scored_again_after_it_settles_and_only_then(creds):
+    plain_spec(creds.project, settle_seconds=60)
+    _grown(creds.project, 3)
+    feedback_ingest(creds.project, [feedback("late", "old-1", "reject")])
+    assert rewards_compute_pending(creds.project, now=later(30)) == 0
+    assert RewardDue.objects.count() == 1  # kept until it settles
+    assert rewards_compute_pending(creds.project, now=later(61)) == 1
+    assert _totals()["old-1"] == 0.5 and not RewardDue.objects.exists()
+
+
+def test_a_released_quarantine_is_offered_again(creds):
+    plain_spec(creds.project, settle_seconds=0, checks=[{"name": "python_tests", "weight": 1.0}])
+    tests = {"prefix": "def one():\n", "tests": "assert one() == 1"}
+    steps = [{"role": "assistant", "content": "    return 1"}]
+    feedback_ingest(creds.project, [trajectory(f"t-{i}", check_context=tests, steps=steps) for i in range(2)]
+                    + [trajectory("bad", check_context=tests, steps=steps)])
+    # A row ingest would refuse now (an empty test snippet passes anything), stored by an older one.
+    Trajectory.objects.filter(external_id="bad").update(extra={"check_context": {"tests": ""}})
+    assert rewards_compute_pending(creds.project, now=later(1)) == 3
+    assert Quarantine.objects.filter(kind="reward").count() == 1 and "bad" not in _totals()
+    Trajectory.objects.filter(external_id="bad").update(extra={"check_context": tests})  # the cause fixed by hand
+    assert rewards_compute_pending(creds.project, now=later(2)) == 0
+    Quarantine.objects.filter(kind="reward").delete()  # the admin's retry
+    assert rewards_compute_pending(creds.project, now=later(3)) == 1
+    assert _totals()["bad"] == 1.0
+
+
+def test_more_due_than_a_pass_takes_goes_on_next_pass_oldest_first(creds):
+    plain_spec(creds.project, settle_seconds=0)
+    _grown(creds.project, 2)
+    for i in range(5):
+        feedback_ingest(creds.project, [trajectory(f"n-{i}")])
+    assert rewards_compute_pending(creds.project, limit=2, now=later(1)) == 2
+    assert set(_totals()) >= {"n-0", "n-1"} and "n-2" not in _totals()
+    assert rewards_compute_pending(creds.project, limit=2, now=later(2)) == 2
+    assert rewards_compute_pending(creds.project, limit=2, now=later(3)) == 1
+    assert rewards_compute_pending(creds.project, limit=2, now=later(4)) == 0
+    assert {f"n-{i}" for i in range(5)} <= set(_totals())
+
+
+def test_an_edited_spec_is_scored_over_the_whole_project_again(creds):
+    spec = plain_spec(creds.project, settle_seconds=0)
+    feedback_ingest(creds.project, [trajectory("t-1"), feedback("fb-1", "t-1", "accept")])
+    RewardDue.objects.all().delete()  # as if written before the queue existed
+    assert rewards_compute_pending(creds.project, now=later(1)) == 1  # the first pass is a whole one
+    spec.refresh_from_db()
+    assert spec.full_pass_at is not None
+    Reward.objects.all().delete()
+    edited = reward_spec_update(creds.project, signal_rewards={"accept": 2.0})  # edited in place: unused
+    assert edited.pk == spec.pk and edited.full_pass_at is None
+    assert rewards_compute_pending(creds.project, now=later(2)) == 1
+    assert _totals() == {"t-1": 2.0}
+
+
+def test_the_daily_whole_pass_catches_what_no_trigger_saw(creds):
+    plain_spec(creds.project, settle_seconds=0)
+    _grown(creds.project, 3)
+    Reward.objects.filter(trajectory__external_id="old-2").delete()  # by hand, outside Flywheel
+    assert rewards_compute_pending(creds.project, now=later(3600)) == 0
+    assert rewards_compute_pending(creds.project, now=later(3600) + FULL_PASS_EVERY) == 1
+    assert RewardSpec.objects.get(project=creds.project).full_pass_at > later(3600)
+
+
+def test_trajectories_written_through_the_orm_are_due_too(creds):
+    plain_spec(creds.project, settle_seconds=0)
+    _grown(creds.project, 2)
+    made = Trajectory.objects.create(project=creds.project, external_id="orm-1", occurred_at=later(0))
+    FeedbackEvent.objects.create(project=creds.project, event_id="orm-fb", trajectory_external_id="orm-1",
+                                 trajectory=made, signal="accept", occurred_at=later(0))
+    assert rewards_compute_pending(creds.project, now=later(1)) == 1
+    assert _totals()["orm-1"] == 0.75
+
+
+def test_one_batch_is_one_due_row_and_other_projects_rows_are_left_alone(creds, db):
+    from feedback.services import project_create
+
+    other = project_create("Other", "other").project
+    plain_spec(creds.project, settle_seconds=0)
+    _grown(creds.project, 2)
+    feedback_ingest(other, [trajectory(f"o-{i}") for i in range(50)])
+    feedback_ingest(creds.project, [trajectory(f"t-{i}") for i in range(50)]
+                    + [feedback(f"fb-{i}", f"t-{i}") for i in range(50)])
+    assert RewardDue.objects.filter(project=creds.project).count() == 2  # the trajectories, their feedback
+    assert rewards_compute_pending(creds.project, now=later(1)) == 50
+    assert len(RewardDue.objects.get(project=other).trajectory_ids) == 50
