@@ -108,3 +108,19 @@ def test_a_write_that_raises_on_one_event_costs_that_event_and_not_the_batch():
     assert [e["id"] for e in written] == ["a", "b"]
     assert quarantined == [("bad", "ValueError: cannot store this one")]
     assert recorder.flush() == 0  # nothing was queued again
+
+
+def test_a_reward_the_database_refuses_is_quarantined_and_the_rest_of_the_pass_is_stored(creds):
+    from feedback.models import FeedbackEvent
+    from tests.factories import feedback
+
+    plain_spec(creds.project, settle_seconds=0,
+               signal_rewards={"accept": {"reward": 1.0, "value": "chars", "scale": 10}})
+    feedback_ingest(creds.project, [e for i in range(3) for e in (trajectory(f"t-{i}"),
+                                                                  feedback(f"fb-{i}", f"t-{i}", "accept", value=5))])
+    # A value ingest refuses now (not a finite number), stored by an older one: its reward's
+    # components hold NaN, which PostgreSQL's json refuses.
+    FeedbackEvent.objects.filter(event_id="fb-1").update(value=float("nan"))
+    assert rewards_compute_pending(creds.project, now=later(1)) == 3
+    assert dict(Reward.objects.values_list("trajectory__external_id", "total")) == {"t-0": 0.5, "t-2": 0.5}
+    assert list(_quarantined("reward")) == ["trajectory t-1"]

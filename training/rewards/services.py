@@ -7,10 +7,11 @@ verifiable checks + judge rubric → Reward and RubricScore rows).
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
-from django.db import transaction
+from django.db import DataError, IntegrityError, transaction
 from django.db.models import Prefetch
 from django.utils import timezone
 
@@ -155,30 +156,42 @@ def _check_one(runner: Any, item: tuple[str, dict[str, Any]]) -> CheckResult | E
         return exc
 
 
-def _rubric_save(trajectory: Trajectory, judge_id: str, scores: dict[str, AspectScore]) -> None:
-    for aspect, s in scores.items():
-        RubricScore.objects.update_or_create(
-            trajectory=trajectory, aspect=aspect, judge=judge_id,
-            defaults={"score": s.score, "rationale": "" if s.failed else s.rationale,
-                      "error": s.rationale if s.failed else ""},
-        )
+@dataclass(frozen=True)
+class _Scored:
+    trajectory: Trajectory
+    total: float
+    components: dict[str, float]
+    judge_id: str
+    aspects: dict[str, AspectScore]
 
 
-def _reward_one(trajectory: Trajectory, spec: RewardSpec, data: RewardSpecData, judge: Judge | None,
-                checks: dict[str, CheckResult]) -> Reward:
+def _score_one(trajectory: Trajectory, data: RewardSpecData, judge: Judge | None,
+               checks: dict[str, CheckResult]) -> _Scored:
     prompt, completion = _texts(trajectory)
-    context = _check_context(trajectory)
     aspect_scores: dict[str, AspectScore] = {}
+    judge_id = ""
     if judge is not None:
-        result = judge.judge(prompt, completion, context)
-        _rubric_save(trajectory, result.judge_id, result.scores)
-        aspect_scores = result.scores
+        result = judge.judge(prompt, completion, _check_context(trajectory))
+        judge_id, aspect_scores = result.judge_id, result.scores
     signals = [{"signal": e.signal, "value": e.value} for e in trajectory.feedback_events.all()]
     total, components = compute_reward(data, signals, checks, aspect_scores)
-    reward, _ = Reward.objects.update_or_create(
-        trajectory=trajectory, spec=spec, defaults={"total": total, "components": components}
+    return _Scored(trajectory, total, components, judge_id, aspect_scores)
+
+
+def _rewards_write(spec: RewardSpec, scored: Sequence[_Scored]) -> list[Reward]:
+    """The pass's Reward and RubricScore rows, each table in one upsert (a recomputed reward's
+    computed_at moves on; a rescored aspect keeps its created_at)."""
+    RubricScore.objects.bulk_create(
+        [RubricScore(trajectory=s.trajectory, aspect=aspect, judge=s.judge_id, score=a.score,
+                     rationale="" if a.failed else a.rationale, error=a.rationale if a.failed else "")
+         for s in scored for aspect, a in s.aspects.items()],
+        update_conflicts=True, unique_fields=["trajectory", "aspect", "judge"],
+        update_fields=["score", "rationale", "error"],
     )
-    return reward
+    return Reward.objects.bulk_create(
+        [Reward(trajectory=s.trajectory, spec=spec, total=s.total, components=s.components) for s in scored],
+        update_conflicts=True, unique_fields=["trajectory", "spec"], update_fields=["total", "components", "computed_at"],
+    )
 
 
 def rewards_compute(trajectory_ids: Iterable[int], spec: RewardSpec) -> list[Reward]:
@@ -187,7 +200,11 @@ def rewards_compute(trajectory_ids: Iterable[int], spec: RewardSpec) -> list[Rew
     A trajectory whose checks, judge or reward raise is quarantined (kind "reward": not offered
     again until its Quarantine row is deleted) and the others are scored.
     A failed judge aspect is stored with score NULL and its error and left out of the total.
-    Recomputing replaces the trajectory's Reward for this spec (computed_at moves on)."""
+    Recomputing replaces the trajectory's Reward for this spec (computed_at moves on).
+    The rows are written in one transaction (one commit, not one a trajectory: at 1,000
+    trajectories a pass spent most of its time waiting on the disk); when the database refuses
+    it (a trajectory erased meanwhile), each trajectory is written alone and a refused one is
+    quarantined."""
     data = RewardSpecData.from_json(spec.signal_rewards, spec.checks, spec.aspects)
     judge = _judge_for(spec.judge, spec.aspects) if spec.judge else None
     trajectories = Trajectory.objects.filter(pk__in=list(trajectory_ids)).prefetch_related(
@@ -196,18 +213,28 @@ def rewards_compute(trajectory_ids: Iterable[int], spec: RewardSpec) -> list[Rew
     )
     trajectories = list(trajectories)
     results, failed = checks_try_many(spec.checks, [_check_inputs(t) for t in trajectories])
-    rewards = []
+    scored = []
     for i, (trajectory, checks) in enumerate(zip(trajectories, results, strict=True)):
         try:
             if i in failed:
                 raise CheckConfigError(failed[i])
-            with transaction.atomic():
-                rewards.append(_reward_one(trajectory, spec, data, judge, checks))
+            scored.append(_score_one(trajectory, data, judge, checks))
         except SandboxUnavailable:
             raise
         except Exception as exc:  # noqa: BLE001 - a poison pill costs its trajectory, never the queue
             _quarantine(trajectory, spec, exc)
-    return rewards
+    try:
+        with transaction.atomic():
+            return _rewards_write(spec, scored)
+    except (DataError, IntegrityError):
+        rewards = []
+        for one in scored:
+            try:
+                with transaction.atomic():
+                    rewards += _rewards_write(spec, [one])
+            except (DataError, IntegrityError) as exc:
+                _quarantine(one.trajectory, spec, exc)
+        return rewards
 
 
 def _quarantine(trajectory: Trajectory, spec: RewardSpec, exc: Exception) -> None:

@@ -89,11 +89,15 @@ def test_feedback_linked_by_the_beats_safety_net_is_due(creds):
 def test_late_feedback_is_scored_again_after_it_settles_and_only_then(creds):
     plain_spec(creds.project, settle_seconds=60)
     _grown(creds.project, 3)
+    first = Reward.objects.get(trajectory__external_id="old-1")
     feedback_ingest(creds.project, [feedback("late", "old-1", "reject")])
     assert rewards_compute_pending(creds.project, now=later(30)) == 0
     assert RewardDue.objects.count() == 1  # kept until it settles
     assert rewards_compute_pending(creds.project, now=later(61)) == 1
-    assert _totals()["old-1"] == 0.5 and not RewardDue.objects.exists()
+    again = Reward.objects.get(trajectory__external_id="old-1")
+    assert (again.pk, again.total) == (first.pk, 0.5) and again.computed_at > first.computed_at  # replaced in place
+    assert not RewardDue.objects.exists()
+    assert rewards_compute_pending(creds.project, now=later(3600)) == 0  # current now
 
 
 def test_a_released_quarantine_is_offered_again(creds):
