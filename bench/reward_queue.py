@@ -16,6 +16,11 @@ each, every one already rewarded) on a fresh bench database, and the pass is tim
 
 Milliseconds of wall clock on an otherwise idle database (PostgreSQL's own work and Python's),
 the median of `--repeat` passes with their range.
+
+Then the drain (beat's task, `rewards_drain`): `--drain` trajectories with a click each, as
+bench/ingest.py sends them, scored under a new project's default spec (the feedback map and the
+rule judge's two aspects), passes until the queue is empty: rewards a second. Beat's task used
+to make one pass of 1,000 every 30 s, at most 33 rewards a second a project.
 """
 
 from __future__ import annotations
@@ -101,30 +106,50 @@ def _measure(slug: str, size: int, repeat: int) -> dict[str, tuple[float, float,
     return {name: _ms(samples) for name, samples in out.items()}
 
 
+def _drain(n: int) -> tuple[float, int]:
+    from bench.ingest import make_events
+    from feedback.services import feedback_ingest, project_create
+    from training.rewards.services import reward_spec_update, rewards_drain
+
+    project = project_create("Drain", "drain").project
+    reward_spec_update(project, settle_seconds=0)
+    for start in range(0, 2 * n, 1000):
+        feedback_ingest(project, make_events(f"d{start}", min(1000, 2 * n - start)))
+    begin = time.perf_counter()
+    scored = rewards_drain(project, budget_s=3600)
+    return time.perf_counter() - begin, scored
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="20000,200000", help="trajectories per project, comma-separated")
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--drain", type=int, default=5000, help="trajectories the drain scores")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--quick", action="store_true", help="2,000 trajectories, 2 rounds (CI)")
     args = parser.parse_args()
     if args.quick:
-        args.sizes, args.repeat = "2000", 2
+        args.sizes, args.repeat, args.drain = "2000", 2, 500
     sizes = [int(s) for s in args.sizes.split(",")]
 
     setup_django(BENCH_DB + ("_quick" if args.quick else ""), fresh=True)
     rows = {size: _measure(f"bench{size}", size, args.repeat) for size in sizes}
+    drain_s, drained = _drain(args.drain)
+    assert drained == args.drain, drained
     print(f"reward queue pass, ms (median, range over {args.repeat}); {os.cpu_count()} cores")
     print(f"{'trajectories':>12} {'whole':>22} {'idle':>18} {'whole+new':>22} {'new':>22}")
     for size, row in rows.items():
         cells = [f"{m:.1f} ({lo:.1f}-{hi:.1f})" for m, lo, hi in (row[k] for k in ("whole", "idle", "whole+new", "new"))]
         print(f"{size:>12} {cells[0]:>22} {cells[1]:>18} {cells[2]:>22} {cells[3]:>22}")
+    print(f"drain: {drained} trajectories scored in {drain_s:.2f} s, {drained / drain_s:.0f} rewards/s "
+          "(default spec: feedback map and rule judge)")
     if args.json:
         out: dict[str, float] = {}
         for size, row in rows.items():
             for name, (median, _, _) in row.items():
                 out[f"{name.replace('+', '_')}_ms_{size}"] = round(median, 2)
             out[f"idle_ratio_{size}"] = round(row["whole"][0] / max(row["idle"][0], 1e-3), 1)
+        out["drain_per_s"] = round(drained / drain_s, 1)
         out["cores"] = os.cpu_count() or 0
         print(json.dumps(out))
 

@@ -6,6 +6,7 @@ verifiable checks + judge rubric → Reward and RubricScore rows).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -261,7 +262,23 @@ def rewards_compute_pending(project: Project, limit: int = 1000, now: datetime |
     every trajectory a statement touched; one whose activity has not settled yet has a later due
     row of its own, read when that settles. The whole project is read instead when the spec has
     no complete pass (a new or edited spec has everything to score) and every FULL_PASS_EVERY."""
-    now = now or timezone.now()
+    return _pass(project, limit, now or timezone.now())[0]
+
+
+def rewards_drain(project: Project, budget_s: float = 20.0, limit: int = 1000) -> int:
+    """Passes one after another while the last one found work and `budget_s` lasts (beat's
+    task: one pass of `limit` every 30 s would cap a project at limit/30 rewards a second, far
+    below what ingest stores); returns the count scored."""
+    start, total = time.monotonic(), 0
+    while True:
+        scored, worked = _pass(project, limit, timezone.now())
+        total += scored
+        if not worked or time.monotonic() - start >= budget_s:
+            return total
+
+
+def _pass(project: Project, limit: int, now: datetime) -> tuple[int, bool]:
+    """(trajectories scored, whether there was anything to do: scored or due rows consumed)."""
     spec = reward_spec_current(project)
     settled_before = now - timedelta(seconds=spec.settle_seconds)
     full = spec.full_pass_at is None or spec.full_pass_at <= now - FULL_PASS_EVERY
@@ -273,7 +290,7 @@ def rewards_compute_pending(project: Project, limit: int = 1000, now: datetime |
     else:
         due = selectors.reward_due_rows(project, settled_before, DUE_READ_FACTOR * limit)
         if not due:
-            return 0
+            return 0, False
         rows = [row_id for row_id, _ in due]
         among = sorted({t for _, ts in due for t in ts})
         found = list(selectors.trajectories_reward_pending(project, spec, now, among).values_list("pk", flat=True))
@@ -283,7 +300,7 @@ def rewards_compute_pending(project: Project, limit: int = 1000, now: datetime |
         project_event(project.pk, {"type": "rewards_computed", "spec": spec.version, "count": len(ids)})
     if not full or len(ids) < limit:  # a full pass stopped by the limit goes on next time, its rows kept
         _due_done(project, rows, leftover, settled_before, spec_full_at=(spec, now) if full else None)
-    return len(ids)
+    return len(ids), bool(ids or rows)
 
 
 def _due_done(project: Project, rows: list[int], leftover: list[int], settled_before: datetime,

@@ -15,7 +15,12 @@ from feedback.services import feedback_ingest, feedback_link_orphans
 from tests.factories import feedback, trajectory
 from tests.training.test_services import later, plain_spec
 from training.models import Reward, RewardDue, RewardSpec
-from training.rewards.services import FULL_PASS_EVERY, reward_spec_update, rewards_compute_pending
+from training.rewards.services import (
+    FULL_PASS_EVERY,
+    reward_spec_update,
+    rewards_compute_pending,
+    rewards_drain,
+)
 
 
 def _tuples_read(table: str) -> int:
@@ -175,3 +180,14 @@ def test_one_batch_is_one_due_row_and_other_projects_rows_are_left_alone(creds, 
     assert RewardDue.objects.filter(project=creds.project).count() == 2  # the trajectories, their feedback
     assert rewards_compute_pending(creds.project, now=later(1)) == 50
     assert len(RewardDue.objects.get(project=other).trajectory_ids) == 50
+
+
+def test_beats_task_drains_the_queue_pass_after_pass_within_its_budget(creds):
+    plain_spec(creds.project, settle_seconds=0)
+    _grown(creds.project, 2)
+    for i in range(5):
+        feedback_ingest(creds.project, [trajectory(f"n-{i}"), feedback(f"f-{i}", "old-0", "reject")])
+    assert rewards_drain(creds.project, budget_s=0, limit=2) == 2  # a spent budget: one pass
+    assert rewards_drain(creds.project, budget_s=60, limit=2) == 4  # the other four, two passes and an empty one
+    assert not RewardDue.objects.exists()
+    assert rewards_drain(creds.project, budget_s=60, limit=2) == 0
