@@ -46,6 +46,9 @@ class RewardDue(models.Model):
                                 db_index=False)
     trajectory_ids = ArrayField(models.BigIntegerField())
     at = models.DateTimeField()
+    # Scored again even when their reward is newer than their feedback: feedback linked after its
+    # reward was computed (it arrived first, and its trajectory's batch raced it).
+    rescore = models.BooleanField(default=False, db_default=False)
 
     class Meta:
         indexes = [models.Index(fields=["project", "at"], name="rewarddue_project_at")]

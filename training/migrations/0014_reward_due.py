@@ -2,7 +2,8 @@
 
 Statement-level triggers with transition tables: one row per statement that stored trajectories
 (their ids), stored feedback linked to a trajectory, linked earlier feedback to one (ingest's
-late trajectories, feedback_link_orphans), or deleted a reward quarantine (the admin's retry).
+late trajectories, feedback_link_orphans: to be scored again whatever their reward's age), or
+deleted a reward quarantine (the admin's retry).
 Nothing per row: a 1,000-event batch adds one due row.
 """
 
@@ -32,11 +33,13 @@ CREATE TRIGGER reward_due_feedback_insert AFTER INSERT ON feedback_feedbackevent
     REFERENCING NEW TABLE AS due_new FOR EACH STATEMENT EXECUTE FUNCTION flywheel_due_feedback_insert();
 
 -- A link made later (the feedback came first): due from the later of the two's arrival, the
--- clock every other row uses (the web's, not the database's).
+-- clock every other row uses (the web's, not the database's), and scored again even if its
+-- reward is newer than the feedback's arrival (it was computed without it).
 CREATE FUNCTION flywheel_due_feedback_link() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
-    INSERT INTO training_rewarddue (project_id, trajectory_ids, at)
-    SELECT n.project_id, array_agg(DISTINCT n.trajectory_id), greatest(max(n.received_at), max(t.received_at))
+    INSERT INTO training_rewarddue (project_id, trajectory_ids, at, rescore)
+    SELECT n.project_id, array_agg(DISTINCT n.trajectory_id), greatest(max(n.received_at), max(t.received_at)),
+           true
     FROM due_new n JOIN due_old o ON o.id = n.id JOIN feedback_trajectory t ON t.id = n.trajectory_id
     WHERE o.trajectory_id IS DISTINCT FROM n.trajectory_id GROUP BY n.project_id;
     RETURN NULL;
@@ -88,6 +91,7 @@ class Migration(migrations.Migration):
                 ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
                 ('trajectory_ids', django.contrib.postgres.fields.ArrayField(base_field=models.BigIntegerField(), size=None)),
                 ('at', models.DateTimeField()),
+                ('rescore', models.BooleanField(db_default=False, default=False)),
                 ('project', models.ForeignKey(db_constraint=False, db_index=False, on_delete=django.db.models.deletion.CASCADE, related_name='+', to='feedback.project')),
             ],
             options={

@@ -20,10 +20,12 @@ from training.rewards.spec import RewardSpecData
 
 
 def trajectories_reward_pending(project: Project, spec: RewardSpec, now: datetime,
-                                among: Sequence[int] | None = None) -> QuerySet[Trajectory]:
+                                among: Sequence[int] | None = None, rescore: Sequence[int] = ()
+                                ) -> QuerySet[Trajectory]:
     """Trajectories whose feedback has settled and whose reward under `spec` is missing or older
-    than their newest feedback (late feedback makes a reward stale). Quarantined ones are left
-    out: scoring them raised, and retrying the oldest item forever would stall the queue.
+    than their newest feedback (late feedback makes a reward stale), or is among `rescore`
+    (feedback linked to them after their reward). Quarantined ones are left out: scoring them
+    raised, and retrying the oldest item forever would stall the queue.
     `among`: only these ids, the project's own (the due rows'), found by the primary key alone:
     with the project in the filter too, a project that grew after the last ANALYZE looks empty
     to the planner, which then read all of its rows to pick out these (tests/training/rewards/
@@ -32,6 +34,7 @@ def trajectories_reward_pending(project: Project, spec: RewardSpec, now: datetim
     quarantined = Quarantine.objects.filter(trajectory=OuterRef("pk"), kind="reward")
     rewarded_at = Reward.objects.filter(trajectory=OuterRef("pk"), spec=spec).values("computed_at")[:1]
     settled_before = now - timedelta(seconds=spec.settle_seconds)
+    stale = Q(rewarded_at__isnull=True) | Q(rewarded_at__lt=F("last_feedback"))
     return (
         Trajectory.objects.filter(scope)
         .exclude(source="eval")
@@ -42,23 +45,23 @@ def trajectories_reward_pending(project: Project, spec: RewardSpec, now: datetim
             rewarded_at=Subquery(rewarded_at, output_field=DateTimeField()),
         )
         .filter(last_activity__lte=settled_before)
-        .filter(Q(rewarded_at__isnull=True) | Q(rewarded_at__lt=F("last_feedback")))
+        .filter(stale | Q(pk__in=rescore) if rescore else stale)
         .order_by("received_at")
     )
 
 
-def reward_due_rows(project: Project, settled_before: datetime, cap: int) -> list[tuple[int, list[int]]]:
+def reward_due_rows(project: Project, settled_before: datetime, cap: int) -> list[tuple[int, list[int], bool]]:
     """The project's due rows (training.models.RewardDue) whose activity settled by
-    `settled_before`, oldest first, as (row id, trajectory ids): rows until they name `cap`
-    trajectories (at least one row)."""
+    `settled_before`, oldest first, as (row id, trajectory ids, rescore): rows until they name
+    `cap` trajectories (at least one row)."""
     with connection.cursor() as cur:
         cur.execute(
-            "SELECT id, trajectory_ids FROM (SELECT id, trajectory_ids, at, sum(cardinality(trajectory_ids)) OVER "
-            "(ORDER BY at, id) - cardinality(trajectory_ids) AS before FROM training_rewarddue "
-            "WHERE project_id = %s AND at <= %s) d WHERE before < %s ORDER BY at, id",
+            "SELECT id, trajectory_ids, rescore FROM (SELECT id, trajectory_ids, rescore, at, "
+            "sum(cardinality(trajectory_ids)) OVER (ORDER BY at, id) - cardinality(trajectory_ids) AS before "
+            "FROM training_rewarddue WHERE project_id = %s AND at <= %s) d WHERE before < %s ORDER BY at, id",
             [project.pk, settled_before, cap],
         )
-        return [(row_id, list(ids)) for row_id, ids in cur.fetchall()]
+        return [(row_id, list(ids), rescore) for row_id, ids, rescore in cur.fetchall()]
 
 
 def reward_due_row_ids(project: Project, settled_before: datetime) -> list[int]:

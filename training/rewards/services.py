@@ -291,9 +291,11 @@ def _pass(project: Project, limit: int, now: datetime) -> tuple[int, bool]:
         due = selectors.reward_due_rows(project, settled_before, DUE_READ_FACTOR * limit)
         if not due:
             return 0, False
-        rows = [row_id for row_id, _ in due]
-        among = sorted({t for _, ts in due for t in ts})
-        found = list(selectors.trajectories_reward_pending(project, spec, now, among).values_list("pk", flat=True))
+        rows = [row_id for row_id, _, _ in due]
+        among = sorted({t for _, ts, _ in due for t in ts})
+        rescore = sorted({t for _, ts, again in due if again for t in ts})
+        found = list(selectors.trajectories_reward_pending(project, spec, now, among, rescore)
+                     .values_list("pk", flat=True))
         ids, leftover = found[:limit], found[limit:]
     if ids:
         rewards_compute(ids, spec)
@@ -311,8 +313,8 @@ def _due_done(project: Project, rows: list[int], leftover: list[int], settled_be
         if spec_full_at is not None:
             RewardSpec.objects.filter(pk=spec_full_at[0].pk).update(full_pass_at=spec_full_at[1])
         RewardDue.objects.filter(pk__in=rows).delete()
-        if leftover:
-            RewardDue.objects.create(project=project, trajectory_ids=leftover, at=settled_before)
+        if leftover:  # found to score: scored next time whatever their reward says then
+            RewardDue.objects.create(project=project, trajectory_ids=leftover, at=settled_before, rescore=True)
 
 
 def suggestions_reward(

@@ -76,19 +76,20 @@ def test_feedback_before_its_trajectory_is_scored_when_the_trajectory_lands(cred
     assert _totals()["t-late"] == 0.75
 
 
-def test_feedback_linked_by_the_beats_safety_net_is_due(creds):
+def test_feedback_linked_after_its_reward_was_computed_scores_it_again(creds):
     plain_spec(creds.project, settle_seconds=0)
     _grown(creds.project, 3)
     feedback_ingest(creds.project, [feedback("early", "t-x", "accept")])
-    # The trajectory landed without the link (the two batches raced), and its own due row is gone:
-    # only the link the beat makes can bring it to the queue.
+    # The trajectory landed without the link (the two batches raced) and was scored without the
+    # click; the beat's safety net links it later. The click is older than the reward.
     feedback_ingest(creds.project, [trajectory("t-x")])
     FeedbackEvent.objects.filter(event_id="early").update(trajectory=None)
-    RewardDue.objects.all().delete()
-    assert rewards_compute_pending(creds.project, now=later(1)) == 0
+    assert rewards_compute_pending(creds.project, now=later(1)) == 1
+    assert _totals()["t-x"] == 0.0  # silent
     assert feedback_link_orphans(creds.project) == 1
     assert rewards_compute_pending(creds.project, now=later(2)) == 1
     assert _totals()["t-x"] == 0.75
+    assert rewards_compute_pending(creds.project, now=later(3)) == 0
 
 
 def test_late_feedback_is_scored_again_after_it_settles_and_only_then(creds):
