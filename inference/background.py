@@ -234,7 +234,10 @@ class BackgroundRollouts:
         self.held_hash: str | None = None  # their checkpoint hash (kernels.delta): a delta's parent
         self.held_keys: list[str] = []
         self.engine: BackgroundEngine | None = None
-        self._jobs: queue.Queue[RolloutJob] = queue.Queue(max_queued)
+        # Jobs and weight pushes, in order, for the sampling thread; at most max_queued jobs.
+        self._work: queue.Queue[RolloutJob | tuple[Callable[[], None], Future]] = queue.Queue()
+        self._queued, self.max_queued = 0, max_queued
+        self._queue_lock = threading.Lock()
         self._held = threading.Lock()  # a weights push waits for the chunk sampling on the old ones
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
@@ -246,7 +249,21 @@ class BackgroundRollouts:
     def put_weights(self, weights: str, version: int, data: bytes, encoding: str = "safetensors") -> None:
         """Holds `data` as `weights`, replacing the set held: safetensors of the whole model (HF
         names), or with encoding "delta" a `kernels.delta` blob against the set held now (its
-        parent hash must be the held set's: CheckpointCorrupt otherwise, and nothing changes)."""
+        parent hash must be the held set's: CheckpointCorrupt otherwise, and nothing changes).
+
+        Once the sampling thread runs, the work is done there (after the job it is sampling):
+        every torch parallel region of the background engine then comes from one thread. Each
+        thread that runs one keeps an OpenMP team of its own, and with more team threads alive
+        than cores, GNU OpenMP stops spin-waiting between regions, so every decode step paid a
+        futex wake-up (bench/offpeak.py: the replica sampled a call 23% slower than a worker)."""
+        thread = self._thread
+        if thread is None or not thread.is_alive() or thread is threading.current_thread():
+            return self._put_weights(weights, version, data, encoding)
+        call: Future = Future()
+        self._work.put((lambda: self._put_weights(weights, version, data, encoding), call))
+        return call.result()
+
+    def _put_weights(self, weights: str, version: int, data: bytes, encoding: str) -> None:
         from safetensors.torch import load
 
         from kernels.delta import CheckpointCorrupt, checkpoint_hash, decode, read_manifest
@@ -271,7 +288,11 @@ class BackgroundRollouts:
         """Queues `job`; its future gets `RolloutJob.answer`, or UnknownWeights / queue.Full at once."""
         if job.weights != self.weights:
             raise UnknownWeights(job.weights)
-        self._jobs.put_nowait(job)
+        with self._queue_lock:
+            if self._queued >= self.max_queued:
+                raise queue.Full
+            self._queued += 1
+        self._work.put(job)
         return job.future
 
     def start(self) -> None:
@@ -284,19 +305,33 @@ class BackgroundRollouts:
             self._thread.join(30)
         while True:
             try:
-                job = self._jobs.get_nowait()
+                item = self._work.get_nowait()
             except queue.Empty:
                 break
-            job.returned = list(range(len(job.prompts)))
-            if job.future.set_running_or_notify_cancel():  # its caller may have gone
-                job.future.set_result(job.answer(0))
+            if not isinstance(item, RolloutJob):
+                item[0]()  # a weights push: done here, the thread has stopped
+                item[1].set_result(None)
+                continue
+            item.returned = list(range(len(item.prompts)))
+            if item.future.set_running_or_notify_cancel():  # its caller may have gone
+                item.future.set_result(item.answer(0))
 
     def _loop(self) -> None:
         while not self._stopping.is_set():
             try:
-                job = self._jobs.get(timeout=0.25)
+                job = self._work.get(timeout=0.25)
             except queue.Empty:
                 continue
+            if not isinstance(job, RolloutJob):
+                fn, call = job
+                try:
+                    fn()
+                    call.set_result(None)
+                except Exception as exc:  # noqa: BLE001 - the push's caller gets the failure
+                    call.set_exception(exc)
+                continue
+            with self._queue_lock:
+                self._queued -= 1
             # A caller that went away (its request cancelled the future) before its job started:
             # skipped. Once running, the future can no longer be cancelled, so its answer is set.
             if not job.future.set_running_or_notify_cancel():
@@ -353,7 +388,7 @@ class BackgroundRollouts:
         return min(1.0, (busy - busy0) / (now - wall0)) if now > wall0 else 0.0
 
     def status(self) -> dict[str, Any]:
-        return {"slots": self.slots, "weights": self.weights, "queued": self._jobs.qsize(),
+        return {"slots": self.slots, "weights": self.weights, "queued": self._queued,
                 "rollouts": self.rollouts, "busy_s": round(self._busy_s, 3),
                 "live_in_flight": self.live.in_flight()}
 

@@ -235,3 +235,50 @@ def test_the_public_listener_counts_each_live_request_while_it_is_in_flight(monk
     finally:
         server.stop()
     assert len(seen) == 4 and live.in_flight() == 0 and live.busy_s() > 0
+
+
+def test_a_weights_push_runs_on_the_sampling_thread_after_the_job_it_is_sampling(dense_dir: Path, monkeypatch):
+    # One thread runs all of the background engine's torch work, so the process keeps one OpenMP
+    # team for it (a second team throttles every team's spin-wait: bench/offpeak.py).
+    live = LiveLoad()
+    worker = _worker(dense_dir, slots=4, live=live)
+    seen: list[str] = []
+    loaded = worker.engine.load_weights
+    monkeypatch.setattr(worker.engine, "load_weights",
+                        lambda *a, **k: (seen.append(threading.current_thread().name), loaded(*a, **k))[1])
+    prompts = _ids(dense_dir)
+    try:
+        live.enter()  # the first job waits for room
+        first = worker.submit(_job(prompts[:2]))
+        pushed = threading.Thread(target=worker.put_weights,
+                                  args=("run-1-round-1", 2, save(perturbed_state_dict(dense_dir, 1e-3, 3))))
+        pushed.start()
+        time.sleep(0.3)
+        assert worker.weights == "run-1-round-0" and pushed.is_alive()  # queued behind the job
+        live.leave()
+        assert first.result(60)["weights"] == "run-1-round-0" and len(first.result()["completions"]) == 4
+        pushed.join(60)
+        assert worker.weights == "run-1-round-1" and seen == ["background-rollouts"]
+    finally:
+        worker.close()
+
+
+def test_a_replica_refuses_a_job_past_its_queue_and_takes_one_again_once_a_job_started(dense_dir: Path):
+    import queue
+
+    live = LiveLoad()
+    worker = BackgroundRollouts(dense_dir, 4, live=live, max_queued=2)
+    worker.put_weights("run-1-round-0", 1, save(_state(dense_dir)))
+    prompts = _ids(dense_dir)
+    jobs = [worker.submit(_job(prompts[:1], n=1)) for _ in range(2)]
+    with pytest.raises(queue.Full):
+        worker.submit(_job(prompts[:1], n=1))
+    live.enter()
+    worker.start()  # takes the first job, which waits for room: one place in the queue again
+    try:
+        wait_until(lambda: worker.status()["queued"] == 1, timeout=30)
+        jobs.append(worker.submit(_job(prompts[:1], n=1)))
+        live.leave()
+        assert [len(j.result(120)["completions"]) for j in jobs] == [1, 1, 1]
+    finally:
+        worker.close()
