@@ -208,9 +208,13 @@ def rewards_compute(trajectory_ids: Iterable[int], spec: RewardSpec) -> list[Rew
     quarantined."""
     data = RewardSpecData.from_json(spec.signal_rewards, spec.checks, spec.aspects)
     judge = _judge_for(spec.judge, spec.aspects) if spec.judge else None
-    trajectories = Trajectory.objects.filter(pk__in=list(trajectory_ids)).prefetch_related(
-        Prefetch("steps", queryset=Step.objects.order_by("index")),
-        Prefetch("feedback_events", queryset=FeedbackEvent.objects.order_by("occurred_at", "id")),
+    # Only the columns a reward reads: a step's token ids and log-probs (JSON arrays of every
+    # token) are the bulk of its row, and decoding them was most of a pass's time.
+    trajectories = Trajectory.objects.filter(pk__in=list(trajectory_ids)).only(
+        "project_id", "external_id", "prompt", "extra").prefetch_related(
+        Prefetch("steps", queryset=Step.objects.only("trajectory_id", "index", "role", "content").order_by("index")),
+        Prefetch("feedback_events", queryset=FeedbackEvent.objects.only(
+            "trajectory_id", "signal", "value", "occurred_at").order_by("occurred_at", "id")),
     )
     trajectories = list(trajectories)
     results, failed = checks_try_many(spec.checks, [_check_inputs(t) for t in trajectories])
