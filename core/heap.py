@@ -7,7 +7,8 @@ none of them is garbage. An ingest batch of 1,000 events allocates about 60,000 
 full collections kept coming. Measured in the web process (uvicorn) over 20,000 ingested events:
 the collector took 0.60 s of CPU, one full collection 271 ms on an ingest thread holding the GIL;
 with the startup heap frozen, 0.04 s and no full collection. vLLM's API server and engine core
-freeze theirs after their start too (`freeze_gc_heap`).
+freeze theirs after their start too (`freeze_gc_heap`), and so do Celery workers
+(webapp/celery.py).
 
 Objects made after the freeze are collected as before. A frozen object that later becomes
 cyclic garbage is kept: only what exists at start-up is frozen, which is loaded once."""
