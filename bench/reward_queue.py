@@ -74,20 +74,21 @@ def _measure(slug: str, size: int, repeat: int) -> dict[str, tuple[float, float,
         return len(list(selectors.trajectories_reward_pending(project, spec, timezone.now())
                         .values_list("pk", flat=True)[:1000]))
 
-    def timed(fn) -> tuple[float, int]:
-        start = time.perf_counter()
-        out = fn()
-        return time.perf_counter() - start, out
+    def a_pass() -> int:
+        return rewards_compute_pending(project, now=timezone.now() + timedelta(seconds=1))
 
     out: dict[str, list[float]] = {"whole": [], "idle": [], "new": [], "whole+new": []}
+
+    def measure(name: str, fn, expected: int) -> None:
+        start = time.perf_counter()
+        got = fn()
+        out[name].append(time.perf_counter() - start)
+        assert got == expected, (name, got)
+
     old = list(project.trajectories.order_by("id").values_list("external_id", flat=True)[:50 * repeat])
     for r in range(repeat):
-        seconds, found = timed(whole)
-        assert found == 0, found
-        out["whole"].append(seconds)
-        seconds, scored = timed(lambda: rewards_compute_pending(project, now=timezone.now() + timedelta(seconds=1)))
-        assert scored == 0, scored
-        out["idle"].append(seconds)
+        measure("whole", whole, 0)
+        measure("idle", a_pass, 0)
         events = []
         for i in range(50):
             tid = f"bench-{r}-t{i}"
@@ -98,12 +99,8 @@ def _measure(slug: str, size: int, repeat: int) -> dict[str, tuple[float, float,
                        {"type": "feedback", "id": f"bench-{r}-f{i}", "trajectory_id": old[r * 50 + i],
                         "signal": "accept", "occurred_at": "2026-11-29T08:00:05Z"}]
         feedback_ingest(project, events)
-        seconds, found = timed(whole)
-        assert found == 100, found
-        out["whole+new"].append(seconds)
-        seconds, scored = timed(lambda: rewards_compute_pending(project, now=timezone.now() + timedelta(seconds=1)))
-        assert scored == 100, scored
-        out["new"].append(seconds)
+        measure("whole+new", whole, 100)
+        measure("new", a_pass, 100)
     return {name: _ms(samples) for name, samples in out.items()}
 
 

@@ -257,7 +257,7 @@ class BackgroundRollouts:
         than cores, GNU OpenMP stops spin-waiting between regions, so every decode step paid a
         futex wake-up (bench/offpeak.py: the replica sampled a call 23% slower than a worker)."""
         thread = self._thread
-        if thread is None or not thread.is_alive() or thread is threading.current_thread():
+        if thread is None or not thread.is_alive():
             return self._put_weights(weights, version, data, encoding)
         call: Future = Future()
         self._work.put((lambda: self._put_weights(weights, version, data, encoding), call))
@@ -309,8 +309,7 @@ class BackgroundRollouts:
             except queue.Empty:
                 break
             if not isinstance(item, RolloutJob):
-                item[0]()  # a weights push: done here, the thread has stopped
-                item[1].set_result(None)
+                _call(*item)  # a weights push: done here, the thread has stopped
                 continue
             item.returned = list(range(len(item.prompts)))
             if item.future.set_running_or_notify_cancel():  # its caller may have gone
@@ -323,12 +322,7 @@ class BackgroundRollouts:
             except queue.Empty:
                 continue
             if not isinstance(job, RolloutJob):
-                fn, call = job
-                try:
-                    fn()
-                    call.set_result(None)
-                except Exception as exc:  # noqa: BLE001 - the push's caller gets the failure
-                    call.set_exception(exc)
+                _call(*job)
                 continue
             with self._queue_lock:
                 self._queued -= 1
@@ -391,6 +385,15 @@ class BackgroundRollouts:
         return {"slots": self.slots, "weights": self.weights, "queued": self._queued,
                 "rollouts": self.rollouts, "busy_s": round(self._busy_s, 3),
                 "live_in_flight": self.live.in_flight()}
+
+
+def _call(fn: Callable[[], None], done: Future) -> None:
+    """Runs a weights push queued for the sampling thread; its caller gets the outcome."""
+    try:
+        fn()
+        done.set_result(None)
+    except Exception as exc:  # noqa: BLE001 - the push's caller gets the failure
+        done.set_exception(exc)
 
 
 # The process's background rollouts, set by `serve_policy --background-rollouts K` (None: off).
