@@ -27,7 +27,8 @@ ours_tokens_per_s_C, vllm_serve_tokens_per_s_C, serial_tokens_per_s_C, *_p50_s_C
 and at 16 clients ratio_16 (ours / vllm throughput) and p95_ratio_16 (ours / vllm p95) (and
 baseline_ratio_16, baseline_p95_ratio_16 for the baseline checkout), and the adapter side's
 adapter_tokens_per_s_C, merged_tokens_per_s_C, adapter_ratio_C (bench/serving_adapters.py: two LoRA
-adapters, production + canary, on one engine vs one merged model; --adapters runs it alone). `--quick` serves ours alone
+adapters, production + canary, on one engine vs one merged model, the median of --adapter-rounds
+paired rounds; --adapters runs it alone). `--quick` serves ours alone
 on the torch engine (vLLM and its server are left out, and it says so), 1 and 2 clients, 1 s each.
 """
 
@@ -347,6 +348,8 @@ def main() -> None:
     parser.add_argument("--model-dir", type=Path, help="an HF folder (default: build the tiny dense policy)")
     parser.add_argument("--seconds", type=float, default=6.0, help="per system, level and round")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--adapter-rounds", type=int, default=5,
+                        help="paired rounds of the adapter side (bench/serving_adapters.py)")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--no-serial", action="store_true", help="leave out the serialised reference")
     parser.add_argument("--baseline", type=Path, help="another checkout whose serve_policy is driven alike")
@@ -370,7 +373,8 @@ def main() -> None:
             lines = stdlib_corpus(2_000 if args.quick else 20_000)
             folder = build_policy(Path(tmp) / "policy", PolicyConfig(kind="dense"), lines)
         side = adapter_side(folder, Path(tmp), "torch" if args.quick else "vllm-async",
-                            (2,) if args.quick else (1, 4, 16), 0.5 if args.quick else args.seconds, args.rounds)
+                            (2,) if args.quick else (1, 4, 16), 0.5 if args.quick else args.seconds,
+                            1 if args.quick else args.adapter_rounds)
         if args.adapters:
             print_adapter_table(side, "torch" if args.quick else "vllm-async")
             if args.json:

@@ -5,8 +5,11 @@ the two sides interleaved round by round (the same machine load).
 
     nice -n 15 .venv/bin/python bench/serving.py --adapters [--seconds 6] [--json]
 
-Reported: output tokens/s per side and client count, and adapter_ratio_16 (adapters / merged at
-16 clients; the goal is >= 0.9). In-process engines (no HTTP, no recording): the engine's cost of
+Reported: output tokens/s per side and client count (medians over the rounds), and adapter_ratio_C:
+the median over the rounds of each round's adapters / merged ratio (the goal at 16 clients is
+>= 0.9), with its range and the ratio of the best rounds (best_ratio_C). The rounds
+(`--adapter-rounds`, default 5) are paired: each runs both sides back to back, the order swapped
+every round, so load that comes and goes on a shared machine hits a round's two sides alike. In-process engines (no HTTP, no recording): the engine's cost of
 serving adapters, which the HTTP path adds the same amount to on both sides.
 """
 
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -68,19 +72,20 @@ async def drive(pick, clients: int, seconds: float, seed: int) -> float:
 
 
 def adapter_side(base: Path, tmp: Path, kind: str, levels: tuple[int, ...], seconds: float, rounds: int,
-                 max_model_len: int = 512) -> dict[str, dict[int, float]]:
-    """tokens/s by side ("adapters", "merged") and client count, best of `rounds` interleaved."""
+                 max_model_len: int = 512) -> dict[str, dict[int, list[float]]]:
+    """tokens/s by side ("adapters", "merged") and client count, one entry per round; in each
+    round the two sides run back to back (the order swapped every round), so a round's two rates
+    saw the same machine load and their ratio is one paired measurement."""
     sides = build(base, tmp, kind, max_model_len)
     production, canary = sides["views"]
     picks = {"adapters": lambda rng: canary if rng.random() < CANARY_SHARE else production,
              "merged": lambda rng: sides["merged"]}
-    out: dict[str, dict[int, float]] = {name: {} for name in picks}
+    out: dict[str, dict[int, list[float]]] = {name: {c: [] for c in levels} for name in picks}
     try:
         for r in range(rounds):
             for c in levels:
                 for name in (list(picks) if r % 2 == 0 else list(picks)[::-1]):
-                    rate = asyncio.run(drive(picks[name], c, seconds, seed=r))
-                    out[name][c] = max(out[name].get(c, 0.0), rate)
+                    out[name][c].append(asyncio.run(drive(picks[name], c, seconds, seed=r)))
     finally:
         for view in sides["views"]:
             view.close()
@@ -89,18 +94,34 @@ def adapter_side(base: Path, tmp: Path, kind: str, levels: tuple[int, ...], seco
     return out
 
 
-def adapter_summary(out: dict[str, dict[int, float]]) -> dict[str, float]:
-    summary: dict[str, float] = {}
+def _paired(out: dict[str, dict[int, list[float]]], c: int) -> tuple[float, float, float]:
+    """The median of the rounds' adapters/merged ratios at `c` clients, with their range."""
+    ratios = [a / max(m, 1e-9) for a, m in zip(out["adapters"][c], out["merged"][c], strict=True)]
+    return statistics.median(ratios), min(ratios), max(ratios)
+
+
+def adapter_summary(out: dict[str, dict[int, list[float]]]) -> dict[str, float]:
+    """Per client count: each side's median tokens/s, and adapter_ratio_C, the median of the
+    rounds' paired ratios (a ratio of two medians would pair rounds that saw different loads), with
+    adapter_ratio_range_C and the best-of-rounds ratio the bench reported before (best_ratio_C)."""
+    summary: dict[str, Any] = {}
     for c in out["adapters"]:
-        summary[f"adapter_tokens_per_s_{c}"] = round(out["adapters"][c], 1)
-        summary[f"merged_tokens_per_s_{c}"] = round(out["merged"][c], 1)
-        summary[f"adapter_ratio_{c}"] = round(out["adapters"][c] / max(out["merged"][c], 1e-9), 3)
+        ratio, low, high = _paired(out, c)
+        summary[f"adapter_tokens_per_s_{c}"] = round(statistics.median(out["adapters"][c]), 1)
+        summary[f"merged_tokens_per_s_{c}"] = round(statistics.median(out["merged"][c]), 1)
+        summary[f"adapter_ratio_{c}"] = round(ratio, 3)
+        summary[f"adapter_ratio_range_{c}"] = [round(low, 3), round(high, 3)]
+        summary[f"best_ratio_{c}"] = round(max(out["adapters"][c]) / max(max(out["merged"][c]), 1e-9), 3)
     return summary
 
 
-def print_adapter_table(out: dict[str, dict[int, float]], kind: str) -> None:
-    print(f"\ntwo adapters (production + {CANARY_SHARE:.0%} canary) on one {kind} engine vs one merged model")
-    print(f"{'clients':>7} | {'adapters':>9} | {'merged':>9} | {'ratio':>6}")
+def print_adapter_table(out: dict[str, dict[int, list[float]]], kind: str) -> None:
+    rounds = len(next(iter(out["adapters"].values())))
+    print(f"\ntwo adapters (production + {CANARY_SHARE:.0%} canary) on one {kind} engine vs one merged model, "
+          f"{rounds} interleaved rounds (tokens/s: medians; ratio: the median of the rounds' paired ratios)")
+    print(f"{'clients':>7} | {'adapters':>9} | {'merged':>9} | {'ratio':>6} | {'range':>11} | {'best/best':>9}")
     for c in out["adapters"]:
-        a, m = out["adapters"][c], out["merged"][c]
-        print(f"{c:>7} | {a:9.1f} | {m:9.1f} | {a / max(m, 1e-9):6.2f}")
+        ratio, low, high = _paired(out, c)
+        a, m = statistics.median(out["adapters"][c]), statistics.median(out["merged"][c])
+        best = max(out["adapters"][c]) / max(max(out["merged"][c]), 1e-9)
+        print(f"{c:>7} | {a:9.1f} | {m:9.1f} | {ratio:6.3f} | {low:5.3f}-{high:5.3f} | {best:9.3f}")

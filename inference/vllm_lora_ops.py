@@ -34,6 +34,7 @@ A call whose shapes these do not cover goes to vLLM's own.
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import torch
@@ -190,9 +191,31 @@ def _step_groups(wrapper: Any, indices: torch.Tensor) -> Groups:
 
 # Bumped by every set_lora/reset_lora (the stacked weights changed): the plans below are rebuilt.
 _GENERATION = [0]
+# At most this many adapter slots holding weights in a layer are served by one fused product (every
+# token through every live slot's A, a mask keeping its own); more go slot by slot, each product
+# on its own tokens (many projects on one engine: a step holds a few of them).
+MAX_FUSED = 4
 
-
+# A layer's live slots (those with a non-zero B in some slice), then the fused weights over them:
+# A stacked over (slot, live slice) in float32, (slots x width, hidden); B laid out as
+# (all output columns, slots x width) in the output's dtype, zero outside each slice's own block;
+# and the block width (live slices x rank). Or, past MAX_FUSED slots, per slot the unfused plan.
+Fused = tuple[tuple[int, ...], "torch.Tensor | None", "torch.Tensor | None", int]
 Plan = tuple["torch.Tensor | None", list[tuple[int, int, torch.Tensor, int]]]
+
+
+def _cached(wrapper: Any, key: tuple, b_first: torch.Tensor, build: Any) -> Any:
+    """`build()` kept per layer (`b_first`, the layer's first stacked B: its id is the key's first
+    part) until the stacked weights change (a set_lora or reset_lora anywhere)."""
+    plans = getattr(wrapper, "_flywheel_plans", None)
+    if plans is None or plans[0] != _GENERATION[0]:
+        plans = wrapper._flywheel_plans = (_GENERATION[0], {})
+    found = plans[1].get(key)
+    if found is not None and found[0] is b_first:
+        return found[1]
+    value = build()
+    plans[1][key] = (b_first, value)  # the tensor kept: its id is not reused while cached
+    return value
 
 
 def _plan(wrapper: Any, a_stacked: tuple[torch.Tensor, ...], b_stacked: tuple[torch.Tensor, ...],
@@ -201,32 +224,72 @@ def _plan(wrapper: Any, a_stacked: tuple[torch.Tensor, ...], b_stacked: tuple[to
     them, float32; None if no slice is live) and, for each slice whose B is not zero, (output
     column offset, columns, B in the output's dtype, its rows in the shrink's output); a q/v
     adapter's k slice drops out. Kept until the stacked weights change."""
-    plans = getattr(wrapper, "_flywheel_plans", None)
-    if plans is None or plans[0] != _GENERATION[0]:
-        plans = wrapper._flywheel_plans = (_GENERATION[0], {})
-    key = (id(b_stacked[0]), slot, dtype)
-    found = plans[1].get(key)
-    if found is not None and found[0] is b_stacked[0]:
-        return found[1]
-    live, offset = [], 0
-    for i, (b, size) in enumerate(zip(b_stacked, sizes, strict=True)):
-        weights = _slot(b, slot)
-        if weights.any():
-            live.append((i, offset, size, weights.to(dtype)))
-        offset += size
-    rank = a_stacked[0].shape[-2]
-    stacked = torch.cat([_slot(a_stacked[i], slot).to(torch.float32) for i, *_ in live]) if live else None
-    plan = (stacked, [(off, size, b, k * rank) for k, (_, off, size, b) in enumerate(live)])
-    plans[1][key] = (b_stacked[0], plan)  # the tensor kept: its id is not reused while cached
-    return plan
+
+    def build() -> Plan:
+        live, offset = [], 0
+        for i, (b, size) in enumerate(zip(b_stacked, sizes, strict=True)):
+            weights = _slot(b, slot)
+            if weights.any():
+                live.append((i, offset, size, weights.to(dtype)))
+            offset += size
+        rank = a_stacked[0].shape[-2]
+        stacked = torch.cat([_slot(a_stacked[i], slot).to(torch.float32) for i, *_ in live]) if live else None
+        return stacked, [(off, size, b, k * rank) for k, (_, off, size, b) in enumerate(live)]
+
+    return _cached(wrapper, (id(b_stacked[0]), slot, dtype), b_stacked[0], build)
+
+
+def _fused(wrapper: Any, a_stacked: tuple[torch.Tensor, ...], b_stacked: tuple[torch.Tensor, ...],
+           sizes: tuple[int, ...], dtype: torch.dtype) -> Fused:
+    """One layer's fused weights over its live slots (`Fused`); (slots, None, None, 0) when there
+    are more than MAX_FUSED of them or none."""
+
+    def build() -> Fused:
+        nonzero = [[bool(_slot(b, s).any()) for b in b_stacked] for s in range(b_stacked[0].shape[0])]
+        slots = tuple(s for s, row in enumerate(nonzero) if any(row))
+        live = [i for i in range(len(b_stacked)) if any(nonzero[s][i] for s in slots)]
+        if not slots or len(slots) > MAX_FUSED:
+            return slots, None, None, 0
+        rank = a_stacked[0].shape[-2]
+        width = len(live) * rank
+        a = torch.cat([_slot(a_stacked[i], s).to(torch.float32) for s in slots for i in live])
+        b = torch.zeros(sum(sizes), len(slots) * width, dtype=dtype)
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        for k, s in enumerate(slots):
+            for j, i in enumerate(live):
+                column = k * width + j * rank
+                b[starts[i] : starts[i] + sizes[i], column : column + rank] = _slot(b_stacked[i], s)
+        return slots, a, b, width
+
+    return _cached(wrapper, (id(b_stacked[0]), "fused", dtype), b_stacked[0], build)
+
+
+def _step_mask(wrapper: Any, indices: torch.Tensor, slots: tuple[int, ...], width: int,
+               scale: float) -> torch.Tensor:
+    """(tokens, slots x width): `scale` where the column's slot is the token's adapter, else 0 (a
+    token without one, or whose adapter has no weights in the layer, gets a row of zeros). Kept
+    for the step (dropped with its grouping)."""
+    masks = getattr(wrapper, "_flywheel_masks", None)
+    if masks is None:
+        masks = wrapper._flywheel_masks = {}
+    key = (slots, width, scale)
+    mask = masks.get(key)
+    if mask is None:
+        columns = torch.tensor(slots, dtype=indices.dtype).repeat_interleave(width)
+        mask = masks[key] = (indices.unsqueeze(1) == columns.unsqueeze(0)).to(torch.float32)
+        if scale != 1.0:
+            mask.mul_(scale)
+    return mask
 
 
 def add_lora_linear(self: Any, y: torch.Tensor, x: torch.Tensor, lora_a_stacked: tuple[torch.Tensor, ...],
                     lora_b_stacked: tuple[torch.Tensor, ...], scale: float, output_slices: tuple[int, ...],
                     *, buffer: Any = None, **kwargs: Any) -> None:
     """vLLM's CPU `add_lora_linear` (y[t, slice i] += (x[t] A_i^T * scale) B_i^T with the token's
-    adapter), grouped by adapter: per adapter present, one shrink product for all slices and one
-    expand product per slice with a non-zero B."""
+    adapter). Up to MAX_FUSED live slots, three products whatever the adapters and slices: every
+    token through all live slots' A at once, a mask keeping each token's own (and `scale`), and one
+    expand over all slices into y. Past that, grouped by adapter: per adapter present, one shrink
+    product for all slices and one expand product per slice with a non-zero B."""
     indices = self.token_lora_indices
     x2, y2 = x.view(-1, x.shape[-1]), y.view(-1, y.shape[-1])
     if (buffer is not None or kwargs or x2.shape[0] != indices.shape[0] or y2.shape[0] != x2.shape[0]
@@ -238,6 +301,18 @@ def add_lora_linear(self: Any, y: torch.Tensor, x: torch.Tensor, lora_a_stacked:
     if not groups:
         return None
     xf = x2.to(torch.float32)  # vLLM's shrink writes a float32 buffer
+    slots, a, b, width = _fused(self, lora_a_stacked, lora_b_stacked, output_slices, y2.dtype)
+    if not slots:
+        return None
+    if a is not None:
+        shrunk = xf @ a.T
+        if len(slots) == 1 and len(groups) == 1 and groups[0][1] is None and groups[0][0] == slots[0]:
+            if scale != 1.0:
+                shrunk.mul_(scale)
+        else:
+            shrunk.mul_(_step_mask(self, indices, slots, width, scale))
+        y2.addmm_(shrunk.to(y2.dtype), b.T)
+        return None
     rank = lora_a_stacked[0].shape[-2]
     for slot, rows in groups:
         stacked, slices = _plan(self, lora_a_stacked, lora_b_stacked, output_slices, slot, y2.dtype)
@@ -247,8 +322,8 @@ def add_lora_linear(self: Any, y: torch.Tensor, x: torch.Tensor, lora_a_stacked:
         if scale != 1.0:
             shrunk = shrunk * scale
         shrunk = shrunk.to(y2.dtype)
-        for offset, size, b, column in slices:
-            term = shrunk[:, column : column + rank] @ b.T
+        for offset, size, b_, column in slices:
+            term = shrunk[:, column : column + rank] @ b_.T
             target = y2[:, offset : offset + size]
             if rows is None:
                 target += term
@@ -257,14 +332,39 @@ def add_lora_linear(self: Any, y: torch.Tensor, x: torch.Tensor, lora_a_stacked:
     return None
 
 
-def _dropping_groups(method: Any) -> Any:
-    def update_metadata(self: Any, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return method(self, *args, **kwargs)
-        finally:
-            self._flywheel_groups = None  # the token indices may have changed
-
-    return update_metadata
+def update_metadata(self: Any, mapping: Any, lora_index_to_id: list[int | None], max_loras: int, vocab_size: int,
+                    **kwargs: Any) -> None:
+    """vLLM's CPU punica wrapper's `update_metadata`, run at every step whose adapter mapping
+    changed: the same index buffers (token and sampler slots, -1 without an adapter; the padded
+    sampler rows; the embedding offsets; the prefill ops' runs of equal slots), from Python lists
+    in one pass instead of vLLM's three list copies and a dozen small tensor ops per step. The
+    step's grouping and masks above are dropped (the token indices may have changed)."""
+    self._flywheel_groups = self._flywheel_masks = None
+    slot_of = {lora_id: i for i, lora_id in enumerate(lora_index_to_id) if lora_id is not None}
+    tokens = [slot_of[x] if x > 0 else -1 for x in mapping.index_mapping]
+    prompts = [slot_of[x] if x > 0 else -1 for x in mapping.prompt_mapping]
+    n, m = len(tokens), len(prompts)
+    token_slots = torch.tensor(tokens, dtype=torch.long)
+    prompt_slots = torch.tensor(prompts, dtype=torch.long)
+    self._token_lora_indices[:n] = token_slots
+    self._embeddings_indices[:n] = token_slots.clamp(min=0) * vocab_size
+    self._sampler_indices[:m] = prompt_slots
+    # a prompt without an adapter reads the last slot's row of the padded logits (vLLM's rule)
+    self._sampler_indices_padded[:m] = torch.arange(m) + prompt_slots.where(prompt_slots != -1, max_loras - 1) * m
+    self.indices_len[:] = [n, m, m, n]
+    self.is_prefill = bool(mapping.is_prefill)
+    if self.is_prefill:  # runs of tokens with the same slot, as vLLM's compute_meta
+        values, lengths = [], []
+        for value, run in itertools.groupby(tokens):
+            values.append(value)
+            lengths.append(sum(1 for _ in run))
+        starts = list(itertools.accumulate(lengths[:-1], initial=0))
+        k = len(values)
+        self._seq_start_locs[:k] = torch.tensor(starts, dtype=torch.long)
+        self._seq_lengths[:k] = torch.tensor(lengths, dtype=torch.long)
+        self._lora_indices_per_batch[:k] = torch.tensor(values, dtype=torch.long)
+        self.batch_size, self.max_length, self.token_nums = k, max(lengths, default=0), n
+        self.no_lora = k == 1 and values[0] == -1
 
 
 def install() -> None:
@@ -283,7 +383,8 @@ def install() -> None:
         wrapper = punica_cpu.PunicaWrapperCPU
         _ORIGINAL["add_lora_linear"] = wrapper.add_lora_linear
         wrapper.add_lora_linear = add_lora_linear
-        wrapper.update_metadata = _dropping_groups(wrapper.update_metadata)
+        _ORIGINAL["update_metadata"] = wrapper.update_metadata
+        wrapper.update_metadata = update_metadata
     for name, ours in (("bgmv_shrink", bgmv_shrink), ("bgmv_expand", bgmv_expand),
                        ("bgmv_expand_slice", bgmv_expand_slice)):
         _ORIGINAL[name] = getattr(lora_ops, name)

@@ -94,15 +94,20 @@ def _wrapper(idx: list[int]) -> punica_cpu.PunicaWrapperCPU:
 
 @pytest.mark.parametrize("case", list(INDICES))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_add_lora_linear_adds_each_tokens_adapter_over_three_slices(case: str, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("fused", [4, 1], ids=["fused", "slot by slot"])
+def test_add_lora_linear_adds_each_tokens_adapter_over_three_slices(case: str, dtype: torch.dtype, fused: int,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """q, k and v: y[t, slice i] += (x[t] A_i^T scale) B_i^T with token t's adapter, nothing
-    without one; against the product in float64."""
+    without one; against the product in float64. Both paths: all four slots in one fused product,
+    and slot by slot (more live slots than MAX_FUSED)."""
     ours.install()
+    monkeypatch.setattr(ours, "MAX_FUSED", fused)
     gen = torch.Generator().manual_seed(1)
     idx = INDICES[case]
     slices = (64, 32, 32)
     a = tuple(torch.randn(SLOTS, 1, RANK, HIDDEN, generator=gen).to(dtype) for _ in slices)
     b = tuple(torch.randn(SLOTS, 1, n, RANK, generator=gen).to(dtype) for n in slices)
+    b[1][0].zero_()  # slot 0's adapter leaves k alone (q/v), the others train it
     x = torch.randn(len(idx), HIDDEN, generator=gen).to(dtype)
     y = torch.randn(len(idx), sum(slices), generator=gen).to(dtype)
     expected = y.double().clone()
@@ -210,3 +215,33 @@ def test_new_weights_in_a_slot_are_the_ones_applied() -> None:
         assert torch.allclose(applied(), x @ a.T @ b.T, atol=1e-4)
     BaseLinearLayerWithLoRA.reset_lora(layer, 1)
     assert not applied().any()
+
+
+@pytest.mark.parametrize("prefill", [True, False])
+@pytest.mark.parametrize("case", list(INDICES))
+def test_update_metadata_sets_what_vllms_sets(case: str, prefill: bool) -> None:
+    """The step's index buffers (token, sampler, padded sampler and embedding indices, their
+    lengths, the prefill ops' runs) are vLLM's own, from a mapping whose prompts differ from its
+    tokens; and a later mapping replaces them."""
+    ours.install()
+    slots = [10 + s for s in range(SLOTS)]
+    slots[2] = None  # an empty slot between loaded ones
+    ids = tuple(0 if i < 0 else 10 + (i if i != 2 else 1) for i in INDICES[case])
+    prompts = ids[::2]
+    for mapping in (LoRAMapping(ids, prompts, is_prefill=prefill), LoRAMapping(ids[:1], ids[:1], is_prefill=prefill)):
+        got, want = (punica_cpu.PunicaWrapperCPU(64, 8, "cpu") for _ in range(2))
+        for w in (got, want):  # the same stale contents in both
+            for name in ("_token_lora_indices", "_sampler_indices", "_sampler_indices_padded", "_embeddings_indices",
+                         "_seq_start_locs", "_seq_lengths", "_lora_indices_per_batch"):
+                getattr(w, name).fill_(7)
+        got.update_metadata(mapping, slots, SLOTS, 2048)
+        ours._ORIGINAL["update_metadata"](want, mapping, slots, SLOTS, 2048)
+        for name in ("_token_lora_indices", "_sampler_indices", "_sampler_indices_padded", "_embeddings_indices",
+                     "indices_len", "is_prefill"):
+            assert torch.equal(torch.as_tensor(getattr(got, name)), torch.as_tensor(getattr(want, name))), name
+        if prefill:
+            assert got.prefill_metadata[3:] == want.prefill_metadata[3:] and got.no_lora == want.no_lora
+            for mine, theirs in zip(got.prefill_metadata[:3], want.prefill_metadata[:3], strict=True):
+                assert torch.equal(mine, theirs)
+        assert torch.equal(got.token_lora_indices, want.token_lora_indices)
+        assert torch.equal(got.sampler_indices_padded, want.sampler_indices_padded)
