@@ -6,13 +6,16 @@
 For each size, a project is filled with `seed_load` (trajectories with a step, two feedback events
 each, every one already rewarded) on a fresh bench database, and the pass is timed three ways:
 
-- `whole`: the whole-project query, which was every pass before the due rows (and is still the
-  first pass of a new spec and the daily net): with nothing to score it reads every trajectory
-  and its feedback;
+- `whole`: the pending query over the whole project, which was every pass before the due rows
+  (and every pass of a new spec's first full pass, and of the daily net, before the windows):
+  with nothing to score it reads every trajectory and its feedback;
 - `idle`: the pass with nothing new (no due rows);
 - `new`: the pass after a batch of 100 new events (50 trajectories, feedback on 50 old ones),
   scoring those 100 trajectories (median of `--repeat` batches; the scoring itself is in it).
-  `whole+new` is the whole-project query over the same state, for the same work.
+  `whole+new` is the whole-project query over the same state, for the same work;
+- `spec_whole` and `spec_window`: after a new spec (everything to score), the query that finds a
+  pass's 1,000 to score: the whole project's (every pass of a full pass before) against the one
+  window of the project's trajectories (FULL_WINDOW_FACTOR x 1,000 of its ids) a pass reads now.
 
 Milliseconds of wall clock on an otherwise idle database (PostgreSQL's own work and Python's),
 the median of `--repeat` passes with their range.
@@ -56,7 +59,13 @@ def _measure(slug: str, size: int, repeat: int) -> dict[str, tuple[float, float,
     from feedback.services import feedback_ingest
     from training.models import RewardSpec
     from training.rewards import selectors
-    from training.rewards.services import reward_spec_current, rewards_compute_pending
+    from training.rewards.services import (
+        FULL_WINDOW_FACTOR,
+        reward_spec_current,
+        reward_spec_update,
+        rewards_compute_pending,
+        rewards_drain,
+    )
 
     call_command("seed_load", events=2 * size, trajectories=size, project=slug, run_steps=10, stdout=open(os.devnull, "w"))
     project = Project.objects.get(slug=slug)
@@ -67,8 +76,9 @@ def _measure(slug: str, size: int, repeat: int) -> dict[str, tuple[float, float,
         cur.execute("UPDATE feedback_feedbackevent SET received_at = now() - interval '10 minutes' "
                     "WHERE project_id = %s AND received_at > now() - interval '10 minutes'", [project.pk])
         cur.execute("VACUUM ANALYZE")
+    rewards_drain(project, budget_s=3600)  # the first full pass, window by window: the queue starts empty
     spec = reward_spec_current(project)
-    rewards_compute_pending(project, now=timezone.now())  # the first (whole) pass: the queue starts empty
+    assert spec.full_pass_at is not None
 
     def whole() -> int:
         return len(list(selectors.trajectories_reward_pending(project, spec, timezone.now())
@@ -101,6 +111,20 @@ def _measure(slug: str, size: int, repeat: int) -> dict[str, tuple[float, float,
         feedback_ingest(project, events)
         measure("whole+new", whole, 100)
         measure("new", a_pass, 100)
+    # A new spec (edited after rewards used the old one: a new version, everything to score). The
+    # query that finds a pass's 1,000 was the whole project's each pass; it is one window now.
+    spec = reward_spec_update(project, signal_rewards={"accept": 1.0, "reject": -1.0})
+    out["spec_whole"], out["spec_window"] = [], []
+
+    def window() -> int:
+        rows = selectors.trajectory_window(project, None, FULL_WINDOW_FACTOR * 1000)
+        return len(list(selectors.trajectories_reward_pending(project, spec, timezone.now(), [pk for pk, _ in rows])
+                        .values_list("pk", flat=True)[:1000]))
+
+    for _ in range(repeat):
+        measure("spec_whole", lambda: len(list(selectors.trajectories_reward_pending(project, spec, timezone.now())
+                                               .values_list("pk", flat=True)[:1000])), 1000)
+        measure("spec_window", window, 1000)
     return {name: _ms(samples) for name, samples in out.items()}
 
 
@@ -141,6 +165,11 @@ def main() -> None:
     for size, row in rows.items():
         cells = [f"{m:.1f} ({lo:.1f}-{hi:.1f})" for m, lo, hi in (row[k] for k in ("whole", "idle", "whole+new", "new"))]
         print(f"{size:>12} {cells[0]:>22} {cells[1]:>18} {cells[2]:>22} {cells[3]:>22}")
+    print("a new spec (everything to score), the query that finds a pass's 1,000, ms: the whole project's "
+          "(every such pass before) against one window of the project's ids")
+    for size, row in rows.items():
+        (wm, wlo, whi), (nm, nlo, nhi) = row["spec_whole"], row["spec_window"]
+        print(f"{size:>12} whole {wm:.1f} ({wlo:.1f}-{whi:.1f})  window {nm:.1f} ({nlo:.1f}-{nhi:.1f})")
     print(f"drain: {drained} trajectories scored in {drain_s:.2f} s, {drained / drain_s:.0f} rewards/s "
           "(default spec: feedback map and rule judge)")
     if args.json:

@@ -24,6 +24,9 @@ class RewardSpec(models.Model):
     # When the reward queue last went over every trajectory of the project under this spec and
     # found less than a pass's worth to score (NULL: never; a new or edited spec starts there).
     full_pass_at = models.DateTimeField(null=True, blank=True)
+    # Where the full pass under way has reached: the last trajectory id (external, the project's
+    # unique key) it went past; NULL: the next full pass starts from the first.
+    full_pass_cursor = models.TextField(null=True, blank=True)
 
     class Meta:
         constraints = [models.UniqueConstraint(fields=["project", "version"], name="uniq_rewardspec_version")]

@@ -81,7 +81,8 @@ def reward_spec_update(project: Project, **changes: Any) -> RewardSpec:
         fields = {**{f: getattr(current, f) for f in SPEC_FIELDS}, **changes}
         _spec_validate(fields)
         if not Reward.objects.filter(spec=current).exists():
-            RewardSpec.objects.filter(pk=current.pk).update(**fields, full_pass_at=None)  # rescored in full
+            # rescored in full, from the first trajectory
+            RewardSpec.objects.filter(pk=current.pk).update(**fields, full_pass_at=None, full_pass_cursor=None)
             current.refresh_from_db()
             return current
         return RewardSpec.objects.create(project=project, version=current.version + 1, **fields)
@@ -264,8 +265,15 @@ def rewards_compute_pending(project: Project, limit: int = 1000, now: datetime |
     work, not its history (at 200,000 trajectories the whole-project query costs about a second
     of database time, every 30 s, with nothing to score: bench/reward_queue.py). A due row names
     every trajectory a statement touched; one whose activity has not settled yet has a later due
-    row of its own, read when that settles. The whole project is read instead when the spec has
-    no complete pass (a new or edited spec has everything to score) and every FULL_PASS_EVERY."""
+    row of its own, read when that settles.
+
+    Beside them, while the spec has no complete full pass (a new or edited spec has everything to
+    score) and again every FULL_PASS_EVERY, a pass goes over the next window of the project's
+    trajectories (FULL_WINDOW_FACTOR x `limit`, in the order of their ids, from where the last
+    pass stopped: `RewardSpec.full_pass_cursor`), so that even that pass's cost is bounded by
+    the limit, not by the project: a new spec on 200,000 trajectories is scored 1,000 at a time
+    without reading them all each time. Trajectories stored after a full pass started have due
+    rows of their own."""
     return _pass(project, limit, now or timezone.now())[0]
 
 
@@ -281,41 +289,64 @@ def rewards_drain(project: Project, budget_s: float = 20.0, limit: int = 1000) -
             return total
 
 
+FULL_WINDOW_FACTOR = 4
+
+
 def _pass(project: Project, limit: int, now: datetime) -> tuple[int, bool]:
-    """(trajectories scored, whether there was anything to do: scored or due rows consumed)."""
+    """(trajectories scored, whether there was anything to do: scored, due rows consumed or a
+    full pass's window gone over)."""
     spec = reward_spec_current(project)
     settled_before = now - timedelta(seconds=spec.settle_seconds)
-    full = spec.full_pass_at is None or spec.full_pass_at <= now - FULL_PASS_EVERY
+    rows: list[int] = []
+    ids: list[int] = []
     leftover: list[int] = []
-    if full:
-        rows = selectors.reward_due_row_ids(project, settled_before)  # read first: the query below covers them
-        pending = selectors.trajectories_reward_pending(project, spec, now)
-        ids = list(pending.values_list("pk", flat=True)[:limit])
-    else:
-        due = selectors.reward_due_rows(project, settled_before, DUE_READ_FACTOR * limit)
-        if not due:
-            return 0, False
+    due = selectors.reward_due_rows(project, settled_before, DUE_READ_FACTOR * limit)
+    if due:
         rows = [row_id for row_id, _, _ in due]
         among = sorted({t for _, ts, _ in due for t in ts})
         rescore = sorted({t for _, ts, again in due if again for t in ts})
         found = list(selectors.trajectories_reward_pending(project, spec, now, among, rescore)
                      .values_list("pk", flat=True))
         ids, leftover = found[:limit], found[limit:]
+    full = spec.full_pass_at is None or spec.full_pass_at <= now - FULL_PASS_EVERY
+    cursor, complete = spec.full_pass_cursor, False  # the due rows took the whole limit: it stays
+    if full and len(ids) < limit:
+        ids, cursor, complete = _full_window(project, spec, now, ids, leftover, limit)
     if ids:
         rewards_compute(ids, spec)
         project_event(project.pk, {"type": "rewards_computed", "spec": spec.version, "count": len(ids)})
-    if not full or len(ids) < limit:  # a full pass stopped by the limit goes on next time, its rows kept
-        _due_done(project, rows, leftover, settled_before, spec_full_at=(spec, now) if full else None)
-    return len(ids), bool(ids or rows)
+    _due_done(project, rows, leftover, settled_before)
+    if full:  # where the full pass has reached, unless the spec was edited since (it starts again)
+        RewardSpec.objects.filter(pk=spec.pk, full_pass_at=spec.full_pass_at, full_pass_cursor=spec.full_pass_cursor).update(
+            full_pass_at=now if complete else spec.full_pass_at, full_pass_cursor=None if complete else cursor)
+    return len(ids), bool(ids or rows or (full and not complete))
 
 
-def _due_done(project: Project, rows: list[int], leftover: list[int], settled_before: datetime,
-              spec_full_at: tuple[RewardSpec, datetime] | None) -> None:
-    """After a pass scored: its due rows deleted, what it left for the limit due again first
-    (`at` = settled_before), and a complete full pass recorded on its spec."""
+def _full_window(project: Project, spec: RewardSpec, now: datetime, ids: list[int], leftover: list[int],
+                 limit: int) -> tuple[list[int], str | None, bool]:
+    """The full pass's next window: `ids` with what is pending in it added up to `limit`, where
+    the next window starts (the last trajectory id gone past) and whether this was the last."""
+    size = FULL_WINDOW_FACTOR * limit
+    window = selectors.trajectory_window(project, spec.full_pass_cursor, size)
+    if not window:
+        return ids, None, True
+    order = {pk: k for k, (pk, _) in enumerate(window)}
+    taken = set(ids) | set(leftover)
+    pending = sorted((pk for pk in selectors.trajectories_reward_pending(project, spec, now, list(order))
+                      .values_list("pk", flat=True) if pk not in taken), key=order.__getitem__)
+    room = limit - len(ids)
+    if len(pending) > room:  # the window goes on after the last one scored
+        pending = pending[:room]
+        return ids + pending, window[order[pending[-1]]][1], False
+    return ids + pending, window[-1][1], len(window) < size
+
+
+def _due_done(project: Project, rows: list[int], leftover: list[int], settled_before: datetime) -> None:
+    """After a pass scored: its due rows deleted, and what it left for the limit due again first
+    (`at` = settled_before)."""
+    if not rows and not leftover:
+        return
     with transaction.atomic():
-        if spec_full_at is not None:
-            RewardSpec.objects.filter(pk=spec_full_at[0].pk).update(full_pass_at=spec_full_at[1])
         RewardDue.objects.filter(pk__in=rows).delete()
         if leftover:  # found to score: scored next time whatever their reward says then
             RewardDue.objects.create(project=project, trajectory_ids=leftover, at=settled_before, rescore=True)

@@ -160,6 +160,57 @@ def test_an_edited_spec_is_scored_over_the_whole_project_again(creds):
     assert _totals() == {"t-1": 2.0}
 
 
+def test_a_full_pass_goes_over_the_project_a_window_at_a_time(creds):
+    """A new spec on a grown project is scored `limit` at a time, each pass going over one window
+    of the project's trajectories (FULL_WINDOW_FACTOR x limit, in the order of their ids) from
+    where the last stopped; a trajectory stored meanwhile, before the window in that order, is
+    scored through its due row; the pass is recorded complete after the last window. (What a
+    window reads: the next test; what a pass costs at 200,000 trajectories: bench/reward_queue.py.)"""
+    plain_spec(creds.project, settle_seconds=0)
+    _grown(creds.project, 600)
+    spec = reward_spec_update(creds.project, signal_rewards={"accept": 2.0})  # a new version: all to score
+    assert spec.full_pass_at is None
+    limit, passes, scored = 25, 0, 0
+    while True:
+        got = rewards_compute_pending(creds.project, limit=limit, now=later(3600 + passes))
+        scored, passes = scored + got, passes + 1
+        spec.refresh_from_db()
+        if passes == 3:  # mid-way: one stored with an id before where the pass has reached
+            assert spec.full_pass_cursor > "a" and spec.full_pass_at is None
+            feedback_ingest(creds.project, [trajectory("a-late"), feedback("a-late-fb", "a-late", "accept")])
+        if passes == 5:  # a pass's worth of new work: the next pass is all due rows, the window waits
+            feedback_ingest(creds.project, [trajectory(f"z-{i}") for i in range(limit)])
+            reached = spec.full_pass_cursor
+        if passes == 6:
+            assert spec.full_pass_cursor == reached and set(_totals()) >= {f"z-{i}" for i in range(limit)}
+        if spec.full_pass_at is not None:
+            break
+        assert got == limit and passes < 100
+    # 626 at 25 a pass (the late ones through their due rows): the 26th finds the end of the project
+    assert spec.full_pass_cursor is None and scored == 626 and passes == 26
+    totals = dict(Reward.objects.filter(spec=spec).values_list("trajectory__external_id", "total"))
+    assert len(totals) == 626 and {k for k, v in totals.items() if v != 2.0} == {f"z-{i}" for i in range(limit)}
+    assert rewards_compute_pending(creds.project, limit=limit, now=later(4000)) == 0
+
+
+def test_a_full_pass_window_reads_its_own_rows_whatever_the_statistics(creds):
+    """One window of the project's trajectories is one range of the unique index, even where the
+    planner knows nothing of the project (these tables as a new deployment has them): with sorting
+    allowed it took another index of the project's and sorted all 600 rows for each window (1,150
+    rows read for two windows of 50)."""
+    from training.rewards.selectors import trajectory_window
+
+    feedback_ingest(creds.project, [trajectory(f"t-{i:04d}") for i in range(600)])
+    before = _tuples_read("feedback_trajectory")
+    first = trajectory_window(creds.project, None, 50)
+    second = trajectory_window(creds.project, first[-1][1], 50)
+    assert _tuples_read("feedback_trajectory") - before <= 2 * 50 + 4
+    assert [e for _, e in first + second] == [f"t-{i:04d}" for i in range(100)]
+    with connection.cursor() as cur:
+        cur.execute("SHOW enable_sort")
+        assert cur.fetchone()[0] == "on"  # only that query planned without sorting
+
+
 def test_the_daily_whole_pass_catches_what_no_trigger_saw(creds):
     plain_spec(creds.project, settle_seconds=0)
     _grown(creds.project, 3)
