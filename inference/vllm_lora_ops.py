@@ -189,6 +189,17 @@ def _step_groups(wrapper: Any, indices: torch.Tensor) -> Groups:
     return groups
 
 
+def _step_slots(wrapper: Any, indices: torch.Tensor) -> tuple[tuple[int, ...], bool]:
+    """The adapter slots the step's tokens use (sorted) and whether every token uses the same
+    one: from the step's mapping as `update_metadata` read it in Python, without a tensor op;
+    from the indices where the mapping was set some other way."""
+    found = getattr(wrapper, "_flywheel_slots", None)
+    if found is not None:
+        return found
+    groups = _step_groups(wrapper, indices)
+    return tuple(slot for slot, _ in groups), len(groups) == 1 and groups[0][1] is None
+
+
 # Bumped by every set_lora/reset_lora (the stacked weights changed): the plans below are rebuilt.
 _GENERATION = [0]
 # At most this many adapter slots holding weights in a layer are served by one fused product (every
@@ -297,8 +308,8 @@ def add_lora_linear(self: Any, y: torch.Tensor, x: torch.Tensor, lora_a_stacked:
             or len({a.shape[-2] for a in lora_a_stacked}) != 1):
         return _ORIGINAL["add_lora_linear"](self, y, x, lora_a_stacked, lora_b_stacked, scale, output_slices,
                                             buffer=buffer, **kwargs)
-    groups = _step_groups(self, indices)
-    if not groups:
+    present, uniform = _step_slots(self, indices)
+    if not present:
         return None
     xf = x2.to(torch.float32)  # vLLM's shrink writes a float32 buffer
     slots, a, b, width = _fused(self, lora_a_stacked, lora_b_stacked, output_slices, y2.dtype)
@@ -306,7 +317,7 @@ def add_lora_linear(self: Any, y: torch.Tensor, x: torch.Tensor, lora_a_stacked:
         return None
     if a is not None:
         shrunk = xf @ a.T
-        if len(slots) == 1 and len(groups) == 1 and groups[0][1] is None and groups[0][0] == slots[0]:
+        if uniform and present == slots:  # every token through the one live slot
             if scale != 1.0:
                 shrunk.mul_(scale)
         else:
@@ -314,7 +325,7 @@ def add_lora_linear(self: Any, y: torch.Tensor, x: torch.Tensor, lora_a_stacked:
         y2.addmm_(shrunk.to(y2.dtype), b.T)
         return None
     rank = lora_a_stacked[0].shape[-2]
-    for slot, rows in groups:
+    for slot, rows in _step_groups(self, indices):
         stacked, slices = _plan(self, lora_a_stacked, lora_b_stacked, output_slices, slot, y2.dtype)
         if stacked is None:
             continue
@@ -342,6 +353,8 @@ def update_metadata(self: Any, mapping: Any, lora_index_to_id: list[int | None],
     self._flywheel_groups = self._flywheel_masks = None
     slot_of = {lora_id: i for i, lora_id in enumerate(lora_index_to_id) if lora_id is not None}
     tokens = [slot_of[x] if x > 0 else -1 for x in mapping.index_mapping]
+    used = set(tokens)
+    self._flywheel_slots = (tuple(sorted(slot for slot in used if slot >= 0)), len(used) == 1)
     prompts = [slot_of[x] if x > 0 else -1 for x in mapping.prompt_mapping]
     n, m = len(tokens), len(prompts)
     token_slots = torch.tensor(tokens, dtype=torch.long)

@@ -123,8 +123,12 @@ def test_add_lora_linear_adds_each_tokens_adapter_over_three_slices(case: str, d
     assert torch.equal(got[missing], y[missing])  # untouched where no adapter is
 
 
-def test_the_steps_grouping_is_computed_once_per_mapping(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("fused", [4, 0], ids=["fused", "slot by slot"])
+def test_the_steps_grouping_is_computed_once_per_mapping(monkeypatch: pytest.MonkeyPatch, fused: int) -> None:
+    """Slot by slot, the tokens are grouped once per mapping, not per layer; fused, never (the
+    slots a step uses come from the mapping as update_metadata read it)."""
     ours.install()
+    monkeypatch.setattr(ours, "MAX_FUSED", fused)
     calls = []
     original = ours.groups_of
     monkeypatch.setattr(ours, "groups_of", lambda i: calls.append(i.tolist()) or original(i))
@@ -136,7 +140,7 @@ def test_the_steps_grouping_is_computed_once_per_mapping(monkeypatch: pytest.Mon
                             SLOTS, 2048)
     y = torch.zeros(2, OUT)
     wrapper.add_lora_linear(y, torch.ones(2, HIDDEN), a, b, 1.0, (OUT,))
-    assert calls == [[0, 1, 1], [-1, 1]]
+    assert calls == ([[0, 1, 1], [-1, 1]] if fused == 0 else [])
     assert not y[0].any() and torch.equal(y[1], torch.full((OUT,), float(RANK * HIDDEN)))
 
 
@@ -245,3 +249,19 @@ def test_update_metadata_sets_what_vllms_sets(case: str, prefill: bool) -> None:
                 assert torch.equal(mine, theirs)
         assert torch.equal(got.token_lora_indices, want.token_lora_indices)
         assert torch.equal(got.sampler_indices_padded, want.sampler_indices_padded)
+
+
+def test_one_live_adapter_on_every_token_is_scaled_without_a_mask() -> None:
+    """The fused path's shortcut: one slot holds weights and every token uses it (a project's
+    production adapter alone): the product scaled, as with a mask, and no mask built."""
+    ours.install()
+    gen = torch.Generator().manual_seed(5)
+    a = (torch.randn(SLOTS, 1, RANK, HIDDEN, generator=gen),)
+    b = (torch.zeros(SLOTS, 1, OUT, RANK),)
+    b[0][1] = torch.randn(1, OUT, RANK, generator=gen)
+    x, y = torch.randn(3, HIDDEN, generator=gen), torch.randn(3, OUT, generator=gen)
+    wrapper = _wrapper([1, 1, 1])
+    got = y.clone()
+    wrapper.add_lora_linear(got, x, a, b, 0.5, (OUT,))
+    expected = y.double() + (x.double() @ a[0][1, 0].double().T * 0.5) @ b[0][1, 0].double().T
+    assert torch.allclose(got.double(), expected, atol=1e-4) and not wrapper._flywheel_masks
