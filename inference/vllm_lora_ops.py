@@ -14,10 +14,13 @@ other `bgmv_*` callers.
 rank, hidden) copy) and contract it with an einsum, slice by slice (q, k and v are three), each
 prefill op re-expanding the per-sequence indices to tokens first: about 45 tensor ops per LoRA
 layer per engine step on the q/k/v layer, most of the cost of serving adapters on a small model.
-`add_lora_linear` here groups the step's tokens by adapter once per step (when vLLM updates its
-mapping) and runs, per adapter present, one shrink product for all of a layer's slices (their A
-stacked) and one expand product per slice whose B is not zero: a batch holds few adapters (a
-project's production and its canary, a handful of projects). The `bgmv_*` ops take the same grouping per call for prefill-sized calls and keep
+`add_lora_linear` here runs three products a layer whatever the step's mix of adapters, for up to
+`MAX_FUSED` adapters holding weights in the layer: every token through all of their A at once,
+a mask (built once per step) keeping each token's own adapter's columns, and one expand over all
+slices into the output. Past that (many projects on one engine) it groups the step's tokens by
+adapter once per step and runs, per adapter present, one shrink product for all of a layer's
+slices (their A stacked) and one expand product per slice whose B is not zero. The step's
+`update_metadata` builds vLLM's index buffers from the mapping's Python lists in one pass. The `bgmv_*` ops take the same grouping per call for prefill-sized calls and keep
 vLLM's gather for small ones (below `MIN_GATHER`).
 
 vLLM also wraps every linear layer of the model for LoRA (q/k/v, o, gate/up, down), whichever
