@@ -100,7 +100,7 @@ def _paired(out: dict[str, dict[int, list[float]]], c: int) -> tuple[float, floa
     return statistics.median(ratios), min(ratios), max(ratios)
 
 
-def adapter_summary(out: dict[str, dict[int, list[float]]]) -> dict[str, float]:
+def adapter_summary(out: dict[str, dict[int, list[float]]]) -> dict[str, Any]:
     """Per client count: each side's median tokens/s, and adapter_ratio_C, the median of the
     rounds' paired ratios (a ratio of two medians would pair rounds that saw different loads), with
     adapter_ratio_range_C and the best-of-rounds ratio the bench reported before (best_ratio_C)."""
