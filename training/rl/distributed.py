@@ -13,6 +13,7 @@ registers through the checkpoint store like any run's weights. Launched by `laun
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -181,7 +182,9 @@ def run_job(folder: Path) -> None:
     holds go to `rank-<r>.json`."""
     spec, batches = JobSpec.read(folder)
     world = init_world(spec.timeout_s)
-    (folder / f"rank-{world.rank}.pid").write_text(str(os.getpid()))
+    pid_file = folder / f"rank-{world.rank}.pid"  # whole when it appears: the launcher watches for it
+    pid_file.with_suffix(".tmp").write_text(str(os.getpid()))
+    pid_file.with_suffix(".tmp").replace(pid_file)
     stages = _Stages()
     torch.manual_seed(spec.seed)
     cfg = RLConfig(**spec.rl)
@@ -326,13 +329,20 @@ def launch(folder: Path, nproc: int, timeout_s: float, on_metrics: Callable[[dic
     with open(log, "wb") as out:
         proc = subprocess.Popen(torchrun_command(folder, nproc, nodes), stdout=out, stderr=subprocess.STDOUT,
                                 env=env, start_new_session=True)
-        deadline = time.monotonic() + timeout_s
+        deadline, ranks = time.monotonic() + timeout_s, _LocalRanks(folder, proc.pid)
         while proc.poll() is None:
             seen.read()
             if time.monotonic() > deadline:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+                _stop(proc)
                 raise DistributedRunFailed(f"the job outlived {timeout_s:.0f} s and was killed; {_tail(log)}")
+            ended = ranks.ended_early()
+            if ended:
+                # torchrun would now give the others SIGTERM and wait 30 s before SIGKILL: a rank
+                # stuck in a collective (or stopped) ignores SIGTERM, so that wait is all spent.
+                _stop(proc)
+                which = f"rank {ended[0]}" if len(ended) == 1 else "ranks " + ", ".join(map(str, ended))
+                raise DistributedRunFailed(f"{which} ended before its part of the job was complete, so the job "
+                                           f"was stopped; {_tail(log)}")
             time.sleep(0.2)
     seen.read()
     ranks = nproc * (nodes or Nodes()).nnodes
@@ -344,6 +354,65 @@ def launch(folder: Path, nproc: int, timeout_s: float, on_metrics: Callable[[dic
     elif proc.returncode != 0 or not (folder / "policy").is_dir():
         raise DistributedRunFailed(f"torchrun exited {proc.returncode}; {_tail(log)}")
     return JobResult(folder / "policy", seen.lines)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """torchrun and every process under it, at once. Its ranks run in sessions of their own (the
+    elastic agent starts them so), so the launch's process group alone would leave them running."""
+    under = _descendants(proc.pid)
+    os.killpg(proc.pid, signal.SIGKILL)
+    for pid in under:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    proc.wait()
+
+
+def _descendants(root: int) -> list[int]:
+    """Every live process under `root` (from /proc's parent links)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit() and (stat := _proc_stat(int(entry.name))) is not None:
+            children.setdefault(stat[1], []).append(int(entry.name))
+    out, todo = [], [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+class _LocalRanks:
+    """The ranks torchrun started on this node, known by the `rank-<r>.pid` each writes once its
+    process group is up (a child of `agent`: a shared folder also holds other nodes' pid files),
+    and the first one to end without its record (`rank-<r>.json`, written after the work)."""
+
+    def __init__(self, folder: Path, agent: int) -> None:
+        self.folder, self.agent = folder, agent
+        self.pids: dict[int, int] = {}
+
+    def ended_early(self) -> list[int]:
+        for path in self.folder.glob("rank-*.pid"):
+            rank = int(path.stem.removeprefix("rank-"))
+            if rank not in self.pids:
+                pid = int(path.read_text())
+                stat = _proc_stat(pid)
+                if stat is not None and stat[1] == self.agent:
+                    self.pids[rank] = pid
+        # Gone or a zombie (torchrun has not reaped it yet), and the record written before a rank's
+        # normal end is missing: it failed (a rank that dies in its teardown after the record is
+        # not this; `launch` keeps that job's weights).
+        return [rank for rank, pid in sorted(self.pids.items())
+                if ((stat := _proc_stat(pid)) is None or stat[0] == "Z")
+                and not (self.folder / f"rank-{rank}.json").exists()]
+
+
+def _proc_stat(pid: int) -> tuple[str, int] | None:
+    """(state, parent pid) of process `pid` from /proc; None when it is gone (or there is no /proc)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return fields[0], int(fields[1])
 
 
 def completed(folder: Path, ranks: int) -> bool:

@@ -133,7 +133,9 @@ def _while_running(folder: Path, act) -> threading.Thread:
 def test_a_killed_rank_fails_the_job_and_writes_no_weights(tmp_path, tiny_policy_dir):
     folder = _job(tmp_path, tiny_policy_dir, _batches(steps=400, rows=4, vocab=384))
     watcher = _while_running(folder, lambda pid: os.kill(pid, signal.SIGKILL))
-    with pytest.raises(DistributedRunFailed, match="torchrun exited"):
+    # torchrun ends the other rank itself (SIGTERM, which it acts on) and may exit before the
+    # launcher looks: either way the job fails
+    with pytest.raises(DistributedRunFailed, match="torchrun exited|ranks? [0-9, ]*1 ended before its part"):
         launch(folder, nproc=2, timeout_s=300)
     watcher.join()
     assert not (folder / "policy").exists()
@@ -141,11 +143,30 @@ def test_a_killed_rank_fails_the_job_and_writes_no_weights(tmp_path, tiny_policy
 
 def test_a_hung_rank_is_timed_out_and_writes_no_weights(tmp_path, tiny_policy_dir):
     folder = _job(tmp_path, tiny_policy_dir, _batches(steps=400, rows=4, vocab=384), timeout_s=5)
-    watcher = _while_running(folder, lambda pid: os.kill(pid, signal.SIGSTOP))
-    with pytest.raises(DistributedRunFailed):
+    stopped = []
+    watcher = _while_running(folder, lambda pid: (stopped.append(pid), os.kill(pid, signal.SIGSTOP)))
+    # rank 0's collective times out (5 s) and it ends; the launcher stops the job then, rank 1
+    # with it, rather than wait out torchrun's 30 s between SIGTERM (which a stopped rank never
+    # acts on) and SIGKILL
+    with pytest.raises(DistributedRunFailed, match="rank 0 ended before its part of the job was complete"):
         launch(folder, nproc=2, timeout_s=240)
     watcher.join()
     assert not (folder / "policy").exists()
+    stat = Path(f"/proc/{stopped[0]}/stat")
+    assert not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z"  # killed with the job
+    assert "forcefully exiting" not in (folder / "torchrun.log").read_text()  # torchrun's 30-s path
+
+
+def test_a_job_that_outlives_its_time_is_killed_with_every_rank(tmp_path, tiny_policy_dir):
+    folder = _job(tmp_path, tiny_policy_dir, _batches(steps=400, rows=4, vocab=384))
+    with pytest.raises(DistributedRunFailed, match="the job outlived 8 s and was killed"):
+        launch(folder, nproc=2, timeout_s=8)
+    assert not (folder / "policy").exists()
+    pids = [int(p.read_text()) for p in folder.glob("rank-*.pid")]
+    assert len(pids) == 2  # both ranks were up, and neither is left training (in a session of its own)
+    for pid in pids:
+        stat = Path(f"/proc/{pid}/stat")
+        assert not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z"
 
 
 # A rank that aborts once its work is done, as gloo's teardown did now and then in CI ("terminate
