@@ -357,14 +357,23 @@ def launch(folder: Path, nproc: int, timeout_s: float, on_metrics: Callable[[dic
 
 
 def _stop(proc: subprocess.Popen) -> None:
-    """torchrun and every process under it, at once. Its ranks run in sessions of their own (the
-    elastic agent starts them so), so the launch's process group alone would leave them running."""
+    """torchrun and every process under it, at once, and waits for them to be gone. Its ranks run
+    in sessions of their own (the elastic agent starts them so): the launch's process group alone
+    would leave them running."""
     under = _descendants(proc.pid)
     os.killpg(proc.pid, signal.SIGKILL)
     for pid in under:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     proc.wait()
+    # Gone before the next job starts: a killed process frees its memory as it exits, which takes
+    # a moment for a rank's address space (it is still running, in the kernel, until then).
+    deadline = time.monotonic() + 30
+    while any((stat := _proc_stat(pid)) is not None and stat[0] != "Z" for pid in under):
+        if time.monotonic() > deadline:
+            _log.warning("processes %s of a stopped job had not exited 30 s after SIGKILL", under)
+            break
+        time.sleep(0.05)
 
 
 def _descendants(root: int) -> list[int]:

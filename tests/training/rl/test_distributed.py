@@ -158,9 +158,10 @@ def test_a_hung_rank_is_timed_out_and_writes_no_weights(tmp_path, tiny_policy_di
 
 
 def test_a_job_that_outlives_its_time_is_killed_with_every_rank(tmp_path, tiny_policy_dir):
-    folder = _job(tmp_path, tiny_policy_dir, _batches(steps=400, rows=4, vocab=384))
-    with pytest.raises(DistributedRunFailed, match="the job outlived 8 s and was killed"):
-        launch(folder, nproc=2, timeout_s=8)
+    # 1,000 steps: over 30 s of work on 2 cores, well past the 12 s this job is given
+    folder = _job(tmp_path, tiny_policy_dir, _batches(steps=1000, rows=4, vocab=384))
+    with pytest.raises(DistributedRunFailed, match="the job outlived 12 s and was killed"):
+        launch(folder, nproc=2, timeout_s=12)
     assert not (folder / "policy").exists()
     pids = [int(p.read_text()) for p in folder.glob("rank-*.pid")]
     assert len(pids) == 2  # both ranks were up, and neither is left training (in a session of its own)
