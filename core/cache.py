@@ -120,6 +120,7 @@ def add_many(amounts: dict[str, int], timeout_s: int) -> dict[str, int]:
 class _Counter:
     known: int  # the shared total when last settled
     pending: int = 0  # counted here since, not yet added to the shared total
+    sending: int = 0  # being added to it by a settle whose round trip has not come back
     others: int = 0  # the most the other processes added between two settles (their burst)
     used: float = 0.0  # when last counted here (monotonic)
 
@@ -156,7 +157,7 @@ class Tally:
         with self._lock:
             self._timeout_s = timeout_s
             states = [self._counters.get(key) for key, _, _ in counters]
-            if any(c is None or c.known + c.pending + amount + 2 * c.others > limit
+            if any(c is None or c.known + c.sending + c.pending + amount + 2 * c.others > limit
                    for c, (_, amount, limit) in zip(states, counters, strict=True)):
                 return False
             for c, (_, amount, _) in zip(states, counters, strict=True):
@@ -184,7 +185,7 @@ class Tally:
         with self._lock:
             for (key, _, _), total in zip(counters, totals, strict=False):
                 c = self._counters.setdefault(key, _Counter(known=total))
-                c.known, c.used = total, now  # what was counted here meanwhile stays pending
+                c.known, c.used = max(c.known, total), now  # what was counted here meanwhile stays pending
         self._restore(counters[len(totals):], pending[len(totals):])  # not added to: still pending
         self._running()
         return None if over is None else (over, totals[over])
@@ -200,11 +201,15 @@ class Tally:
         the counters unused for longer than their expiry."""
         now = time.monotonic()
         with self._lock:
-            for key in [k for k, c in self._counters.items() if not c.pending and now - c.used > self._timeout_s]:
+            for key in [k for k, c in self._counters.items()
+                        if not c.pending and not c.sending and now - c.used > self._timeout_s]:
                 del self._counters[key]
             sent = {key: c.pending for key, c in self._counters.items()}
             timeout_s = self._timeout_s
             for c in self._counters.values():
+                # On its way to Redis: still counted by `admit` until the new total is known (a
+                # request admitted during the round trip would otherwise miss it).
+                c.sending += c.pending
                 c.pending = 0
         if not sent:
             return
@@ -213,7 +218,8 @@ class Tally:
         except Exception:
             with self._lock:
                 for key, p in sent.items():
-                    self._counters.setdefault(key, _Counter(known=0)).pending += p
+                    c = self._counters.setdefault(key, _Counter(known=0))
+                    c.sending, c.pending = max(c.sending - p, 0), c.pending + p
             if now - self._warned > 60:
                 self._warned = now
                 log.warning("rate counters not settled: the shared cache is unreachable", exc_info=True)
@@ -221,8 +227,11 @@ class Tally:
         with self._lock:
             for key, total in totals.items():
                 c = self._counters.setdefault(key, _Counter(known=0))
+                c.sending = max(c.sending - sent[key], 0)
                 c.others = max(c.others, total - c.known - sent[key])
-                c.known = total
+                # A window's counter only grows: a total read before a `count_within` that ran
+                # meanwhile (and set `known` to its own, later total) must not set it back.
+                c.known = max(c.known, total)
 
     def forget(self) -> None:
         """Drops every counter (pending counts included): a swapped cache, a forked child."""

@@ -146,6 +146,52 @@ def test_a_tally_with_redis_away_keeps_its_counts_pending_and_sends_them_later(s
     assert shared_cache().get(key) == 7
 
 
+def test_a_request_during_a_settles_round_trip_counts_what_is_on_its_way(monkeypatch):
+    """The counts a settle is sending are in neither the last shared total nor the pending ones
+    until Redis answers: a request admitted meanwhile must still count them (it once passed the
+    limit by them, now and then, in the suite)."""
+    import core.cache
+
+    tally, key = Tally(settle_s=3600), _tally_key()
+    assert tally.count_within([(key, 1, 8)], 60) is None
+    assert all(tally.admit([(key, 1, 8)], 60) for _ in range(7))  # 8 counted, 7 of them pending
+    sending, answer = threading.Event(), threading.Event()
+    real = core.cache.add_many
+
+    def slow(amounts, timeout_s):
+        sending.set()
+        answer.wait(10)
+        return real(amounts, timeout_s)
+
+    monkeypatch.setattr("core.cache.add_many", slow)
+    settle = threading.Thread(target=tally.settle)
+    settle.start()
+    assert sending.wait(10)
+    assert tally.admit([(key, 1, 8)], 60) is False  # the 9th: over 8, with 7 of them on their way
+    answer.set()
+    settle.join()
+    assert shared_cache().get(key) == 8 and tally.admit([(key, 1, 8)], 60) is False
+
+
+def test_a_settle_never_sets_a_counter_back_below_a_later_total(monkeypatch):
+    import core.cache
+
+    tally, key = Tally(settle_s=3600), _tally_key()
+    assert tally.count_within([(key, 1, 100)], 60) is None
+    real = core.cache.add_many
+
+    def overtaken(amounts, timeout_s):  # a count_within lands while this settle is on its way
+        totals = real(amounts, timeout_s)
+        monkeypatch.setattr("core.cache.add_many", real)
+        assert tally.count_within([(key, 5, 100)], 60) is None  # total 6, known 6
+        return totals  # the settle's own total, 1: older
+
+    monkeypatch.setattr("core.cache.add_many", overtaken)
+    tally.settle()
+    assert shared_cache().get(key) == 6
+    assert tally.admit([(key, 94, 100)], 60) is True and tally.admit([(key, 1, 100)], 60) is False
+
+
 def test_a_tally_settles_in_the_background():
     tally, key = Tally(settle_s=0.01), _tally_key()
     tally.count_within([(key, 1, 100)], 60)

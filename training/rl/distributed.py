@@ -379,9 +379,10 @@ def _stop(proc: subprocess.Popen) -> None:
 def _descendants(root: int) -> list[int]:
     """Every live process under `root` (from /proc's parent links)."""
     children: dict[int, list[int]] = {}
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit() and (stat := _proc_stat(int(entry.name))) is not None:
-            children.setdefault(stat[1], []).append(int(entry.name))
+    with contextlib.suppress(OSError):  # no /proc: torchrun's own process group is all there is
+        for entry in os.scandir("/proc"):
+            if entry.name.isdigit() and (stat := _proc_stat(int(entry.name))) is not None:
+                children.setdefault(stat[1], []).append(int(entry.name))
     out, todo = [], [root]
     while todo:
         for child in children.get(todo.pop(), []):
