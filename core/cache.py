@@ -133,7 +133,8 @@ class Tally:
     process has counted since, plus its own amount, plus twice the most the other processes added
     between two settles, stays within the limit. Otherwise (a counter not seen yet, or one near its
     limit) it is counted in Redis at once, exactly as `count_within` counts, with this process's
-    unsettled counts sent along: near a limit every process counts in the shared store, and the
+    unsettled counts sent along (after a settle's round trip that is under way, whose counts are
+    counted here until Redis has them): near a limit every process counts in the shared store, and the
     limit holds as it does without the tally. Far from it, the other processes' counts reach this
     one within a settle, and the margin covers what they add meanwhile.
 
@@ -143,6 +144,7 @@ class Tally:
     def __init__(self, settle_s: float = 0.1):
         self.settle_s = settle_s
         self._lock = threading.Lock()
+        self._settled = threading.Condition(self._lock)  # a settle's round trip came back
         self._counters: dict[str, _Counter] = {}
         _tallies.add(self)
         self._timeout_s = 120
@@ -172,6 +174,10 @@ class Tally:
         its limit, or None."""
         now = time.monotonic()
         with self._lock:
+            # Counts a settle is sending may not have reached Redis yet: the total this reads
+            # back would miss them, so wait for that round trip first (it is one, like ours).
+            self._settled.wait_for(lambda: not any(self._counters[key].sending for key, _, _ in counters
+                                                   if key in self._counters), timeout=5)
             pending = [self._counters[key].pending if key in self._counters else 0 for key, _, _ in counters]
             for key, _, _ in counters:
                 if key in self._counters:
@@ -220,6 +226,7 @@ class Tally:
                 for key, p in sent.items():
                     c = self._counters.setdefault(key, _Counter(known=0))
                     c.sending, c.pending = max(c.sending - p, 0), c.pending + p
+                self._settled.notify_all()
             if now - self._warned > 60:
                 self._warned = now
                 log.warning("rate counters not settled: the shared cache is unreachable", exc_info=True)
@@ -232,10 +239,12 @@ class Tally:
                 # A window's counter only grows: a total read before a `count_within` that ran
                 # meanwhile (and set `known` to its own, later total) must not set it back.
                 c.known = max(c.known, total)
+            self._settled.notify_all()
 
     def forget(self) -> None:
         """Drops every counter (pending counts included): a swapped cache, a forked child."""
         self._lock = threading.Lock()
+        self._settled = threading.Condition(self._lock)
         self._counters = {}
 
     def _running(self) -> None:
