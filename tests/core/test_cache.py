@@ -146,36 +146,9 @@ def test_a_tally_with_redis_away_keeps_its_counts_pending_and_sends_them_later(s
     assert shared_cache().get(key) == 7
 
 
-def test_a_request_during_a_settles_round_trip_counts_what_is_on_its_way(monkeypatch):
-    """The counts a settle is sending are in neither the last shared total nor the pending ones
-    until Redis answers: a request admitted meanwhile must still count them (it once passed the
-    limit by them, now and then, in the suite)."""
-    import core.cache
-
-    tally, key = Tally(settle_s=3600), _tally_key()
-    assert tally.count_within([(key, 1, 8)], 60) is None
-    assert all(tally.admit([(key, 1, 8)], 60) for _ in range(7))  # 8 counted, 7 of them pending
-    sending, answer = threading.Event(), threading.Event()
-    real = core.cache.add_many
-
-    def slow(amounts, timeout_s):
-        sending.set()
-        answer.wait(10)
-        return real(amounts, timeout_s)
-
-    monkeypatch.setattr("core.cache.add_many", slow)
-    settle = threading.Thread(target=tally.settle)
-    settle.start()
-    assert sending.wait(10)
-    assert tally.admit([(key, 1, 8)], 60) is False  # the 9th: over 8, with 7 of them on their way
-    answer.set()
-    settle.join()
-    assert shared_cache().get(key) == 8 and tally.admit([(key, 1, 8)], 60) is False
-
-
-def test_a_count_in_redis_during_a_settles_round_trip_waits_for_it(monkeypatch):
-    """Near the limit a request is counted in Redis; the counts a settle is sending may not be
-    there yet, so that count waits for the settle's answer instead of reading a total without them."""
+def _eight_counted_and_a_settle_held(monkeypatch) -> tuple[Tally, str, threading.Event, threading.Thread]:
+    """A tally with 8 counted against a limit of 8 (7 of them pending) and a settle of them on
+    its way to Redis, held there until the returned event is set."""
     import core.cache
 
     tally, key = Tally(settle_s=3600), _tally_key()
@@ -193,6 +166,24 @@ def test_a_count_in_redis_during_a_settles_round_trip_waits_for_it(monkeypatch):
     settle = threading.Thread(target=tally.settle)
     settle.start()
     assert sending.wait(10)
+    return tally, key, answer, settle
+
+
+def test_a_request_during_a_settles_round_trip_counts_what_is_on_its_way(monkeypatch):
+    """The counts a settle is sending are in neither the last shared total nor the pending ones
+    until Redis answers: a request admitted meanwhile must still count them (it once passed the
+    limit by them, now and then, in the suite)."""
+    tally, key, answer, settle = _eight_counted_and_a_settle_held(monkeypatch)
+    assert tally.admit([(key, 1, 8)], 60) is False  # the 9th: over 8, with 7 of them on their way
+    answer.set()
+    settle.join()
+    assert shared_cache().get(key) == 8 and tally.admit([(key, 1, 8)], 60) is False
+
+
+def test_a_count_in_redis_during_a_settles_round_trip_waits_for_it(monkeypatch):
+    """Near the limit a request is counted in Redis; the counts a settle is sending may not be
+    there yet, so that count waits for the settle's answer instead of reading a total without them."""
+    tally, key, answer, settle = _eight_counted_and_a_settle_held(monkeypatch)
     got = []
     counting = threading.Thread(target=lambda: got.append(tally.count_within([(key, 1, 8)], 60)))
     counting.start()
