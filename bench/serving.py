@@ -1,7 +1,7 @@
 """Serving under concurrent clients: Flywheel's serving process against vLLM's own OpenAI server.
 
     nice -n 19 .venv/bin/python bench/serving.py [--model-dir DIR] [--seconds 6] [--json]
-        [--no-serial] [--baseline CHECKOUT]
+        [--no-serial] [--baseline CHECKOUT] [--clients 16 64] [--adapter-rounds 0]
     .venv/bin/python bench/serving.py --quick    # ours on the torch engine, 1 and 2 clients, 1 s: that it runs
 
 The same tiny policy (the dense one the tests build, fp32, max_model_len 512, eager, 1 GiB of KV
@@ -24,8 +24,9 @@ completions back to back for `--seconds`, max_tokens drawn in [16, 64] and a see
 time) and p50/p95 request latency, and where the CPU went per output token (the server process,
 vLLM's engine processes, PostgreSQL). With --json the last line is one JSON object with
 ours_tokens_per_s_C, vllm_serve_tokens_per_s_C, serial_tokens_per_s_C, *_p50_s_C, *_p95_s_C,
-and at 16 clients ratio_16 (ours / vllm throughput) and p95_ratio_16 (ours / vllm p95) (and
-baseline_ratio_16, baseline_p95_ratio_16 for the baseline checkout), and the adapter side's
+and per level C: ratio_C (ours / vllm throughput: the median of the rounds' paired ratios, with
+ratio_range_C), p95_ratio_C (ours / vllm p95 over all rounds' requests) and engine_cpu_ratio_C (ours /
+vllm engine CPU per output token) (and baseline_* for the baseline checkout), and the adapter side's
 adapter_tokens_per_s_C, merged_tokens_per_s_C, adapter_ratio_C (bench/serving_adapters.py: two LoRA
 adapters, production + canary, on one engine vs one merged model, the median of --adapter-rounds
 paired rounds; --adapters runs it alone). `--quick` serves ours alone
@@ -69,8 +70,10 @@ class Run:
     seconds: float = 0.0
     latencies: list[float] = field(default_factory=list)
     cpu: dict[str, float] = field(default_factory=dict)  # CPU seconds by part: frontend, engine, db
+    rates: list[float] = field(default_factory=list)  # tokens/s of each round added, in order
 
     def add(self, other: Run) -> None:
+        self.rates.append(other.tokens_per_s())
         self.tokens += other.tokens
         self.seconds += other.seconds
         self.latencies += other.latencies
@@ -305,29 +308,43 @@ def summary(results: dict[str, dict[int, Run]]) -> dict[str, float]:
                 out[f"{prefix}_{part}_cpu_ms_per_token_{clients}"] = round(r.cpu_ms_per_token(part), 3)
     if "vllm_serve" not in results:
         return out
-    ours, theirs = results["ours"][16], results["vllm_serve"][16]
-    out["ratio_16"] = round(ours.tokens_per_s() / max(theirs.tokens_per_s(), 1e-9), 3)
-    out["p95_ratio_16"] = round(ours.quantile(0.95) / max(theirs.quantile(0.95), 1e-9), 3)
-    if "baseline" in results:
-        before = results["baseline"][16]
-        out["baseline_ratio_16"] = round(before.tokens_per_s() / max(theirs.tokens_per_s(), 1e-9), 3)
-        out["baseline_p95_ratio_16"] = round(before.quantile(0.95) / max(theirs.quantile(0.95), 1e-9), 3)
+    for clients, theirs in results["vllm_serve"].items():
+        for name in ("ours", "baseline"):
+            if name not in results:
+                continue
+            prefix = "" if name == "ours" else "baseline_"
+            mine = results[name][clients]
+            ratio, low, high = paired_ratio(mine, theirs)
+            out[f"{prefix}ratio_{clients}"] = round(ratio, 3)
+            out[f"{prefix}ratio_range_{clients}"] = [round(low, 3), round(high, 3)]
+            out[f"{prefix}p95_ratio_{clients}"] = round(mine.quantile(0.95) / max(theirs.quantile(0.95), 1e-9), 3)
+            out[f"{prefix}engine_cpu_ratio_{clients}"] = round(
+                mine.cpu_ms_per_token("engine") / max(theirs.cpu_ms_per_token("engine"), 1e-9), 3)
     return out
+
+
+def paired_ratio(mine: Run, theirs: Run) -> tuple[float, float, float]:
+    """The median of the rounds' throughput ratios (each round drives both back to back, so its two
+    rates saw the same machine load), with their range."""
+    ratios = [a / max(b, 1e-9) for a, b in zip(mine.rates, theirs.rates, strict=True)]
+    return statistics.median(ratios), min(ratios), max(ratios)
 
 
 def print_table(results: dict[str, dict[int, Run]]) -> None:
     systems, levels = list(results), list(results["ours"])
     vs_vllm = "vllm_serve" in results
     print(f"{'clients':>7} | " + " | ".join(f"{TITLES[name]:>10} {'p50':>6} {'p95':>6}" for name in systems)
-          + (f" | {'ours/vllm':>9}" if vs_vllm else "") + (f" | {'base/vllm':>9}" if "baseline" in results else ""))
+          + (f" | {'ours/vllm (range)':>17}" if vs_vllm else "")
+          + (f" | {'base/vllm (range)':>17}" if "baseline" in results else ""))
     for c in levels:
         cells = []
         for name in systems:
             r = results[name][c]
             cells.append(f"{r.tokens_per_s():>10.1f} {r.quantile(0.5):6.3f} {r.quantile(0.95):6.3f}")
-        vllm = max(results["vllm_serve"][c].tokens_per_s(), 1e-9) if vs_vllm else None
-        ratios = [results[name][c].tokens_per_s() / vllm for name in ("ours", "baseline") if vllm and name in results]
-        print(f"{c:>7} | " + " | ".join(cells) + "".join(f" | {ratio:9.2f}" for ratio in ratios))
+        ratios = [paired_ratio(results[name][c], results["vllm_serve"][c])
+                  for name in ("ours", "baseline") if vs_vllm and name in results]
+        print(f"{c:>7} | " + " | ".join(cells)
+              + "".join(f" | {ratio:5.3f} ({low:.2f}-{high:.2f})" for ratio, low, high in ratios))
     if not vs_vllm:
         print("vllm serve: left out (--quick: ours on the torch engine alone)")
     print("\nCPU ms per output token (where the time goes): frontend = the HTTP server process (API, engine")
@@ -349,18 +366,20 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=6.0, help="per system, level and round")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--adapter-rounds", type=int, default=5,
-                        help="paired rounds of the adapter side (bench/serving_adapters.py)")
+                        help="paired rounds of the adapter side (bench/serving_adapters.py; 0 leaves it out)")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--no-serial", action="store_true", help="leave out the serialised reference")
     parser.add_argument("--baseline", type=Path, help="another checkout whose serve_policy is driven alike")
     parser.add_argument("--adapters", action="store_true",
                         help="only the adapter side: two adapters (production + canary) on one engine vs one "
                              "merged model, 1/4/16 clients (bench/serving_adapters.py)")
+    parser.add_argument("--clients", type=int, nargs="+", choices=LEVELS, default=list(LEVELS),
+                        help="the client levels to drive (default: all four)")
     parser.add_argument("--quick", action="store_true",
                         help="ours alone on the torch engine (no vLLM), 1 and 2 clients, 1 s: that the bench runs")
     args = parser.parse_args()
     systems = tuple(s for s in SYSTEMS if not (args.no_serial and s == "serial"))
-    levels, engine = LEVELS, "vllm"
+    levels, engine = tuple(args.clients), "vllm"
     if args.quick:
         systems, levels, engine, args.seconds, args.rounds = ("ours",), (1, 2), "torch", 1.0, 1
     if args.baseline is not None:
@@ -372,10 +391,10 @@ def main() -> None:
 
             lines = stdlib_corpus(2_000 if args.quick else 20_000)
             folder = build_policy(Path(tmp) / "policy", PolicyConfig(kind="dense"), lines)
-        side = adapter_side(folder, Path(tmp), "torch" if args.quick else "vllm-async",
-                            (2,) if args.quick else (1, 4, 16), 0.5 if args.quick else args.seconds,
-                            1 if args.quick else args.adapter_rounds)
-        if args.adapters:
+        side = None if args.adapter_rounds == 0 and not args.quick else adapter_side(
+            folder, Path(tmp), "torch" if args.quick else "vllm-async", (2,) if args.quick else (1, 4, 16),
+            0.5 if args.quick else args.seconds, 1 if args.quick else args.adapter_rounds)
+        if args.adapters and side is not None:
             print_adapter_table(side, "torch" if args.quick else "vllm-async")
             if args.json:
                 print(json.dumps({**adapter_summary(side), "quick": args.quick}))
@@ -384,9 +403,10 @@ def main() -> None:
         logs.mkdir(parents=True, exist_ok=True)
         results = run(folder, args.seconds, args.rounds, logs, systems, args.baseline, levels, engine)
     print_table(results)
-    print_adapter_table(side, "torch" if args.quick else "vllm-async")
+    if side is not None:
+        print_adapter_table(side, "torch" if args.quick else "vllm-async")
     if args.json:
-        print(json.dumps({**summary(results), **adapter_summary(side), "quick": args.quick}))
+        print(json.dumps({**summary(results), **(adapter_summary(side) if side else {}), "quick": args.quick}))
 
 
 if __name__ == "__main__":

@@ -13,6 +13,12 @@ whose `SamplingParams.extra_args` carry `HOLD_LOGPROBS` are held, and the engine
 this process cannot end itself (no stop string, whose match the serving process finds); every
 other request is untouched. A request that is aborted drops what was held for it.
 
+When every request of a step that asks for log-probs is held (the serving process's usual case),
+vLLM is not handed the step's log-prob arrays at all, so it does not slice them per request; each
+held request keeps its own row's values (token id, log-prob, rank) as plain numbers, and its array
+is built once, at its end. Measured on the tiny policy with 16 requests in flight: the engine
+core's `update_from_output` cost 53 µs a step more with log-probs than without, sliced per request.
+
 It is used on CPU only (`inference.engines.vllm_async._scheduler`), where vLLM runs this synchronous scheduler
 anyway; vLLM logs a warning at start-up for any custom scheduler class (its interface is not
 public). On a GPU vLLM schedules asynchronously, which a custom class would turn off.
@@ -28,42 +34,105 @@ from vllm.v1.outputs import LogprobsLists
 
 HOLD_LOGPROBS = "flywheel_hold_logprobs"
 
+# One held position: its token id row, its log-prob row (each [1 + top-k]) and its rank.
+Position = tuple[list[int], list[float], int]
 
-def joined(parts: list[LogprobsLists]) -> LogprobsLists:
-    """One LogprobsLists over consecutive positions, in order."""
-    if len(parts) == 1:
-        return parts[0]
-    return LogprobsLists(np.concatenate([p.logprob_token_ids for p in parts]),
-                         np.concatenate([p.logprobs for p in parts]),
-                         np.concatenate([p.sampled_token_ranks for p in parts]), None)
+
+def _rows(a: LogprobsLists) -> list[Position]:
+    return list(zip(a.logprob_token_ids.tolist(), a.logprobs.tolist(), a.sampled_token_ranks.tolist(), strict=True))
+
+
+def _dtypes(a: LogprobsLists) -> tuple[Any, Any, Any]:
+    return a.logprob_token_ids.dtype, a.logprobs.dtype, a.sampled_token_ranks.dtype
+
+
+class _Held:
+    """A held request's positions so far, in order, and the dtypes of vLLM's arrays."""
+
+    __slots__ = ("positions", "dtypes")
+
+    def __init__(self) -> None:
+        self.positions: list[Position] = []
+        self.dtypes: tuple[Any, Any, Any] | None = None
+
+    def add_lists(self, lists: LogprobsLists) -> None:
+        """Positions from a LogprobsLists of this request alone (vLLM's per-request slice)."""
+        self.dtypes = self.dtypes or _dtypes(lists)
+        self.positions += _rows(lists)
+
+    def lists(self) -> LogprobsLists | None:
+        if not self.positions:
+            return None
+        ids, logprobs, ranks = zip(*self.positions, strict=True)
+        id_dtype, logprob_dtype, rank_dtype = self.dtypes  # type: ignore[misc]
+        return LogprobsLists(np.array(ids, dtype=id_dtype), np.array(logprobs, dtype=logprob_dtype),
+                             np.array(ranks, dtype=rank_dtype), None)
+
+
+class _Step:
+    """One step's log-prob arrays, as plain numbers per row (made on first use)."""
+
+    __slots__ = ("arrays", "rows")
+
+    def __init__(self, arrays: LogprobsLists) -> None:
+        self.arrays = arrays
+        self.rows: list[Position] | None = None
+
+    def take(self, held: _Held, row: int, count: int) -> None:
+        if self.rows is None:
+            self.rows = _rows(self.arrays)
+        held.dtypes = held.dtypes or _dtypes(self.arrays)
+        if count == 1:
+            held.positions.append(self.rows[row])
+        else:
+            held.positions += self.rows[row:row + count]
 
 
 class HeldLogprobsScheduler(Scheduler):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._held: dict[str, list[LogprobsLists]] = {}
+        self._held: dict[str, _Held] = {}
+        self._per_step: set[str] = set()  # live requests that take their log-probs each step
 
-    def _holds(self, request_id: str) -> bool:
-        request = self.requests.get(request_id)
-        params = request.sampling_params if request is not None else None
-        return bool(params is not None and params.extra_args and params.extra_args.get(HOLD_LOGPROBS))
+    def add_request(self, request: Any) -> None:
+        new = request.request_id not in self.requests
+        super().add_request(request)
+        params = request.sampling_params
+        if not new or params is None or params.num_logprobs is None:
+            return
+        if params.extra_args and params.extra_args.get(HOLD_LOGPROBS):
+            self._held[request.request_id] = _Held()
+        else:
+            self._per_step.add(request.request_id)
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
-        outputs = super().update_from_output(scheduler_output, model_runner_output)
+        arrays = model_runner_output.logprobs
+        # No request of this step takes its log-probs now: vLLM is not given them to slice.
+        step = None
+        if arrays is not None and not self._per_step and arrays.cu_num_generated_tokens is None:
+            step = _Step(arrays)
+            model_runner_output.logprobs = None
+        try:
+            outputs = super().update_from_output(scheduler_output, model_runner_output)
+        finally:
+            if step is not None:
+                model_runner_output.logprobs = arrays
+        rows = model_runner_output.req_id_to_index
         for client_outputs in outputs.values():
             for out in client_outputs.outputs:
-                parts = self._held.get(out.request_id)
-                if parts is None:
-                    if out.new_logprobs is None or out.finish_reason is not None or not self._holds(out.request_id):
-                        continue
-                    parts = self._held[out.request_id] = []
-                if out.new_logprobs is not None:
-                    parts.append(out.new_logprobs)
+                held = self._held.get(out.request_id)
+                if held is None:
+                    continue
+                if step is not None:
+                    if out.new_token_ids:
+                        step.take(held, rows[out.request_id], len(out.new_token_ids))
+                elif out.new_logprobs is not None:
+                    held.add_lists(out.new_logprobs)
                 if out.finish_reason is None:
                     out.new_logprobs = None
                 else:
                     del self._held[out.request_id]
-                    out.new_logprobs = joined(parts) if parts else None
+                    out.new_logprobs = held.lists()
         return outputs
 
     def finish_requests(self, request_ids: Any, finished_status: Any) -> Any:
@@ -71,3 +140,7 @@ class HeldLogprobsScheduler(Scheduler):
         for request in aborted:
             self._held.pop(request.request_id, None)
         return aborted
+
+    def _free_request(self, request: Any, *args: Any, **kwargs: Any) -> Any:
+        self._per_step.discard(request.request_id)
+        return super()._free_request(request, *args, **kwargs)

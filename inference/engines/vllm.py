@@ -20,7 +20,7 @@ from inference.engines.base import (
     read_state_dict,
     register_engine,
 )
-from inference.engines.patches import patch_cpu_moe_reload
+from inference.engines.patches import patch_cpu_moe_reload, patch_flat_sample_logprobs
 
 # Loaded by vLLM in its own processes (by import path): the worker's sampled-token gather
 # (inference/vllm_worker.py).
@@ -61,6 +61,7 @@ class VLLMEngine(Engine):
         from vllm import LLM
 
         patch_cpu_moe_reload()
+        patch_flat_sample_logprobs()
         self.llm = LLM(
             model=str(model_dir), dtype=dtype, seed=seed, max_model_len=max_model_len,
             enforce_eager=True, distributed_executor_backend="uni",

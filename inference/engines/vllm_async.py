@@ -25,6 +25,7 @@ from inference.engines.base import (
     new_event_loop,
     register_engine,
 )
+from inference.engines.patches import patch_flat_sample_logprobs
 from inference.engines.vllm import ADAPTER_CONFIG, WORKER_EXTENSION, vllm_completions, vllm_params
 
 # Loaded by vLLM in the engine core's process (by import path): inference/vllm_scheduler.py.
@@ -118,6 +119,8 @@ class AsyncVLLMEngine(Engine):
         # Built on this loop so that AsyncLLM's output handler runs here.
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
+
+        patch_flat_sample_logprobs()  # the output processor runs in this process
 
         self._cond = asyncio.Condition()
         return AsyncLLM.from_engine_args(AsyncEngineArgs(**settings), stat_loggers=[_batch_logger(self)])

@@ -23,8 +23,8 @@ QUICK = ["dashboard.py", "offpeak.py", "agent_rollouts.py", "broadcast.py", "dem
          "learning_curve.py",
          "inference.py", "ingest.py", "lineage.py", "midtrain.py", "numerics.py", "reward_model.py", "serving.py", "soak.py",
          # CPU time of each quick mode here (2 cores shared, measured loaded): delta.py 11 s,
-         # rehearsal.py 14 s, rl_step.py ~13 s (one bf16 pass, ours only)
-         "delta.py", "rehearsal.py", "rl_step.py", "fsdp.py"]
+         # rehearsal.py 14 s, rl_step.py ~13 s (one bf16 pass, ours only), logprob_cost.py 15 s
+         "delta.py", "rehearsal.py", "rl_step.py", "fsdp.py", "logprob_cost.py"]
 
 
 @pytest.mark.django_db
