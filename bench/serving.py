@@ -21,9 +21,10 @@ each round, so each system sees the same machine load):
 Load: the `openai` client (AsyncOpenAI), C concurrent clients (1, 4, 16, 64), each sending chat
 completions back to back for `--seconds`, max_tokens drawn in [16, 64] and a seed per request
 (the same sequence for every system). Reported: output tokens/s (completion tokens over wall
-time) and p50/p95 request latency, and where the CPU went per output token (the server process,
-vLLM's engine processes, PostgreSQL). With --json the last line is one JSON object with
-ours_tokens_per_s_C, vllm_serve_tokens_per_s_C, serial_tokens_per_s_C, *_p50_s_C, *_p95_s_C,
+time) and p50/p95 request latency, requests left unanswered (a lost connection or a 5xx: counted
+and shown with the first one's error, not retried, so one does not end a long run), and where the
+CPU went per output token (the server process, vLLM's engine processes, PostgreSQL). With --json the last line is one JSON object with
+ours_tokens_per_s_C, vllm_serve_tokens_per_s_C, serial_tokens_per_s_C, *_p50_s_C, *_p95_s_C, *_errors_C,
 and per level C: ratio_C (ours / vllm throughput: the median of the rounds' paired ratios, with
 ratio_range_C), p95_ratio_C (ours / vllm p95 over all rounds' requests) and engine_cpu_ratio_C (ours /
 vllm engine CPU per output token) (and baseline_* for the baseline checkout), and the adapter side's
@@ -71,9 +72,11 @@ class Run:
     latencies: list[float] = field(default_factory=list)
     cpu: dict[str, float] = field(default_factory=dict)  # CPU seconds by part: frontend, engine, db
     rates: list[float] = field(default_factory=list)  # tokens/s of each round added, in order
+    errors: list[str] = field(default_factory=list)  # requests that got no answer (connection lost, a 5xx)
 
     def add(self, other: Run) -> None:
         self.rates.append(other.tokens_per_s())
+        self.errors += other.errors
         self.tokens += other.tokens
         self.seconds += other.seconds
         self.latencies += other.latencies
@@ -225,9 +228,13 @@ async def drive(base: str, key: str, model: str, clients: int, seconds: float, s
         while time.perf_counter() < deadline:
             prompt, max_tokens, req_seed = plan[next(cursor)]
             sent = time.perf_counter()
-            answer = await client.chat.completions.create(
-                model=model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens,
-                temperature=1.0, seed=req_seed)
+            try:
+                answer = await client.chat.completions.create(
+                    model=model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens,
+                    temperature=1.0, seed=req_seed)
+            except (openai.APIConnectionError, openai.APIStatusError) as exc:  # counted and shown, not retried
+                run.errors.append(f"{type(exc).__name__}: {exc}"[:300])
+                continue
             run.latencies.append(time.perf_counter() - sent)
             run.tokens += answer.usage.completion_tokens
 
@@ -283,7 +290,9 @@ def run(model_dir: Path, seconds: float, rounds: int, logs: Path, systems: tuple
                     got.cpu = {part: after[part] - before.get(part, 0.0) for part in after}
                     results[name][clients].add(got)
                     print(f"  {name:<11}{clients:>4} clients: {got.tokens_per_s():8.1f} tok/s "
-                          f"({len(got.latencies)} requests)", file=sys.stderr, flush=True)
+                          f"({len(got.latencies)} requests" + (f", {len(got.errors)} unanswered: {got.errors[0]}"
+                                                               if got.errors else "") + ")",
+                          file=sys.stderr, flush=True)
     finally:
         for proc, _ in servers.values():
             proc.terminate()
@@ -304,6 +313,7 @@ def summary(results: dict[str, dict[int, Run]]) -> dict[str, float]:
             out[f"{prefix}_p50_s_{clients}"] = round(r.quantile(0.5), 4)
             out[f"{prefix}_p95_s_{clients}"] = round(r.quantile(0.95), 4)
             out[f"{prefix}_requests_{clients}"] = len(r.latencies)
+            out[f"{prefix}_errors_{clients}"] = len(r.errors)
             for part in ("frontend", "engine", "db"):
                 out[f"{prefix}_{part}_cpu_ms_per_token_{clients}"] = round(r.cpu_ms_per_token(part), 3)
     if "vllm_serve" not in results:
@@ -347,6 +357,11 @@ def print_table(results: dict[str, dict[int, Run]]) -> None:
               + "".join(f" | {ratio:5.3f} ({low:.2f}-{high:.2f})" for ratio, low, high in ratios))
     if not vs_vllm:
         print("vllm serve: left out (--quick: ours on the torch engine alone)")
+    for name in systems:
+        for c in levels:
+            if results[name][c].errors:
+                print(f"{name} at {c} clients: {len(results[name][c].errors)} requests unanswered, the first: "
+                      f"{results[name][c].errors[0]}")
     print("\nCPU ms per output token (where the time goes): frontend = the HTTP server process (API, engine")
     print("frontend, recording), engine = vLLM's engine core and workers, db = PostgreSQL (recorded writes)")
     print(f"{'clients':>7} | " + " | ".join(f"{name:>22}" for name in systems))
