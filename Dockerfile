@@ -6,8 +6,9 @@ FROM python:3.11-slim
 ARG ENGINE=cpu
 ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 DJANGO_SETTINGS_MODULE=webapp.settings HF_HUB_OFFLINE=1
 
-# bubblewrap: verifiable checks run generated code only inside it (the rewards worker needs it).
-RUN apt-get update && apt-get install -y --no-install-recommends bubblewrap libpq5 \
+# bubblewrap: verifiable checks run generated code only inside it (the rewards worker needs it);
+# tcmalloc: preloaded in the serving engine's processes (inference/engines/vllm_async.py).
+RUN apt-get update && apt-get install -y --no-install-recommends bubblewrap libpq5 libtcmalloc-minimal4 \
     && rm -rf /var/lib/apt/lists/*
 
 WORKDIR /app

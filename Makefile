@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.flywheel-installed
 PYTEST_ARGS ?=
 
-.PHONY: install demo test lint services services-down bench clean-var sandbox
+.PHONY: install demo test lint services services-down bench clean-var sandbox malloc
 
 install: $(STAMP)
 
@@ -23,6 +23,7 @@ $(STAMP): pyproject.toml $(wildcard requirements/*.txt) Makefile
 	@if [ -f requirements/browser.txt ]; then $(BIN)/python -m pip install --quiet -r requirements/browser.txt; fi
 	@$(MAKE) --no-print-directory browser
 	@$(MAKE) --no-print-directory sandbox
+	@$(MAKE) --no-print-directory malloc
 	touch $(STAMP)
 
 # Debian's chromium for the dashboard's browser tests (Playwright drives it; no browser download).
@@ -36,6 +37,13 @@ sandbox:
 	@command -v bwrap >/dev/null 2>&1 || { \
 	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap >/dev/null; \
 	  else echo "install Debian's bubblewrap (sudo apt-get install bubblewrap): checks refuse to run code without it"; exit 1; fi; }
+
+# Debian's tcmalloc: preloaded in the serving engine's processes, as vLLM's CPU guide says
+# (inference/engines/vllm_async.py engine_preload; FLYWHEEL_ENGINE_PRELOAD=off leaves glibc's malloc).
+malloc:
+	@ldconfig -p 2>/dev/null | grep -q libtcmalloc_minimal.so.4 || { \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libtcmalloc-minimal4 >/dev/null; \
+	  else echo "install Debian's tcmalloc (sudo apt-get install libtcmalloc-minimal4) for the serving engine"; exit 1; fi; }
 
 services: install
 	$(BIN)/python -m core.embedded up

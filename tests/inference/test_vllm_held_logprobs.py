@@ -90,3 +90,23 @@ def test_the_frontends_fold_in_one_go_equals_vllms_position_by_position() -> Non
         assert a == b and [type(x) for x in a] == [type(x) for x in b], name
     assert ours.cumulative_logprob == theirs.cumulative_logprob
     assert len(ours.logprobs) == 43
+
+
+def test_the_engines_processes_run_on_tcmalloc_and_this_one_keeps_its_malloc(engine) -> None:
+    # vLLM's CPU guide: tcmalloc preloaded in the engine's processes (`make install` installs it).
+    import os
+
+    import psutil
+
+    from inference.engines.vllm_async import engine_preload
+
+    preload = engine_preload()
+    assert preload, "no tcmalloc found: `make install` installs Debian's libtcmalloc-minimal4"
+
+    def on_tcmalloc(process: psutil.Process) -> bool:
+        return any("libtcmalloc" in Path(m.path).name for m in process.memory_maps())
+
+    engine_processes = psutil.Process().children(recursive=True)
+    assert len([p for p in engine_processes if on_tcmalloc(p)]) >= 2  # the engine core and its worker
+    assert "libtcmalloc" not in os.environ.get("LD_PRELOAD", "")  # set only while the engine started
+    assert not on_tcmalloc(psutil.Process())
