@@ -24,6 +24,11 @@ the engine core's `update_from_output` (each request's output) and the frontend'
 With --before CHECKOUT the engine code (inference/) is also taken from that checkout, each
 checkout in its own processes, the two alternating: a change's before and after.
 
+The engine runs on the allocator this command runs on: glibc's malloc unless LD_PRELOAD names
+another. The serving engine preloads tcmalloc in its processes (inference/engines/vllm_async.py
+engine_preload); `LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 .venv/bin/python
+bench/logprob_cost.py` measures the step as served.
+
 With --json the last line is one JSON object: logprob_cost_us_per_step, logprob_cost_range,
 logprob_cost_best_us_per_step, logprob_cost_us_per_token, cpu_ms_per_step_with / _without,
 tokens_per_s_with / _without, <part>_us_per_step_with and <part>_cost_us_per_step for sampler,

@@ -1,7 +1,7 @@
 """Serving under concurrent clients: Flywheel's serving process against vLLM's own OpenAI server.
 
     nice -n 19 .venv/bin/python bench/serving.py [--model-dir DIR] [--seconds 6] [--json]
-        [--no-serial] [--baseline CHECKOUT] [--clients 16 64] [--adapter-rounds 0]
+        [--no-serial] [--baseline CHECKOUT] [--clients 16 64] [--adapter-rounds 0] [--vllm-serve-tcmalloc]
     .venv/bin/python bench/serving.py --quick    # ours on the torch engine, 1 and 2 clients, 1 s: that it runs
 
 The same tiny policy (the dense one the tests build, fp32, max_model_len 512, eager, 1 GiB of KV
@@ -12,6 +12,8 @@ each round, so each system sees the same machine load):
           recording every completion as a trajectory in PostgreSQL;
 - vllm:   `python -m vllm.entrypoints.openai.api_server` (what `vllm serve` runs), default settings
           but the shared ones (VLLM_CPU_KVCACHE_SPACE=1 --gpu-memory-utilization 0.2 --enforce-eager);
+          ours preloads tcmalloc in its engine processes, as vLLM's CPU guide says; `vllm serve` is
+          started as a user starts it, without, unless --vllm-serve-tcmalloc (like for like);
 - serial: `serve_policy --serial` (one request at a time, in-process vLLM; recording on): the
           reference column (--no-serial leaves it out: at 64 clients it takes minutes);
 - baseline (with --baseline CHECKOUT): `serve_policy` as another checkout of Flywheel has it (e.g.
@@ -160,14 +162,17 @@ def vllm_serve_python() -> Path:
     return python
 
 
-def start_vllm_serve(model_dir: Path, logs: Path) -> tuple[subprocess.Popen, str]:
+def start_vllm_serve(model_dir: Path, logs: Path, preload: str | None = None) -> tuple[subprocess.Popen, str]:
+    """`preload`: a malloc library for `LD_PRELOAD` (vLLM's CPU guide: tcmalloc), which our serving
+    engine preloads in its engine processes (inference/engines/vllm_async.py engine_preload)."""
     port = _free_port()
     cmd = [str(vllm_serve_python()), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
            "--served-model-name", "tiny", "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN),
            "--enforce-eager", "--gpu-memory-utilization", "0.2", "--seed", "0",
            "--host", "127.0.0.1", "--port", str(port)]
     log = open(logs / "vllm-serve.log", "wb")
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=log, stderr=subprocess.STDOUT)
+    env = _env() if preload is None else {**_env(), "LD_PRELOAD": preload}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     return proc, f"http://127.0.0.1:{port}"
 
 
@@ -261,13 +266,13 @@ def prepare_project() -> tuple[str, str]:
 
 def run(model_dir: Path, seconds: float, rounds: int, logs: Path, systems: tuple[str, ...],
         baseline: Path | None = None, levels: tuple[int, ...] = LEVELS,
-        engine: str = "vllm") -> dict[str, dict[int, Run]]:
+        engine: str = "vllm", vllm_preload: str | None = None) -> dict[str, dict[int, Run]]:
     setup_django(BENCH_DB)
 
     project, key = prepare_project()
     servers = {"ours": start_ours(model_dir, project, logs, serial=False, engine=engine)}
     if "vllm_serve" in systems:
-        servers["vllm_serve"] = start_vllm_serve(model_dir, logs)
+        servers["vllm_serve"] = start_vllm_serve(model_dir, logs, vllm_preload)
     if "serial" in systems:
         servers["serial"] = start_ours(model_dir, project, logs, serial=True)
     if baseline is not None:
@@ -388,6 +393,8 @@ def main() -> None:
     parser.add_argument("--adapters", action="store_true",
                         help="only the adapter side: two adapters (production + canary) on one engine vs one "
                              "merged model, 1/4/16 clients (bench/serving_adapters.py)")
+    parser.add_argument("--vllm-serve-tcmalloc", action="store_true",
+                        help="preload tcmalloc in `vllm serve` too, as ours does in its engine (like for like)")
     parser.add_argument("--clients", type=int, nargs="+", choices=LEVELS, default=list(LEVELS),
                         help="the client levels to drive (default: all four)")
     parser.add_argument("--quick", action="store_true",
@@ -416,7 +423,14 @@ def main() -> None:
             return
         logs = ROOT / "var" / "bench-serving"
         logs.mkdir(parents=True, exist_ok=True)
-        results = run(folder, args.seconds, args.rounds, logs, systems, args.baseline, levels, engine)
+        preload = None
+        if args.vllm_serve_tcmalloc:
+            from inference.engines.vllm_async import engine_preload
+
+            preload = engine_preload()
+            if preload is None:
+                parser.error("--vllm-serve-tcmalloc: no tcmalloc found (make install installs it)")
+        results = run(folder, args.seconds, args.rounds, logs, systems, args.baseline, levels, engine, preload)
     print_table(results)
     if side is not None:
         print_adapter_table(side, "torch" if args.quick else "vllm-async")
