@@ -292,13 +292,15 @@ class AsyncVLLMEngine(Engine):
 # glibc's malloc maps and unmaps each allocation of 128 KiB or more afresh, so an engine step's
 # activations and sampler tensors fault in new pages every step; measured with
 # bench/logprob_cost.py at 16 requests in flight: 3.21 -> 2.49 and 3.72 -> 2.78 CPU ms a step.
-TCMALLOC = ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4")  # Debian's libtcmalloc-minimal4, gperftools
-LIBRARY_DIRS = ("/usr/lib/x86_64-linux-gnu", "/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib")
+TCMALLOC = ("tcmalloc_minimal", "tcmalloc")  # Debian's libtcmalloc-minimal4, then gperftools' full one
 
 
 def engine_preload() -> str | None:
     """The allocator to preload in the engine's processes: FLYWHEEL_ENGINE_PRELOAD ("off" for
-    none, or a library path), else the first tcmalloc found, else None (glibc's malloc)."""
+    none, or a library path), else the first tcmalloc the dynamic linker knows (`ldconfig`, as
+    `make malloc` checks), else None (glibc's malloc)."""
+    from ctypes.util import find_library
+
     chosen = os.environ.get("FLYWHEEL_ENGINE_PRELOAD", "").strip()
     if chosen.lower() == "off":
         return None
@@ -307,11 +309,7 @@ def engine_preload() -> str | None:
             raise ValueError(f"FLYWHEEL_ENGINE_PRELOAD={chosen!r} is not a file; set the path of a malloc "
                              "library (e.g. libtcmalloc_minimal.so.4), or 'off' for glibc's malloc")
         return chosen
-    for folder in LIBRARY_DIRS:
-        for name in TCMALLOC:
-            if Path(folder, name).is_file():
-                return str(Path(folder, name))
-    return None
+    return next((found for name in TCMALLOC if (found := find_library(name))), None)
 
 
 @contextlib.contextmanager
