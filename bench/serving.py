@@ -238,7 +238,8 @@ async def drive(base: str, key: str, model: str, clients: int, seconds: float, s
                     model=model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens,
                     temperature=1.0, seed=req_seed)
             except (openai.APIConnectionError, openai.APIStatusError) as exc:  # counted and shown, not retried
-                run.errors.append(f"{type(exc).__name__}: {exc}"[:300])
+                cause = f" ({type(exc.__cause__).__name__}: {exc.__cause__})" if exc.__cause__ else ""
+                run.errors.append(f"{type(exc).__name__}: {exc}{cause}"[:300])
                 continue
             run.latencies.append(time.perf_counter() - sent)
             run.tokens += answer.usage.completion_tokens
