@@ -34,16 +34,26 @@ from vllm.v1.outputs import LogprobsLists
 
 HOLD_LOGPROBS = "flywheel_hold_logprobs"
 
-# One held position: its token id row, its log-prob row (each [1 + top-k]) and its rank.
-Position = tuple[list[int], list[float], int]
+# One held position: its token id, log-prob and rank; each of the first two a row [1 + top-k] when
+# the step's arrays are wider than the sampled token's own column.
+Position = tuple[int | list[int], float | list[float], int]
 
 
 def _rows(a: LogprobsLists) -> list[Position]:
-    return list(zip(a.logprob_token_ids.tolist(), a.logprobs.tolist(), a.sampled_token_ranks.tolist(), strict=True))
+    ids, logprobs = a.logprob_token_ids, a.logprobs
+    if ids.shape[1] == 1:  # only the sampled token's (logprobs=0, every served request): scalars
+        ids, logprobs = ids.ravel(), logprobs.ravel()
+    return list(zip(ids.tolist(), logprobs.tolist(), a.sampled_token_ranks.tolist(), strict=True))
 
 
 def _dtypes(a: LogprobsLists) -> tuple[Any, Any, Any]:
     return a.logprob_token_ids.dtype, a.logprobs.dtype, a.sampled_token_ranks.dtype
+
+
+def _column(values: tuple[Any, ...], dtype: Any) -> np.ndarray:
+    if all(not isinstance(v, list) for v in values):
+        return np.array(values, dtype=dtype).reshape(-1, 1)
+    return np.array([v if isinstance(v, list) else [v] for v in values], dtype=dtype)
 
 
 class _Held:
@@ -65,23 +75,24 @@ class _Held:
             return None
         ids, logprobs, ranks = zip(*self.positions, strict=True)
         id_dtype, logprob_dtype, rank_dtype = self.dtypes  # type: ignore[misc]
-        return LogprobsLists(np.array(ids, dtype=id_dtype), np.array(logprobs, dtype=logprob_dtype),
+        return LogprobsLists(_column(ids, id_dtype), _column(logprobs, logprob_dtype),
                              np.array(ranks, dtype=rank_dtype), None)
 
 
 class _Step:
     """One step's log-prob arrays, as plain numbers per row (made on first use)."""
 
-    __slots__ = ("arrays", "rows")
+    __slots__ = ("arrays", "rows", "dtypes")
 
     def __init__(self, arrays: LogprobsLists) -> None:
         self.arrays = arrays
         self.rows: list[Position] | None = None
+        self.dtypes = _dtypes(arrays)
 
     def take(self, held: _Held, row: int, count: int) -> None:
         if self.rows is None:
             self.rows = _rows(self.arrays)
-        held.dtypes = held.dtypes or _dtypes(self.arrays)
+        held.dtypes = held.dtypes or self.dtypes
         if count == 1:
             held.positions.append(self.rows[row])
         else:
@@ -117,6 +128,8 @@ class HeldLogprobsScheduler(Scheduler):
         finally:
             if step is not None:
                 model_runner_output.logprobs = arrays
+        if not self._held:
+            return outputs
         rows = model_runner_output.req_id_to_index
         for client_outputs in outputs.values():
             for out in client_outputs.outputs:

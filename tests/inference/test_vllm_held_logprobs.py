@@ -92,6 +92,40 @@ def test_the_frontends_fold_in_one_go_equals_vllms_position_by_position() -> Non
     assert len(ours.logprobs) == 43
 
 
+def test_held_positions_come_back_as_vllms_arrays_whatever_the_steps_width() -> None:
+    # A position is kept as plain numbers: scalars when the step's arrays hold only the sampled
+    # token's column (every served request), rows when a request in the batch asked for top-k.
+    # Either way the request's arrays at its end are vLLM's: [positions, width], its dtypes.
+    import numpy as np
+    from vllm.v1.outputs import LogprobsLists
+
+    from inference.vllm_scheduler import _Held, _Step
+
+    rng = np.random.default_rng(1)
+
+    def step(rows: int, width: int) -> LogprobsLists:
+        return LogprobsLists(rng.integers(0, 2048, (rows, width), dtype=np.int32),
+                             -rng.random((rows, width), dtype=np.float32) * 9,
+                             rng.integers(1, 2048, rows, dtype=np.int64), None)
+
+    narrow = [step(3, 1) for _ in range(4)]
+    held = _Held()
+    for i, arrays in enumerate(narrow):
+        _Step(arrays).take(held, i % 3, 1)
+    got = held.lists()
+    want = [np.concatenate([a.logprob_token_ids[i % 3:i % 3 + 1] for i, a in enumerate(narrow)]),
+            np.concatenate([a.logprobs[i % 3:i % 3 + 1] for i, a in enumerate(narrow)]),
+            np.array([a.sampled_token_ranks[i % 3] for i, a in enumerate(narrow)])]
+    for a, b in zip(got[:3], want, strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b)
+
+    wide, both = step(2, 3), _Held()
+    _Step(wide).take(both, 0, 2)  # two positions of a request whose batch asked for top-2
+    got = both.lists()
+    assert got.logprob_token_ids.shape == (2, 3) and np.array_equal(got.logprobs, wide.logprobs)
+    assert got.logprob_token_ids.dtype == np.int32 and got.logprobs.dtype == np.float32
+
+
 def test_the_engines_processes_run_on_tcmalloc_and_this_one_keeps_its_malloc(engine) -> None:
     # vLLM's CPU guide: tcmalloc preloaded in the engine's processes (`make install` installs it).
     import os
