@@ -17,8 +17,9 @@ back, the order swapped every round. Reported per way: CPU ms per engine step an
 token (this process's user + system time: a busy neighbour stretches the wall clock, not this),
 wall tokens/s; and the log-prob cost, the paired difference of CPU per step, as a median over the
 rounds with its range, and the difference of each way's fastest round (noise only adds). And where
-it falls: the wall time per step of the worker's sampler (sampling, log-probs and their gather),
-the engine core's `update_from_output` (each request's output) and the frontend's
+it falls: the wall time per step of the worker's sampler (sampling, log-probs and their gather)
+and of its runner's `_bookkeeping_sync` (the step's outputs made into the lists the engine core
+gets), the engine core's `update_from_output` (each request's output) and the frontend's
 `process_outputs`, each timed in place, with and without.
 
 With --before CHECKOUT the engine code (inference/) is also taken from that checkout, each
@@ -32,7 +33,7 @@ bench/logprob_cost.py` measures the step as served.
 With --json the last line is one JSON object: logprob_cost_us_per_step, logprob_cost_range,
 logprob_cost_best_us_per_step, logprob_cost_us_per_token, cpu_ms_per_step_with / _without,
 tokens_per_s_with / _without, <part>_us_per_step_with and <part>_cost_us_per_step for sampler,
-scheduler_update and output_processor (and before_* for --before).
+runner_lists, scheduler_update and output_processor (and before_* for --before).
 """
 
 from __future__ import annotations
@@ -56,6 +57,8 @@ WAYS = ("with", "without")  # with: the sampled token's log-prob, held to the en
 
 PARTS = {  # where asking for log-probs adds work in an engine step, timed in place
     "sampler": ("vllm.v1.sample.sampler", "Sampler", "forward"),  # the worker: sampling, log-probs, their gather
+    # the worker: the step's outputs made into lists for the engine core (log-probs among them)
+    "runner_lists": ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "_bookkeeping_sync"),
     "scheduler_update": (None, None, "update_from_output"),  # the engine core: each request's output
     "output_processor": ("vllm.v1.engine.output_processor", "OutputProcessor", "process_outputs"),  # the frontend
 }

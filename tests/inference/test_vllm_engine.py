@@ -122,5 +122,12 @@ def test_the_workers_sampled_token_gather_is_vllms_own_result() -> None:
     for a, b in zip(ours[:3], theirs[:3], strict=True):  # ids, log-probs, ranks
         assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
     assert ours.selected_token_ranks[0].item() >= 40  # the tied tokens rank it
+    for a, b in zip(ours.tolists()[:3], theirs.tolists()[:3], strict=True):  # what the runner sends
+        assert a.dtype == b.dtype and a.shape == b.shape and (a == b).all()
+    big = torch.randn(3, 5_000, generator=g).log_softmax(-1)  # past the bool sum's size: the float count
+    big_tokens = torch.tensor([0, 4_999, 77])
+    for a, b in zip(vllm_worker.gather_logprobs(big, 0, big_tokens)[:3],
+                    vllm_worker._vllms_gather_logprobs(big, 0, big_tokens)[:3], strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
     top = vllm_worker.gather_logprobs(logprobs, 3, tokens)  # top-k asked: vLLM's own path
     assert top.logprob_token_ids.shape == (7, 4) and torch.equal(top.logprobs[:, 0:1], ours.logprobs)
