@@ -2,6 +2,7 @@
 
     nice -n 19 .venv/bin/python bench/serving.py [--model-dir DIR] [--seconds 6] [--json]
         [--no-serial] [--baseline CHECKOUT] [--clients 16 64] [--adapter-rounds 0] [--vllm-serve-tcmalloc]
+        [--vllm-serve-logprobs]
     .venv/bin/python bench/serving.py --quick    # ours on the torch engine, 1 and 2 clients, 1 s: that it runs
 
 The same tiny policy (the dense one the tests build, fp32, max_model_len 512, eager, 1 GiB of KV
@@ -13,7 +14,9 @@ each round, so each system sees the same machine load):
 - vllm:   `python -m vllm.entrypoints.openai.api_server` (what `vllm serve` runs), default settings
           but the shared ones (VLLM_CPU_KVCACHE_SPACE=1 --gpu-memory-utilization 0.2 --enforce-eager);
           ours preloads tcmalloc in its engine processes, as vLLM's CPU guide says; `vllm serve` is
-          started as a user starts it, without, unless --vllm-serve-tcmalloc (like for like);
+          started as a user starts it, without, unless --vllm-serve-tcmalloc (like for like); its
+          clients ask for no log-probs (ours records each sampled token's for every completion)
+          unless --vllm-serve-logprobs (logprobs=true, top_logprobs=0: like for like in the work done);
 - serial: `serve_policy --serial` (one request at a time, in-process vLLM; recording on): the
           reference column (--no-serial leaves it out: at 64 clients it takes minutes);
 - baseline (with --baseline CHECKOUT): `serve_policy` as another checkout of Flywheel has it (e.g.
@@ -216,8 +219,10 @@ def requests_for(count: int, seed: int) -> list[tuple[str, int, int]]:
     return [(rng.choice(PROMPTS), rng.randint(16, 64), rng.randrange(2**31)) for _ in range(count)]
 
 
-async def drive(base: str, key: str, model: str, clients: int, seconds: float, seed: int) -> Run:
-    """`clients` concurrent clients, each sending back to back until `seconds` have passed."""
+async def drive(base: str, key: str, model: str, clients: int, seconds: float, seed: int,
+                logprobs: bool = False) -> Run:
+    """`clients` concurrent clients, each sending back to back until `seconds` have passed (asking
+    for each sampled token's log-prob with `logprobs`)."""
     import httpx
     import openai
 
@@ -236,7 +241,7 @@ async def drive(base: str, key: str, model: str, clients: int, seconds: float, s
             try:
                 answer = await client.chat.completions.create(
                     model=model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens,
-                    temperature=1.0, seed=req_seed)
+                    temperature=1.0, seed=req_seed, **({"logprobs": True, "top_logprobs": 0} if logprobs else {}))
             except (openai.APIConnectionError, openai.APIStatusError) as exc:  # counted and shown, not retried
                 cause = f" ({type(exc.__cause__).__name__}: {exc.__cause__})" if exc.__cause__ else ""
                 run.errors.append(f"{type(exc).__name__}: {exc}{cause}"[:300])
@@ -267,7 +272,8 @@ def prepare_project() -> tuple[str, str]:
 
 def run(model_dir: Path, seconds: float, rounds: int, logs: Path, systems: tuple[str, ...],
         baseline: Path | None = None, levels: tuple[int, ...] = LEVELS,
-        engine: str = "vllm", vllm_preload: str | None = None) -> dict[str, dict[int, Run]]:
+        engine: str = "vllm", vllm_preload: str | None = None,
+        vllm_logprobs: bool = False) -> dict[str, dict[int, Run]]:
     setup_django(BENCH_DB)
 
     project, key = prepare_project()
@@ -291,7 +297,8 @@ def run(model_dir: Path, seconds: float, rounds: int, logs: Path, systems: tuple
                 for name in order:
                     proc, base = servers[name]
                     before = cpu_snapshot(proc.pid)
-                    got = asyncio.run(drive(base, key, models[name], clients, seconds, seed=clients * 100 + r))
+                    got = asyncio.run(drive(base, key, models[name], clients, seconds, seed=clients * 100 + r,
+                                            logprobs=vllm_logprobs and name == "vllm_serve"))
                     after = cpu_snapshot(proc.pid)
                     got.cpu = {part: after[part] - before.get(part, 0.0) for part in after}
                     results[name][clients].add(got)
@@ -396,6 +403,9 @@ def main() -> None:
                              "merged model, 1/4/16 clients (bench/serving_adapters.py)")
     parser.add_argument("--vllm-serve-tcmalloc", action="store_true",
                         help="preload tcmalloc in `vllm serve` too, as ours does in its engine (like for like)")
+    parser.add_argument("--vllm-serve-logprobs", action="store_true",
+                        help="`vllm serve`'s clients ask for each sampled token's log-prob (logprobs=true, "
+                             "top_logprobs=0), which ours records for every completion (like for like)")
     parser.add_argument("--clients", type=int, nargs="+", choices=LEVELS, default=list(LEVELS),
                         help="the client levels to drive (default: all four)")
     parser.add_argument("--quick", action="store_true",
@@ -431,7 +441,8 @@ def main() -> None:
             preload = engine_preload()
             if preload is None:
                 parser.error("--vllm-serve-tcmalloc: no tcmalloc found (make install installs it)")
-        results = run(folder, args.seconds, args.rounds, logs, systems, args.baseline, levels, engine, preload)
+        results = run(folder, args.seconds, args.rounds, logs, systems, args.baseline, levels, engine, preload,
+                      args.vllm_serve_logprobs)
     print_table(results)
     if side is not None:
         print_adapter_table(side, "torch" if args.quick else "vllm-async")
