@@ -20,7 +20,10 @@ rounds with its range, and the difference of each way's fastest round (noise onl
 it falls: the wall time per step of the worker's sampler (sampling, log-probs and their gather)
 and of its runner's `_bookkeeping_sync` (the step's outputs made into the lists the engine core
 gets), the engine core's `update_from_output` (each request's output) and the frontend's
-`process_outputs`, each timed in place, with and without.
+`process_outputs`, each timed in place, with and without; and `transport`, the worker's step
+output pickled and unpickled as vLLM's shared-memory queue carries it from the worker's process to
+the engine core's in the served engine (here both are in this process, so the round trip is made
+in place).
 
 With --before CHECKOUT the engine code (inference/) is also taken from that checkout, each
 checkout in its own processes, the two alternating: a change's before and after.
@@ -33,7 +36,7 @@ bench/logprob_cost.py` measures the step as served.
 With --json the last line is one JSON object: logprob_cost_us_per_step, logprob_cost_range,
 logprob_cost_best_us_per_step, logprob_cost_us_per_token, cpu_ms_per_step_with / _without,
 tokens_per_s_with / _without, <part>_us_per_step_with and <part>_cost_us_per_step for sampler,
-runner_lists, scheduler_update and output_processor (and before_* for --before).
+runner_lists, scheduler_update, output_processor and transport (and before_* for --before).
 """
 
 from __future__ import annotations
@@ -62,6 +65,41 @@ PARTS = {  # where asking for log-probs adds work in an engine step, timed in pl
     "scheduler_update": (None, None, "update_from_output"),  # the engine core: each request's output
     "output_processor": ("vllm.v1.engine.output_processor", "OutputProcessor", "process_outputs"),  # the frontend
 }
+# The worker's step output on its way to the engine core: in the served engine the worker is a
+# process of its own and vLLM's shared-memory queue pickles the output there and unpickles it here;
+# in this one process that round trip is made in place, with the queue's pickler settings.
+TRANSPORT = "transport"
+PART_NAMES = (*PARTS, TRANSPORT)
+
+
+def _round_trip_outputs(spent: dict[str, float]) -> None:
+    """Each `Worker.sample_tokens` output pickled and unpickled as vLLM's shared-memory queue does,
+    the engine core getting the unpickled copy; the round trip's wall seconds added to `spent`."""
+    import copyreg
+    import io
+    import pickle
+
+    import torch
+    from vllm.distributed.device_communicators import shm_broadcast
+    from vllm.v1.worker.gpu_worker import Worker
+
+    table = dict(copyreg.dispatch_table)
+    if hasattr(shm_broadcast, "_reduce_tensor"):  # the queue's reducer of CPU tensors
+        table[torch.Tensor] = shm_broadcast._reduce_tensor
+    original = Worker.sample_tokens
+
+    def sample_tokens(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        start = time.perf_counter()
+        with io.BytesIO() as bio:
+            pickler = pickle.Pickler(bio, protocol=pickle.HIGHEST_PROTOCOL, buffer_callback=lambda buf: True)
+            pickler.dispatch_table = table
+            pickler.dump(out)
+            out = pickle.loads(bio.getvalue())
+        spent[TRANSPORT] = spent.get(TRANSPORT, 0.0) + time.perf_counter() - start
+        return out
+
+    Worker.sample_tokens = sample_tokens
 
 
 def _time_parts(scheduler: str) -> dict[str, float]:
@@ -105,6 +143,7 @@ def child(folder: Path, clients: int, steps: int, rounds: int) -> dict[str, list
     for name in ("patch_cpu_moe_reload", "patch_flat_sample_logprobs"):  # those the checkout has
         getattr(patches, name, lambda: None)()
     spent = _time_parts(SCHEDULER)
+    _round_trip_outputs(spent)
     llm = LLM(model=str(folder), dtype="float32", seed=0, max_model_len=512, enforce_eager=True,
               logprobs_mode="processed_logprobs", disable_log_stats=True,
               worker_extension_cls=WORKER_EXTENSION, scheduler_cls=SCHEDULER)
@@ -176,7 +215,7 @@ def summary(got: dict[str, list[dict[str, float]]], clients: int) -> dict[str, f
     for way in WAYS:
         for key in ("cpu_ms_per_step", "cpu_ms_per_token", "tokens_per_s"):
             out[f"{key}_{way}"] = round(statistics.median(r[key] for r in got[way]), 4 if "ms" in key else 1)
-    for part in PARTS:
+    for part in PART_NAMES:
         key = f"{part}_us_per_step"
         diffs = [a[key] - b[key] for a, b in zip(got["with"], got["without"], strict=True)]
         out[f"{part}_us_per_step_with"] = round(statistics.median(r[key] for r in got["with"]), 1)
@@ -222,10 +261,10 @@ def main() -> None:
               f"{r['logprob_cost_us_per_step']:12.1f} | {low:6.1f}-{high:6.1f} | {r['logprob_cost_us_per_token']:8.2f} | "
               f"{r['tokens_per_s_with']:10.1f} | {r['tokens_per_s_without']:8.1f}")
     print("\nwhere the cost falls (wall µs per step, with log-probs; in brackets: with - without, median of rounds)")
-    print(f"{'checkout':>8} | " + " | ".join(f"{part:>26}" for part in PARTS))
+    print(f"{'checkout':>8} | " + " | ".join(f"{part:>26}" for part in PART_NAMES))
     for name, r in results.items():
         print(f"{name:>8} | " + " | ".join(f"{r[f'{part}_us_per_step_with']:>12.1f} ({r[f'{part}_cost_us_per_step']:+8.1f})"
-                                           + " " * 3 for part in PARTS))
+                                           + " " * 3 for part in PART_NAMES))
     if args.json:
         out = dict(results["after"])
         if "before" in results:

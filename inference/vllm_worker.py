@@ -34,6 +34,7 @@ from vllm.v1.sample.sampler import Sampler
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 from inference import vllm_lora_ops
+from inference.vllm_lists import SentLogprobsLists
 
 _vllms_sample_tokens = GPUModelRunner.sample_tokens
 _vllms_bookkeeping_sync = GPUModelRunner._bookkeeping_sync
@@ -44,14 +45,15 @@ _vllms_gather_logprobs = Sampler.gather_logprobs
 class _SampledTokenLogprobs(LogprobsTensors):
     """vLLM's tensors of the sampled tokens' log-probs, with the lists vLLM's runner asks for
     (`tolists`: numpy views of the same CPU tensors, sent to the engine core) made once, here:
-    vLLM's own makes them with a `.cpu()` and a `.numpy()` per field."""
+    vLLM's own makes them with a `.cpu()` and a `.numpy()` per field. They are sent pickled as
+    raw bytes (inference/vllm_lists.py)."""
 
     _lists: tuple[np.ndarray, np.ndarray, np.ndarray]
 
     def tolists(self, cu_num_generated_tokens: list[int] | None = None) -> LogprobsLists:
         if cu_num_generated_tokens is None:
             cu_num_generated_tokens = self.cu_num_generated_tokens
-        return LogprobsLists(*self._lists, cu_num_generated_tokens)
+        return SentLogprobsLists(*self._lists, cu_num_generated_tokens)
 
 
 # Up to this many values (rows x vocabulary) the rank is a bool sum, above it a float count.

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -131,3 +132,51 @@ def test_the_workers_sampled_token_gather_is_vllms_own_result() -> None:
         assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
     top = vllm_worker.gather_logprobs(logprobs, 3, tokens)  # top-k asked: vLLM's own path
     assert top.logprob_token_ids.shape == (7, 4) and torch.equal(top.logprobs[:, 0:1], ours.logprobs)
+
+
+def _through_vllms_queue(obj: object) -> object:
+    """`obj` pickled and unpickled as vLLM's shared-memory queue carries a worker's output to the
+    engine core (MessageQueue.enqueue / dequeue: in-band buffers, its CPU tensor reducer)."""
+    import copyreg
+    import io
+    import pickle
+
+    from vllm.distributed.device_communicators import shm_broadcast
+
+    table = dict(copyreg.dispatch_table)
+    table[torch.Tensor] = shm_broadcast._reduce_tensor
+    with io.BytesIO() as bio:
+        pickler = pickle.Pickler(bio, protocol=pickle.HIGHEST_PROTOCOL, buffer_callback=lambda buf: True)
+        pickler.dispatch_table = table
+        pickler.dump(obj)
+        return pickle.loads(bio.getvalue())
+
+
+def test_the_lists_reach_the_engine_core_as_vllms_own() -> None:
+    # The worker's lists are pickled as raw bytes (inference/vllm_lists.py): the engine core
+    # unpickles vLLM's own LogprobsLists, with vLLM's values, dtypes and shapes, writable, at one
+    # row, at many, with a top-k width and with per-request offsets.
+    from vllm.v1.outputs import LogprobsLists, ModelRunnerOutput
+
+    from inference import vllm_worker
+    from inference.vllm_lists import SentLogprobsLists
+
+    g = torch.Generator().manual_seed(1)
+    for rows in (1, 5, 64):
+        logprobs = torch.randn(rows, 300, generator=g).log_softmax(-1)
+        tokens = torch.randint(0, 300, (rows,), generator=g)
+        sent = vllm_worker.gather_logprobs(logprobs, 0, tokens).tolists()
+        theirs = vllm_worker._vllms_gather_logprobs(logprobs, 0, tokens).tolists()
+        assert type(sent) is SentLogprobsLists
+        output = ModelRunnerOutput(req_ids=[str(i) for i in range(rows)], req_id_to_index={str(i): i for i in range(rows)},
+                                   sampled_token_ids=tokens.view(-1, 1).tolist(), logprobs=sent)
+        got = _through_vllms_queue(output).logprobs  # type: ignore[attr-defined]
+        assert type(got) is LogprobsLists and got.cu_num_generated_tokens is None
+        for a, b in zip(got[:3], theirs[:3], strict=True):
+            assert a.dtype == b.dtype and a.shape == b.shape and (a == b).all() and a.flags.writeable
+    wide = SentLogprobsLists(np.arange(12, dtype=np.int32).reshape(4, 3), np.linspace(-3, 0, 12, dtype=np.float32).reshape(4, 3),
+                             np.array([1, 2, 1, 5], dtype=np.int64), [0, 1, 4])
+    got = _through_vllms_queue(wide)
+    assert type(got) is LogprobsLists and got.cu_num_generated_tokens == [0, 1, 4]
+    for a, b in zip(got[:3], wide[:3], strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape and (a == b).all()
