@@ -8,8 +8,9 @@ on random tokens at two learning rates; each step's weights are a delta against 
 (b) synthetic: 8M N(0, 0.02) bf16 weights with exactly 1%, 3%, 17% of them changed by a small
 relative step (a few ulps, as an optimizer step does).
 
-Ratios are raw bf16 bytes / encoded bytes for: our codec (XOR, byte planes, zstd), plain zstd
-on the raw XOR delta, and a sparse patch (changed indices as u32 gaps + new values, zstd).
+Ratios are raw bf16 bytes / encoded bytes for: our codec (a bf16 delta: the values' differences in
+their parent's exponent order, zstd; else XOR byte planes, zstd), plain zstd on the raw XOR delta,
+and a sparse patch (changed indices as u32 gaps + new values, zstd).
 Speeds are single-core MB/s of raw tensor bytes, best of 5 in the table; the headline against
 `zstd -1` (level 1) on the raw tensor interleaves the two round by round (best of 9), so a busy
 machine slows both alike. Encode and decode include the BLAKE3 hash of every tensor that the
