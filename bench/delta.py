@@ -25,9 +25,11 @@ Qwen2/Llama), per rank, targets and the adapter's stored dtype (a bf16 run store
 rollouts of 8 prompts x G=8, the toy reward, `rl_step` with fused AdamW at lr 1e-5), in fp32 and in
 bf16 (training.rl.precision: float32 masters, bf16 autocast, each step's weights cast to bf16 and
 delta'd against the previous step's bf16 weights, as a bf16 run's versions are stored). Step 1 is
-AdamW's first step (lr x sign(g): every weight moves by lr), the later ones its running estimate;
-`real_delta_ratio_bf16` is the last step's ratio (raw bytes / delta bytes), `_vs_full` the same
-delta against the full snapshot's compressed bytes.
+AdamW's first step (lr x sign(g): every weight moves by lr), the later ones its running estimate,
+whose steps shrink until about step 30 (the share of bf16 values a step changes falls from 25% to
+6%); `real_delta_ratio_bf16` is the last step's ratio (raw bytes / delta bytes; 40 steps unless
+--rl-steps says otherwise), `_first` the first step's, `_vs_full` the last delta against the full
+snapshot's compressed bytes.
 
     .venv/bin/python bench/delta.py --quick --json   # seconds: small tensors, the 0.6M shape, 2 steps
 """
@@ -294,7 +296,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print one JSON line last")
     parser.add_argument("--quick", action="store_true", help="seconds: 1M-weight tensors, the 0.6M shape, 2 steps")
-    parser.add_argument("--rl-steps", type=int, default=8, help="real RL steps per precision (25M shape)")
+    parser.add_argument("--rl-steps", type=int, default=40,
+                        help="real RL steps per precision (25M shape): AdamW's warm-up and its steady state")
     args = parser.parse_args()
     if args.quick:
         N_SYNTH, REPEAT = 1_000_000, 1
