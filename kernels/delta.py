@@ -18,8 +18,9 @@ parent it holds). An update at a fixed learning rate moves a small weight across
 boundary far more often than a large one, so the changes bunch by exponent, and a one-ulp change is
 +-1 however many bits its carry flips in an XOR. Two frames: the sorted changes' positions and low
 bytes (a sparse frame), and what their high bytes add to the low byte's sign extension (almost all
-zero). On real bf16 RL updates of the 25M shape at lr 1e-5 (bench/delta.py): 19.6x -> 25.0x after
-8 steps, 30.5x -> 39.1x after 40, where the XOR planes' order-0 bound is 23.6x after 8.
+zero); each exponent group of GROUP_MIN changes or more gets zstd blocks (Huffman tables) of its
+own. On real bf16 RL updates of the 25M shape at lr 1e-5 (bench/delta.py): 19.6x -> 27.0x after
+8 steps, 30.5x -> 41.2x after 40, where the XOR planes' order-0 bound is 23.6x after 8.
 
 Full snapshots (no parent, or a tensor the parent lacks) rotate float words left by one bit first
 so the top plane holds exactly the exponent (sign moves to the low plane); that plane carries
@@ -246,10 +247,14 @@ def _encode_sparse_delta(idx: np.ndarray, x: np.ndarray, level: int) -> tuple[li
     return datas, metas
 
 
-def _exponent_order(parent: np.ndarray, dtype_name: str) -> np.ndarray:
-    """(n,) indices of a 2-byte float tensor's values, stably sorted by their exponent field."""
+def _exponent_key(parent: np.ndarray, dtype_name: str) -> np.ndarray:
+    """(n,) uint8 exponent field of each value of a 2-byte float tensor's bits."""
     shift, mask = _EXPONENT[dtype_name]
-    key = ((parent >> np.uint16(shift)) & np.uint16(mask)).astype(np.uint8)
+    return ((parent >> np.uint16(shift)) & np.uint16(mask)).astype(np.uint8)
+
+
+def _exponent_order(key: np.ndarray) -> np.ndarray:
+    """(n,) indices of the values, stably sorted by their exponent field (the decoder repeats it)."""
     return np.argsort(key, kind="stable")
 
 
@@ -258,9 +263,8 @@ def _encode_ordered_delta(
 ) -> tuple[list[bytes], list[dict[str, Any]]]:
     """The `ordered` frames of a 2-byte float delta."""
     diff = child - parent  # (n,) uint16, mod 2^16
-    shift, mask = _EXPONENT[dtype_name]
-    key = ((parent >> np.uint16(shift)) & np.uint16(mask)).astype(np.uint8)
-    d = diff[np.argsort(key, kind="stable")]  # (n,): as _exponent_order
+    key = _exponent_key(parent, dtype_name)
+    d = diff[_exponent_order(key)]  # (n,)
     pos = np.flatnonzero(d)  # (k,)
     v = d[pos]  # (k,)
     low = (v & np.uint16(0xFF)).astype(np.uint8)
@@ -436,7 +440,7 @@ def _decode_ordered(payload: memoryview, entry: dict[str, Any], base: np.ndarray
     high = _plane_bytes(frames[1], planes[1]["plane"], pos.size)
     v = low.view(np.int8).astype(np.uint16) + (high.astype(np.uint16) << np.uint16(8))  # mod 2^16
     words = base.copy()
-    words[_exponent_order(base, entry["dtype"])[pos]] += v
+    words[_exponent_order(_exponent_key(base, entry["dtype"]))[pos]] += v
     return words
 
 
