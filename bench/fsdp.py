@@ -1,27 +1,32 @@
 """The RL update on 2 ranks (torchrun, FSDP2, gloo) against 1 rank, on the same model and batches.
 
-    .venv/bin/python bench/fsdp.py [--size small] [--steps 4] [--rows 16] [--json]
+    .venv/bin/python bench/fsdp.py [--size small] [--steps 4] [--rows 16] [--rounds 3] [--plain] [--json]
     .venv/bin/python bench/fsdp.py --quick        # a micro model, 2 steps: checks the bench runs
 
 Both sides run the same job (training/rl/distributed.py) under torchrun, one thread per rank, so
-"per core" compares like with like: `per_core_ratio` = (2-rank tokens/s / 2) / (1-rank tokens/s).
-`peak_mem_ratio` = the weights, gradients and AdamW state one rank of 2 holds / what 1 rank holds
-(what sharding divides; each rank's peak RSS, which also holds activations and torch itself, is
-printed beside it). Communication: a 2-rank step's time minus half the 1-rank step's (the work
-split in two), printed per step. Steps after the first (warm-up) are the medians.
+"per core" compares like with like: `per_core_ratio` = (2-rank tokens/s / 2) / (1-rank tokens/s),
+the median over `--rounds` rounds that run the sides in turn (this machine's drift falls on all of
+them). `peak_mem_ratio` = the weights, gradients and AdamW state one rank of 2 holds / what 1 rank
+holds (what sharding divides; each rank's peak RSS, which also holds activations and torch itself,
+is printed beside it). Communication: the seconds rank 0 spent in FSDP2's all-gathers and
+reduce-scatters a step (`comm_ms_per_step`, waiting for the peer included), and the 2-rank step's
+time less half the 1-rank step's (`overhead_ms_per_step`: communication plus FSDP2's copies and
+whatever else sharding adds). Steps after the first (warm-up) are the medians. `--plain` adds a
+2-rank side with gloo's own all-gather and reduce-scatter instead of the rings
+(training/rl/collectives.py), as jobs ran before them.
 
-Measured on a quiet machine of 16 cores (the small 25M shape, 1 thread a rank, torch 2.11 CPU):
+This 2-core machine (AMD EPYC, 25M shape, rows 16, micro-batch 8, 4 rounds, 2026-12-07):
 
-    rows/step  micro-batch  per_core_ratio  peak_mem_ratio  communication/step
-    16         8            0.70-0.73       0.5             ~0.40 s
-    32         16           0.76            0.5             ~0.6 s
-    64         32           0.865           0.5             ~0.6 s
+    side                      tokens/s   per core   per_core_ratio (range)   communication/step
+    1 rank                    452        452        -                        -
+    2 ranks, rings            650        325        0.739 (0.703-0.769)      234 ms
+    2 ranks, gloo's own       520        260        0.602 (0.530-0.645)      652 ms
 
-The communication is gloo's: each micro-batch gathers the weights twice (forward, backward) and
-reduce-scatters the gradients once, ~98 MB each for 25M fp32 parameters, and on CPU FSDP2's
-collectives do not overlap the compute (explicit forward/backward prefetch and
-`--reshard no` measured the same). So the per-core ratio grows with the tokens per micro-batch:
-the goal (0.85) is met from 32 rows of 64 tokens per rank's micro-batch.
+Earlier, on a quiet machine of 16 cores with gloo's own collectives: 0.70-0.73 at micro-batch 8,
+0.76 at 16 and 0.865 at 32 (the compute per collective grows with the tokens per micro-batch).
+On CPU FSDP2's collectives do not overlap the compute (explicit prefetch and `--reshard no`
+measured the same), so what is left of the per-core gap at micro-batch 8 is the communication
+and FSDP2's own copies (its all-gather copy-out and reduce-scatter copy-in, about 0.1 s a step).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -64,13 +70,16 @@ def _batches(folder: Path, steps: int, rows: int, prompt: int, completion: int) 
     return out
 
 
-def _run(policy: Path, batches: list, nproc: int, work: Path, micro: int, reshard: bool = True) -> dict:
+def _run(policy: Path, batches: list, nproc: int, work: Path, micro: int, reshard: bool = True,
+         plain: bool = False) -> dict:
+    """One job; `plain`: gloo's own all-gather and reduce-scatter (as jobs ran before the rings)."""
     from training.rl.distributed import JobSpec, launch
 
     start = time.perf_counter()
-    folder = work / f"ranks-{nproc}"
+    folder = work / f"ranks-{nproc}{'-plain' if plain else ''}"
+    shutil.rmtree(folder, ignore_errors=True)
     JobSpec(policy=str(policy), rl={"lr": 1e-5, "micro_batch_size": micro}, reference=None,
-            reshard_after_forward=reshard).write(folder, batches)
+            reshard_after_forward=reshard, ring=not plain).write(folder, batches)
     result = launch(folder, nproc=nproc, timeout_s=1800)
     steps = result.metrics[1:] or result.metrics
     ranks = [json.loads((folder / f"rank-{r}.json").read_text()) for r in range(nproc)]
@@ -78,6 +87,8 @@ def _run(policy: Path, batches: list, nproc: int, work: Path, micro: int, reshar
     return {"tokens_per_s": tokens, "wall_s": time.perf_counter() - start,
             "state_mb": max(r["state_mb"] for r in ranks), "peak_rss_mb": max(r["peak_rss_mb"] for r in ranks),
             "stages": {k: max(r[k] for r in ranks) for k in ("import_s", "load_s", "steps_s", "save_s")},
+            # seconds a step spent in the all-gathers and reduce-scatters, after the first (rank 0's)
+            "comm_s": statistics.median(ranks[0]["comm_s"][1:] or ranks[0]["comm_s"]),
             "loss": [m["loss"] for m in result.metrics]}
 
 
@@ -85,39 +96,74 @@ def main() -> int:
     args = _args()
     size = "micro" if args.quick else args.size
     steps, rows = (2, 4) if args.quick else (args.steps, args.rows)
+    rounds = 1 if args.quick else args.rounds
     policy = build_model(ROOT / "var" / "bench-policies" / size, SHAPES[size])
     batches = _batches(policy, steps, rows, prompt=32, completion=32)
+    sides: dict[str, list[dict]] = {"1": [], "2": [], "2-plain": []}
     with tempfile.TemporaryDirectory() as tmp:
-        one = _run(policy, batches, 1, Path(tmp), args.micro_batch)
-        two = _run(policy, batches, 2, Path(tmp), args.micro_batch, args.reshard == "yes")
+        for _ in range(rounds):  # the sides interleaved: this machine's drift falls on all of them
+            sides["1"].append(_run(policy, batches, 1, Path(tmp), args.micro_batch))
+            sides["2"].append(_run(policy, batches, 2, Path(tmp), args.micro_batch, args.reshard == "yes"))
+            if args.plain:
+                sides["2-plain"].append(_run(policy, batches, 2, Path(tmp), args.micro_batch, args.reshard == "yes",
+                                             plain=True))
+    one, two = _median_run(sides["1"]), _median_run(sides["2"])
     tokens = sum(int(b.attention_mask.sum()) for b in batches) / len(batches)
-    comm_ms = (tokens / two["tokens_per_s"] - tokens / one["tokens_per_s"] / 2) * 1000
+    overhead_ms = (tokens / two["tokens_per_s"] - tokens / one["tokens_per_s"] / 2) * 1000
+    ratios = [b["tokens_per_s"] / 2 / a["tokens_per_s"] for a, b in zip(sides["1"], sides["2"], strict=True)]
     figures = {"size": size, "rows": rows, "micro_batch": args.micro_batch, "reshard_after_forward": args.reshard == "yes",
-               "per_core_ratio": round(two["tokens_per_s"] / 2 / one["tokens_per_s"], 3),
+               "rounds": rounds, "per_core_ratio": round(statistics.median(ratios), 3),
+               "per_core_ratio_range": [round(min(ratios), 3), round(max(ratios), 3)],
                "peak_mem_ratio": round(two["state_mb"] / one["state_mb"], 3),
                "rss_ratio": round(two["peak_rss_mb"] / one["peak_rss_mb"], 3),
                "tokens_per_s_1": round(one["tokens_per_s"]), "tokens_per_s_2": round(two["tokens_per_s"]),
-               "comm_ms_per_step": round(comm_ms, 1),
+               "comm_ms_per_step": round(statistics.median(r["comm_s"] for r in sides["2"]) * 1000, 1),
+               "overhead_ms_per_step": round(overhead_ms, 1),
                "max_loss_diff": max(abs(a - b) for a, b in zip(one["loss"], two["loss"], strict=True)),
                "stages_1": one["stages"], "stages_2": two["stages"], "load_avg": round(os.getloadavg()[0], 1)}
-    _table(one, two, figures)
+    if args.plain:
+        plain = [b["tokens_per_s"] / 2 / a["tokens_per_s"] for a, b in zip(sides["1"], sides["2-plain"], strict=True)]
+        figures |= {"per_core_ratio_plain": round(statistics.median(plain), 3),
+                    "per_core_ratio_plain_range": [round(min(plain), 3), round(max(plain), 3)],
+                    "tokens_per_s_2_plain": round(_median_run(sides["2-plain"])["tokens_per_s"]),
+                    "comm_ms_per_step_plain": round(statistics.median(r["comm_s"] for r in sides["2-plain"]) * 1000, 1),
+                    "max_loss_diff_plain": max(abs(a - b) for a, b in zip(
+                        one["loss"], _median_run(sides["2-plain"])["loss"], strict=True))}
+    _table(sides, figures)
     if args.json:
         print(json.dumps(figures))
     return 0
 
 
-def _table(one: dict, two: dict, f: dict) -> None:
-    print(f"[{f['size']}] RL step under torchrun, FSDP2 over gloo, 1 thread per rank")
-    print(f"{'ranks':>5} {'tokens/s':>10} {'per core':>10} {'state MB/rank':>14} {'peak RSS MB/rank':>17}")
-    for n, r in ((1, one), (2, two)):
-        print(f"{n:>5} {r['tokens_per_s']:>10.0f} {r['tokens_per_s'] / n:>10.0f} {r['state_mb']:>14.1f} "
-              f"{r['peak_rss_mb']:>17.0f}")
-    for n, r in ((1, one), (2, two)):
-        stages = ", ".join(f"{k[:-2]} {v:.1f}" for k, v in r["stages"].items())
-        print(f"{n} rank(s): launch to weights back {r['wall_s']:.1f} s (slowest rank's seconds: {stages})")
+def _median_run(runs: list[dict]) -> dict:
+    """The run of median tokens/s (its memory, stages and losses with it)."""
+    return sorted(runs, key=lambda r: r["tokens_per_s"])[len(runs) // 2]
+
+
+def _table(sides: dict[str, list[dict]], f: dict) -> None:
+    print(f"[{f['size']}] RL step under torchrun, FSDP2 over gloo, 1 thread per rank, {f['rounds']} interleaved round(s)")
+    print(f"{'ranks':>8} {'tokens/s':>10} {'per core':>10} {'range':>13} {'state MB/rank':>14} {'peak RSS MB/rank':>17}")
+    for name, runs in sides.items():
+        if not runs:
+            continue
+        n, r = int(name[0]), _median_run(runs)
+        spread = [x["tokens_per_s"] for x in runs]
+        print(f"{name:>8} {r['tokens_per_s']:>10.0f} {r['tokens_per_s'] / n:>10.0f} "
+              f"{min(spread):>6.0f}-{max(spread):<6.0f} {r['state_mb']:>14.1f} {r['peak_rss_mb']:>17.0f}")
+    for name, runs in sides.items():
+        if runs:
+            r = _median_run(runs)
+            stages = ", ".join(f"{k[:-2]} {v:.1f}" for k, v in r["stages"].items())
+            print(f"{name} rank(s): launch to weights back {r['wall_s']:.1f} s (slowest rank's seconds: {stages})")
     print(f"machine load (1 min) {f['load_avg']} on {os.cpu_count()} cores")
-    print(f"per-core ratio {f['per_core_ratio']} (goal >= 0.85); state per rank {f['peak_mem_ratio']} of 1 rank "
-          f"(goal <= 0.6); communication ~{f['comm_ms_per_step']} ms/step; losses agree to {f['max_loss_diff']:.1e}")
+    if "per_core_ratio_plain" in f:
+        print(f"2-plain: gloo's own all-gather and reduce-scatter: per-core ratio "
+              f"{f['per_core_ratio_plain']} ({f['per_core_ratio_plain_range'][0]}-{f['per_core_ratio_plain_range'][1]}), "
+              f"communication {f['comm_ms_per_step_plain']} ms/step")
+    print(f"per-core ratio {f['per_core_ratio']} ({f['per_core_ratio_range'][0]}-{f['per_core_ratio_range'][1]}; "
+          f"goal >= 0.85); state per rank {f['peak_mem_ratio']} of 1 rank (goal <= 0.6); communication "
+          f"{f['comm_ms_per_step']} ms/step (2 ranks' step less half of 1 rank's: {f['overhead_ms_per_step']} ms); "
+          f"losses agree to {f['max_loss_diff']:.1e}")
 
 
 def _args() -> argparse.Namespace:
@@ -129,6 +175,9 @@ def _args() -> argparse.Namespace:
                    help="rows per forward (each rank's): FSDP2 gathers the weights once per micro-batch")
     p.add_argument("--reshard", choices=["yes", "no"], default="yes",
                    help="FSDP2's reshard_after_forward for the blocks (no: one all-gather fewer, more memory)")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds of every side; medians reported")
+    p.add_argument("--plain", action="store_true",
+                   help="also 2 ranks with gloo's own all-gather and reduce-scatter (as jobs ran before the rings)")
     p.add_argument("--quick", action="store_true", help="micro model, 2 steps: that the bench runs")
     p.add_argument("--json", action="store_true")
     return p.parse_args()

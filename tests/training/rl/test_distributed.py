@@ -68,6 +68,9 @@ def test_two_ranks_give_the_one_process_losses_and_weights(tmp_path, tiny_policy
                   optimizer=str(tmp_path / "first" / "optim"))
     result = launch(second, nproc=2, timeout_s=300, on_metrics=seen.append)
     assert [m["step"] for m in seen] == [0, 1, 0]
+    for rank in (0, 1):  # each step's seconds in the all-gathers and reduce-scatters, in the rank's record
+        record = json.loads((tmp_path / "first" / f"rank-{rank}.json").read_text())
+        assert len(record["comm_s"]) == 2 and all(s > 0 for s in record["comm_s"]), record
     assert [m["loss"] for m in seen] == pytest.approx(losses, abs=1e-5)
     sharded = AutoModelForCausalLM.from_pretrained(result.policy, dtype=torch.float32).state_dict()
     worst = max(float((sharded[k] - weights[k]).abs().max()) for k in weights)
