@@ -42,7 +42,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench._django import bench_database_url  # noqa: E402
+from bench._django import bench_database_url, create_database  # noqa: E402
 
 DB = "flywheel_bench_broadcast"
 VAR = ROOT / "var" / "bench-broadcast"
@@ -55,7 +55,7 @@ def main() -> int:
     VAR.mkdir(parents=True)
     env = _environment()
     os.environ.update(env)
-    _fresh_database()
+    create_database(DB, fresh=True)
     import django
 
     django.setup()
@@ -135,17 +135,6 @@ def _environment() -> dict[str, str]:
         # (600 a key) would answer most of them 429 and leave nothing to check after the acks.
         "FLYWHEEL_SERVE_RATE_PER_KEY": "10000000", "FLYWHEEL_SERVE_RATE_PER_PROJECT": "10000000",
     }
-
-
-def _fresh_database() -> None:
-    from urllib.parse import urlparse
-
-    import psycopg
-
-    url = urlparse(bench_database_url(DB))._replace(path="/postgres").geturl()
-    with psycopg.connect(url, autocommit=True) as conn:
-        conn.execute(f'DROP DATABASE IF EXISTS "{DB}" WITH (FORCE)')
-        conn.execute(f'CREATE DATABASE "{DB}"')
 
 
 def sparse_child(parent: Path, out: Path, fraction: float, seed: int) -> float:

@@ -46,7 +46,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench._django import bench_database_url  # noqa: E402
+from bench._django import bench_database_url, create_database  # noqa: E402
 
 MAX_TOKENS = 16
 EVAL_SEED = 1234
@@ -57,7 +57,7 @@ def main() -> int:
     db = f"flywheel_bench_learning_{'quick' if args.quick else args.seed}"
     env = _environment(db, args)
     os.environ.update(env)
-    _fresh_database(db)
+    create_database(db, fresh=True)
     import django
 
     django.setup()
@@ -169,17 +169,6 @@ def _wait_serving(url: str, seconds: float = 900) -> None:
             pass
         time.sleep(0.5)
     raise SystemExit(f"the serving process at {url} did not answer in {seconds:.0f} s: see its log")
-
-
-def _fresh_database(db: str) -> None:
-    from urllib.parse import urlparse
-
-    import psycopg
-
-    url = urlparse(bench_database_url(db))._replace(path="/postgres").geturl()
-    with psycopg.connect(url, autocommit=True) as conn:
-        conn.execute(f'DROP DATABASE IF EXISTS "{db}" WITH (FORCE)')
-        conn.execute(f'CREATE DATABASE "{db}"')
 
 
 def _prepare(args: argparse.Namespace) -> dict:
