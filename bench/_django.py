@@ -53,8 +53,8 @@ def _template(admin) -> str:
     try:
         if admin.execute("SELECT 1 FROM pg_database WHERE datname = %s", [name]).fetchone():
             return name
-        for (old,) in admin.execute("SELECT datname FROM pg_database WHERE datname LIKE %s",
-                                    [prefix + "%"]).fetchall():
+        for (old,) in admin.execute("SELECT datname FROM pg_database WHERE datname LIKE %s",  # a failed
+                                    [prefix + "%"]).fetchall():  # build's "_building" copy too
             admin.execute(f'DROP DATABASE IF EXISTS "{old}" WITH (FORCE)')
         building = name + "_building"
         admin.execute(f'CREATE DATABASE "{building}"')

@@ -9,8 +9,10 @@ A ring of paired sends and receives moves each part once, straight into the outp
     all-gather                           125 ms   46 ms
     reduce-scatter                       115 ms   34 ms
 
-FSDP2 calls these through `set_custom_all_gather` / `set_custom_reduce_scatter` (`install`), once
-per sharded block and step. NCCL keeps its own collectives: only a gloo group gets them.
+FSDP2 calls them through `set_custom_all_gather` / `set_custom_reduce_scatter` (`install`) for each
+sharded block's all-gathers (forward and backward) and reduce-scatter; NCCL keeps its own
+collectives: only a gloo group gets them. Either way on gloo (`ring=False`: gloo's own) their
+seconds are counted on a `CommClock`, which each rank's record of a job reports per step.
 
 The results are the same as gloo's: the all-gather copies bits; on 2 ranks the reduce-scatter adds
 the same two values (floating-point addition commutes), on more the ring adds in ring order (the
@@ -24,7 +26,7 @@ import time
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter  # FSDP2's (torch 2.13)
 
 
 def _exchange(send: torch.Tensor, recv: torch.Tensor, group: dist.ProcessGroup) -> None:
@@ -101,7 +103,7 @@ class _AllGather(AllGather):
         if self.ring:
             ring_all_gather(output_tensor, input_tensor, group)
         else:
-            dist.all_gather_into_tensor(output_tensor, input_tensor, group=group)
+            dist.all_gather_single(output_tensor, input_tensor, group=group)
         self.clock.add(start)  # done on return: FSDP2 then waits on nothing
 
 
@@ -118,7 +120,7 @@ class _ReduceScatter(ReduceScatter):
         if self.ring and op == dist.ReduceOp.SUM:  # `shard` asks for sums; any other reduction is gloo's
             ring_reduce_scatter(output_tensor, input_tensor, group)
         else:
-            dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group)
+            dist.reduce_scatter_single(output=output_tensor, input=input_tensor, group=group, op=op)
         self.clock.add(start)
 
 

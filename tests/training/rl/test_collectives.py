@@ -31,12 +31,12 @@ def _compare(rank: int, size: int, store: str, out: str) -> None:
             mine = (torch.randn(part, generator=gen) * 100).to(dtype)
             whole = (torch.randn(part * size, generator=gen) * 100).to(dtype)
             theirs, ours = torch.empty(part * size, dtype=dtype), torch.empty(part * size, dtype=dtype)
-            dist.all_gather_into_tensor(theirs, mine)
+            dist.all_gather_single(theirs, mine)
             ring_all_gather(ours, mine, group)
             row = {"part": part, "dtype": str(dtype), "gather_equal": torch.equal(theirs, ours)}
             if dtype != torch.uint8:
                 theirs, ours = torch.empty(part, dtype=dtype), torch.empty(part, dtype=dtype)
-                dist.reduce_scatter_tensor(theirs, whole)
+                dist.reduce_scatter_single(output=theirs, input=whole)
                 ring_reduce_scatter(ours, whole, group)
                 exact = sum(p.double() for p in _every_ranks(whole, size, part, dtype)).to(dtype)
                 row |= {"scatter_equal": torch.equal(theirs, ours),
