@@ -15,7 +15,7 @@ whatever else sharding adds). Steps after the first (warm-up) are the medians. `
 2-rank side with gloo's own all-gather and reduce-scatter instead of the rings
 (training/rl/collectives.py), as jobs ran before them.
 
-This 2-core machine (AMD EPYC, 25M shape, rows 16, micro-batch 8, 2026-12-07), two runs:
+This 2-core machine (AMD EPYC, 25M shape, rows 16, micro-batch 8, 2026-12-07), three runs:
 
     run, side                       tokens/s   per_core_ratio (range)   communication/step
     A (4 rounds)  1 rank            452        -                        -
@@ -24,9 +24,12 @@ This 2-core machine (AMD EPYC, 25M shape, rows 16, micro-batch 8, 2026-12-07), t
     B (3 rounds)  1 rank            448        -                        -
                   2 ranks, rings    562        0.600 (0.590-0.809)      192 ms
                   2 ranks, gloo's   622        0.713 (0.509-0.733)      354 ms
+    C (4 rounds,  1 rank            492        -                        -
+       quietest)  2 ranks, rings    843        0.848 (0.651-0.865)      166 ms
+                  2 ranks, gloo's   751        0.743 (0.577-0.802)      288 ms
 
-The rings cut the communication in both runs (by 64% and 46%); the per-core ratio moved with the
-2-rank steps' compute, which on this machine varies by a third from round to round (two
+The rings cut the communication in every run (by 64%, 46% and 42%); the per-core ratio moved with
+the 2-rank steps' compute, which on this machine varies by a third from round to round (two
 one-thread processes side by side: 0.9-1.4 s for the same forward and backward).
 
 Earlier, on a quiet machine of 16 cores with gloo's own collectives: 0.70-0.73 at micro-batch 8,
