@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter  # FSDP2's (torch 2.13)
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllocMixin
 
 
 def _exchange(send: torch.Tensor, recv: torch.Tensor, group: dist.ProcessGroup) -> None:
@@ -80,23 +81,24 @@ def ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: dist.P
 
 class CommClock:
     """Seconds a rank spent in the sharded model's all-gathers and reduce-scatters (waiting for its
-    peers included), and how many it made."""
+    peers included)."""
 
     def __init__(self) -> None:
-        self.seconds, self.calls = 0.0, 0
+        self.seconds = 0.0
 
     def add(self, start: float) -> None:
         self.seconds += time.perf_counter() - start
-        self.calls += 1
 
 
-class _AllGather(AllGather):
+class _Timed(DefaultAllocMixin):
+    """A collective FSDP2 calls, the ring's or gloo's own, timed on `clock`; its buffers are
+    FSDP2's default (`torch.empty`)."""
+
     def __init__(self, ring: bool, clock: CommClock) -> None:
         self.ring, self.clock = ring, clock
 
-    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
 
+class _AllGather(_Timed, AllGather):
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  async_op: bool = False) -> None:
         start = time.perf_counter()
@@ -107,13 +109,7 @@ class _AllGather(AllGather):
         self.clock.add(start)  # done on return: FSDP2 then waits on nothing
 
 
-class _ReduceScatter(ReduceScatter):
-    def __init__(self, ring: bool, clock: CommClock) -> None:
-        self.ring, self.clock = ring, clock
-
-    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
-
+class _ReduceScatter(_Timed, ReduceScatter):
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  op: object, async_op: bool = False) -> None:
         start = time.perf_counter()
