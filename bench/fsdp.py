@@ -1,6 +1,7 @@
 """The RL update on 2 ranks (torchrun, FSDP2, gloo) against 1 rank, on the same model and batches.
 
-    .venv/bin/python bench/fsdp.py [--size small] [--steps 4] [--rows 16] [--rounds 3] [--plain] [--json]
+    .venv/bin/python bench/fsdp.py [--size small] [--steps 4] [--rows 16] [--rounds 3] [--plain]
+                                   [--precision fp32|bf16] [--json]
     .venv/bin/python bench/fsdp.py --quick        # a micro model, 2 steps: checks the bench runs
 
 Both sides run the same job (training/rl/distributed.py) under torchrun, one thread per rank, so
@@ -81,7 +82,7 @@ def _batches(folder: Path, steps: int, rows: int, prompt: int, completion: int) 
 
 
 def _run(policy: Path, batches: list, nproc: int, work: Path, micro: int, reshard: bool = True,
-         plain: bool = False) -> dict:
+         plain: bool = False, precision: str = "fp32") -> dict:
     """One job; `plain`: gloo's own all-gather and reduce-scatter (as jobs ran before the rings)."""
     from training.rl.distributed import JobSpec, launch
 
@@ -89,7 +90,7 @@ def _run(policy: Path, batches: list, nproc: int, work: Path, micro: int, reshar
     folder = work / f"ranks-{nproc}{'-plain' if plain else ''}"
     shutil.rmtree(folder, ignore_errors=True)
     JobSpec(policy=str(policy), rl={"lr": 1e-5, "micro_batch_size": micro}, reference=None,
-            reshard_after_forward=reshard, ring=not plain).write(folder, batches)
+            reshard_after_forward=reshard, ring=not plain, precision=precision).write(folder, batches)
     result = launch(folder, nproc=nproc, timeout_s=1800)
     steps = result.metrics[1:] or result.metrics
     ranks = [json.loads((folder / f"rank-{r}.json").read_text()) for r in range(nproc)]
@@ -112,16 +113,18 @@ def main() -> int:
     sides: dict[str, list[dict]] = {"1": [], "2": [], "2-plain": []}
     with tempfile.TemporaryDirectory() as tmp:
         for _ in range(rounds):  # the sides interleaved: this machine's drift falls on all of them
-            sides["1"].append(_run(policy, batches, 1, Path(tmp), args.micro_batch))
-            sides["2"].append(_run(policy, batches, 2, Path(tmp), args.micro_batch, args.reshard == "yes"))
+            sides["1"].append(_run(policy, batches, 1, Path(tmp), args.micro_batch, precision=args.precision))
+            sides["2"].append(_run(policy, batches, 2, Path(tmp), args.micro_batch, args.reshard == "yes",
+                                   precision=args.precision))
             if args.plain:
                 sides["2-plain"].append(_run(policy, batches, 2, Path(tmp), args.micro_batch, args.reshard == "yes",
-                                             plain=True))
+                                             plain=True, precision=args.precision))
     one, two = _median_run(sides["1"]), _median_run(sides["2"])
     tokens = sum(int(b.attention_mask.sum()) for b in batches) / len(batches)
     overhead_ms = (tokens / two["tokens_per_s"] - tokens / one["tokens_per_s"] / 2) * 1000
     ratios = [b["tokens_per_s"] / 2 / a["tokens_per_s"] for a, b in zip(sides["1"], sides["2"], strict=True)]
     figures = {"size": size, "rows": rows, "micro_batch": args.micro_batch, "reshard_after_forward": args.reshard == "yes",
+               "precision": args.precision,
                "rounds": rounds, "per_core_ratio": round(statistics.median(ratios), 3),
                "per_core_ratio_range": [round(min(ratios), 3), round(max(ratios), 3)],
                "peak_mem_ratio": round(two["state_mb"] / one["state_mb"], 3),
@@ -151,7 +154,8 @@ def _median_run(runs: list[dict]) -> dict:
 
 
 def _table(sides: dict[str, list[dict]], f: dict) -> None:
-    print(f"[{f['size']}] RL step under torchrun, FSDP2 over gloo, 1 thread per rank, {f['rounds']} interleaved round(s)")
+    print(f"[{f['size']}, {f['precision']}] RL step under torchrun, FSDP2 over gloo, 1 thread per rank, "
+          f"{f['rounds']} interleaved round(s)")
     print(f"{'ranks':>8} {'tokens/s':>10} {'per core':>10} {'range':>13} {'state MB/rank':>14} {'peak RSS MB/rank':>17}")
     for name, runs in sides.items():
         if not runs:
@@ -185,6 +189,8 @@ def _args() -> argparse.Namespace:
                    help="rows per forward (each rank's): FSDP2 gathers the weights once per micro-batch")
     p.add_argument("--reshard", choices=["yes", "no"], default="yes",
                    help="FSDP2's reshard_after_forward for the blocks (no: one all-gather fewer, more memory)")
+    p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
+                   help="both sides' compute (bf16: autocast over float32 masters, as a bf16 run trains)")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds of every side; medians reported")
     p.add_argument("--plain", action="store_true",
                    help="also 2 ranks with gloo's own all-gather and reduce-scatter (as jobs ran before the rings)")

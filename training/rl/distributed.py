@@ -34,6 +34,7 @@ from torch import nn
 from training.rl import collectives
 from training.rl.config import RLConfig
 from training.rl.nodes import Nodes
+from training.rl.precision import SERVING_DTYPES, compute_context
 from training.rl.trainer import METRIC_KEYS, Batch, DriftSums, StepMetrics, backward_batch
 
 _log = logging.getLogger(__name__)
@@ -160,6 +161,14 @@ class JobSpec:
     reshard_after_forward: bool = True  # False: fewer all-gathers, more memory (`shard`)
     adapter: str | None = None  # a PEFT adapter folder over `policy`: the job trains it alone (LoRA)
     ring: bool = True  # gloo's collectives as rings of paired sends (False: gloo's own; `shard`)
+    # The run's compute precision, resolved by the caller ("fp32" or "bf16", never "auto": every
+    # rank computes as the worker that launched it decided, whatever hardware a rank is on).
+    precision: str = "fp32"
+
+    def __post_init__(self) -> None:
+        if self.precision not in SERVING_DTYPES:
+            raise ValueError(f"a job's precision must be one of {list(SERVING_DTYPES)} (resolve \"auto\" with "
+                             f"training.rl.precision.resolve_precision first), got {self.precision!r}")
 
     def write(self, folder: Path, batches: Sequence[Batch]) -> None:
         folder.mkdir(parents=True, exist_ok=True)
@@ -205,7 +214,9 @@ def run_job(folder: Path) -> None:
     comm_s: list[float] = []  # each step's seconds in the all-gathers and reduce-scatters (gloo)
     for step, batch in enumerate(batches):
         before = clock.seconds
-        metrics = distributed_rl_step(model, ref, batch, optimizer, cfg, world)
+        # bf16: forward and backward under autocast over the float32 masters, as one process runs it
+        with compute_context(spec.precision, world.device):
+            metrics = distributed_rl_step(model, ref, batch, optimizer, cfg, world)
         comm_s.append(round(clock.seconds - before, 4))
         if world.is_main:
             with open(folder / "metrics.jsonl", "a") as out:

@@ -108,6 +108,7 @@ class DistributedUpdates(Updates):
         self.first_steps, self.planned = plan
         self.ref_dir, self.base_dir, self.nproc, self.nodes = ref_dir, base_dir, max(nproc, 1), nodes
         self.work = work  # a job folder per take: its batches, the ranks' pids and log, the weights back
+        self.precision = resolve_precision(settings.precision)  # the ranks compute in it (bf16: autocast)
         self.optimizer_dir: Path | None = None
         self.done = 0
 
@@ -119,7 +120,8 @@ class DistributedUpdates(Updates):
                        adapter=str(folder / "start") if lora else None,
                        reference=str(self.ref_dir) if self.ref_dir else None,
                        optimizer=str(self.optimizer_dir) if self.optimizer_dir else None,
-                       timeout_s=float(django_settings.FLYWHEEL_TRAIN_COLLECTIVE_TIMEOUT_S))
+                       timeout_s=float(django_settings.FLYWHEEL_TRAIN_COLLECTIVE_TIMEOUT_S),
+                       precision=self.precision)
         spec.write(folder, list(_take(_shuffled(batch, self.size, seed), steps)))
         result = launch(folder, self.nproc, float(django_settings.FLYWHEEL_TRAIN_JOB_TIMEOUT_S),
                         on_metrics=self._stepped, nodes=self.nodes)

@@ -17,6 +17,7 @@ import torch
 from tests.processes import wait_until
 from training.rl.config import RLConfig
 from training.rl.distributed import DistributedRunFailed, JobSpec, launch
+from training.rl.precision import compute_context
 from training.rl.trainer import Sample, prepare_batch, rl_step
 
 RL = dict(lr=1e-3, beta=0.05, micro_batch_size=2, shared_prefix=False)
@@ -37,15 +38,15 @@ def _batches(steps: int, rows: int, vocab: int, seed: int = 0) -> list:
     return batches
 
 
-def _one_process(policy: Path, batches: list) -> tuple[list[float], dict[str, torch.Tensor]]:
+def _one_process(policy: Path, batches: list, metric: str = "loss") -> tuple[list[float], dict[str, torch.Tensor]]:
     from transformers import AutoModelForCausalLM
 
     cfg = RLConfig(**RL)
     model = AutoModelForCausalLM.from_pretrained(policy, dtype=torch.float32)
     ref = AutoModelForCausalLM.from_pretrained(policy, dtype=torch.float32).requires_grad_(False)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    losses = [rl_step(model, ref, b, optimizer, cfg).loss for b in batches]
-    return losses, model.state_dict()
+    values = [getattr(rl_step(model, ref, b, optimizer, cfg), metric) for b in batches]
+    return values, model.state_dict()
 
 
 def _job(tmp_path: Path, policy: Path, batches: list, name: str = "job", reference: Path | None = None,
@@ -78,6 +79,31 @@ def test_two_ranks_give_the_one_process_losses_and_weights(tmp_path, tiny_policy
     moved = max(float((weights[k] - v).abs().max()) for k, v in
                 AutoModelForCausalLM.from_pretrained(tiny_policy_dir).state_dict().items())
     assert moved > 1e-4  # the comparison is between weights that trained, not two copies of the start
+
+
+def test_a_bf16_job_computes_on_its_ranks_as_one_bf16_process_does(tmp_path, tiny_policy_dir):
+    """precision "bf16": the ranks' forward and backward run under bf16 autocast over float32 masters,
+    as `Updates` runs one process. The first step's loss and entropy (the forward of the weights
+    both start from) match that process's to float64 summation order, and differ from the float32
+    forward's by bf16's rounding, 100x more than that."""
+    batches = _batches(steps=1, rows=7, vocab=384)
+    bf16, fp32 = {}, {}
+    for metric in ("loss", "entropy"):
+        fp32[metric] = _one_process(tiny_policy_dir, batches, metric)[0][0]
+        with compute_context("bf16"):
+            bf16[metric] = _one_process(tiny_policy_dir, batches, metric)[0][0]
+    seen: list[dict] = []
+    result = launch(_job(tmp_path, tiny_policy_dir, batches, precision="bf16"), nproc=2, timeout_s=300,
+                    on_metrics=seen.append)
+    for metric in ("loss", "entropy"):
+        gap, rounding = abs(seen[0][metric] - bf16[metric]), abs(fp32[metric] - bf16[metric])
+        assert gap * 100 < rounding, (metric, seen[0][metric], bf16[metric], fp32[metric])
+    from safetensors.torch import load_file
+
+    weights = load_file(result.policy / "model.safetensors")
+    assert {v.dtype for v in weights.values()} == {torch.float32}  # the masters: bf16 is how they compute
+    with pytest.raises(ValueError, match="resolve"):
+        JobSpec(policy=str(tiny_policy_dir), rl=RL, precision="auto")
 
 
 def test_a_lora_adapter_on_two_ranks_trains_as_in_one_process(tmp_path, tiny_policy_dir):

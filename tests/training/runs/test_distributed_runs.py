@@ -17,6 +17,7 @@ from tests.processes import wait_until
 from tests.training.test_services import ingest_live, later, plain_spec
 from training.models import PolicyVersion, TrainingStep
 from training.rewards.services import rewards_compute_pending
+from training.rl.precision import resolve_precision
 from training.runs.services import train_policy, training_run_start
 from training.runs.settings import RunSettings
 from training.versions.services import policy_folder
@@ -41,9 +42,11 @@ def test_a_run_on_two_processes_trains_under_torchrun_and_registers_its_candidat
     creds, production, tokenizer, two_processes
 ):
     _rewarded(creds, tokenizer)
-    run, _ = training_run_start(creds.project, RunSettings(steps=2, batch_size=4), enqueue=False)
+    # "auto": the ranks compute in what it resolves to here (bf16 on a CPU with AVX-512 BF16)
+    run, _ = training_run_start(creds.project, RunSettings(steps=2, batch_size=4, precision="auto"), enqueue=False)
     run = train_policy(run.pk)
     assert run.state == "succeeded", run.error
+    assert run.result["precision"] == resolve_precision("auto")
     assert TrainingStep.objects.filter(run=run).count() == 2
     assert all(s.loss is not None and s.tokens_per_s > 0 for s in TrainingStep.objects.filter(run=run))
     base = load_file(policy_folder(production) / "model.safetensors")
