@@ -1,7 +1,7 @@
 """The RL update on 2 ranks (torchrun, FSDP2, gloo) against 1 rank, on the same model and batches.
 
-    .venv/bin/python bench/fsdp.py [--size small] [--steps 4] [--rows 16] [--rounds 3] [--plain]
-                                   [--precision fp32|bf16] [--json]
+    .venv/bin/python bench/fsdp.py [--size small] [--steps 4] [--rows 16] [--rounds 3]
+                                   [--compare ring,gloo] [--precision fp32|bf16] [--json]
     .venv/bin/python bench/fsdp.py --quick        # a micro model, 2 steps: checks the bench runs
 
 Both sides run the same job (training/rl/distributed.py) under torchrun, one thread per rank, so
@@ -12,26 +12,23 @@ holds (what sharding divides; each rank's peak RSS, which also holds activations
 is printed beside it). Communication: the seconds rank 0 spent in FSDP2's all-gathers and
 reduce-scatters a step (`comm_ms_per_step`, waiting for the peer included), and the 2-rank step's
 time less half the 1-rank step's (`overhead_ms_per_step`: communication plus FSDP2's copies and
-whatever else sharding adds). Steps after the first (warm-up) are the medians. `--plain` adds a
-2-rank side with gloo's own all-gather and reduce-scatter instead of the rings
-(training/rl/collectives.py), as jobs ran before them.
+whatever else sharding adds). Steps after the first (warm-up) are the medians. The 2 ranks share
+this host, so their collectives go through shared memory (training/rl/collectives.py);
+`--compare ring,gloo` adds 2-rank sides with the rings of gloo's paired sends (what ranks on
+different hosts use) and with gloo's own all-gather and reduce-scatter (as jobs ran before both).
 
-This 2-core machine (AMD EPYC, 25M shape, rows 16, micro-batch 8, 2026-12-07), three runs:
+This 2-core machine (AMD EPYC, 25M shape, rows 16, micro-batch 8, fp32, 2026-12-07):
 
-    run, side                       tokens/s   per_core_ratio (range)   communication/step
-    A (4 rounds)  1 rank            452        -                        -
-                  2 ranks, rings    650        0.739 (0.703-0.769)      234 ms
-                  2 ranks, gloo's   520        0.602 (0.530-0.645)      652 ms
-    B (3 rounds)  1 rank            448        -                        -
-                  2 ranks, rings    562        0.600 (0.590-0.809)      192 ms
-                  2 ranks, gloo's   622        0.713 (0.509-0.733)      354 ms
-    C (4 rounds,  1 rank            492        -                        -
-       quietest)  2 ranks, rings    843        0.848 (0.651-0.865)      166 ms
-                  2 ranks, gloo's   751        0.743 (0.577-0.802)      288 ms
+    side                     tokens/s   per_core_ratio (range)   communication/step
+    1 rank                   506        -                        -
+    2 ranks, shared memory   913        0.902 (0.873-0.929)      115 ms
+    2 ranks, rings           884        0.875 (0.828-0.897)      173 ms
+    2 ranks, gloo's own      689        0.699 (0.549-0.705)      434 ms
 
-The rings cut the communication in every run (by 64%, 46% and 42%); the per-core ratio moved with
-the 2-rank steps' compute, which on this machine varies by a third from round to round (two
-one-thread processes side by side: 0.9-1.4 s for the same forward and backward).
+Earlier runs of the rings alone against gloo's own (three, the same shape): 0.739, 0.600 and 0.848
+against 0.602, 0.713 and 0.743, communication 234, 192 and 166 ms against 652, 354 and 288; the
+per-core ratio moved with the 2-rank steps' compute, which on this machine varies by a third from
+round to round (two one-thread processes side by side: 0.9-1.4 s for the same forward and backward).
 
 Earlier, on a quiet machine of 16 cores with gloo's own collectives: 0.70-0.73 at micro-batch 8,
 0.76 at 16 and 0.865 at 32 (the compute per collective grows with the tokens per micro-batch).
@@ -60,6 +57,8 @@ from bench.rl_step import MODEL, SMALL, build_model  # noqa: E402
 # --quick: the smallest shape the sharding path takes (its tokenizer trains in a second).
 MICRO = dict(MODEL, hidden_size=64, num_heads=2, num_kv_heads=1, intermediate_size=128, tokenizer_lines=2000)
 SHAPES = {"micro": MICRO, "tiny": MODEL, "small": SMALL}
+# the 2-rank sides `--compare` adds beside the default (shared memory: the ranks share this host)
+COMPARED = {"ring": "rings of gloo's paired sends", "gloo": "gloo's own all-gather and reduce-scatter"}
 
 
 def _batches(folder: Path, steps: int, rows: int, prompt: int, completion: int) -> list:
@@ -82,15 +81,15 @@ def _batches(folder: Path, steps: int, rows: int, prompt: int, completion: int) 
 
 
 def _run(policy: Path, batches: list, nproc: int, work: Path, micro: int, reshard: bool = True,
-         plain: bool = False, precision: str = "fp32") -> dict:
-    """One job; `plain`: gloo's own all-gather and reduce-scatter (as jobs ran before the rings)."""
+         comms: str = "shm", precision: str = "fp32") -> dict:
+    """One job; `comms`: how its all-gathers and reduce-scatters run (training/rl/collectives.py)."""
     from training.rl.distributed import JobSpec, launch
 
     start = time.perf_counter()
-    folder = work / f"ranks-{nproc}{'-plain' if plain else ''}"
+    folder = work / f"ranks-{nproc}-{comms}"
     shutil.rmtree(folder, ignore_errors=True)
     JobSpec(policy=str(policy), rl={"lr": 1e-5, "micro_batch_size": micro}, reference=None,
-            reshard_after_forward=reshard, ring=not plain, precision=precision).write(folder, batches)
+            reshard_after_forward=reshard, comms=comms, precision=precision).write(folder, batches)
     result = launch(folder, nproc=nproc, timeout_s=1800)
     steps = result.metrics[1:] or result.metrics
     ranks = [json.loads((folder / f"rank-{r}.json").read_text()) for r in range(nproc)]
@@ -105,26 +104,28 @@ def _run(policy: Path, batches: list, nproc: int, work: Path, micro: int, reshar
 
 def main() -> int:
     args = _args()
+    if set(args.compare) - set(COMPARED):
+        raise SystemExit(f"--compare takes {', '.join(COMPARED)}, got {','.join(args.compare)}")
     size = "micro" if args.quick else args.size
     steps, rows = (2, 4) if args.quick else (args.steps, args.rows)
     rounds = 1 if args.quick else args.rounds
     policy = build_model(ROOT / "var" / "bench-policies" / size, SHAPES[size])
     batches = _batches(policy, steps, rows, prompt=32, completion=32)
-    sides: dict[str, list[dict]] = {"1": [], "2": [], "2-plain": []}
+    sides: dict[str, list[dict]] = {"1": [], "2": [], **{f"2-{mode}": [] for mode in args.compare}}
     with tempfile.TemporaryDirectory() as tmp:
         for _ in range(rounds):  # the sides interleaved: this machine's drift falls on all of them
             sides["1"].append(_run(policy, batches, 1, Path(tmp), args.micro_batch, precision=args.precision))
             sides["2"].append(_run(policy, batches, 2, Path(tmp), args.micro_batch, args.reshard == "yes",
                                    precision=args.precision))
-            if args.plain:
-                sides["2-plain"].append(_run(policy, batches, 2, Path(tmp), args.micro_batch, args.reshard == "yes",
-                                             plain=True, precision=args.precision))
+            for mode in args.compare:
+                sides[f"2-{mode}"].append(_run(policy, batches, 2, Path(tmp), args.micro_batch, args.reshard == "yes",
+                                               comms=mode, precision=args.precision))
     one, two = _median_run(sides["1"]), _median_run(sides["2"])
     tokens = sum(int(b.attention_mask.sum()) for b in batches) / len(batches)
     overhead_ms = (tokens / two["tokens_per_s"] - tokens / one["tokens_per_s"] / 2) * 1000
     ratios = [b["tokens_per_s"] / 2 / a["tokens_per_s"] for a, b in zip(sides["1"], sides["2"], strict=True)]
     figures = {"size": size, "rows": rows, "micro_batch": args.micro_batch, "reshard_after_forward": args.reshard == "yes",
-               "precision": args.precision,
+               "precision": args.precision, "compare": args.compare,
                "rounds": rounds, "per_core_ratio": round(statistics.median(ratios), 3),
                "per_core_ratio_range": [round(min(ratios), 3), round(max(ratios), 3)],
                "peak_mem_ratio": round(two["state_mb"] / one["state_mb"], 3),
@@ -134,14 +135,15 @@ def main() -> int:
                "overhead_ms_per_step": round(overhead_ms, 1),
                "max_loss_diff": max(abs(a - b) for a, b in zip(one["loss"], two["loss"], strict=True)),
                "stages_1": one["stages"], "stages_2": two["stages"], "load_avg": round(os.getloadavg()[0], 1)}
-    if args.plain:
-        plain = [b["tokens_per_s"] / 2 / a["tokens_per_s"] for a, b in zip(sides["1"], sides["2-plain"], strict=True)]
-        figures |= {"per_core_ratio_plain": round(statistics.median(plain), 3),
-                    "per_core_ratio_plain_range": [round(min(plain), 3), round(max(plain), 3)],
-                    "tokens_per_s_2_plain": round(_median_run(sides["2-plain"])["tokens_per_s"]),
-                    "comm_ms_per_step_plain": round(statistics.median(r["comm_s"] for r in sides["2-plain"]) * 1000, 1),
-                    "max_loss_diff_plain": max(abs(a - b) for a, b in zip(
-                        one["loss"], _median_run(sides["2-plain"])["loss"], strict=True))}
+    for mode in args.compare:  # the same figures for 2 ranks with the ring's or gloo's own collectives
+        side = sides[f"2-{mode}"]
+        ratio = [b["tokens_per_s"] / 2 / a["tokens_per_s"] for a, b in zip(sides["1"], side, strict=True)]
+        figures |= {f"per_core_ratio_{mode}": round(statistics.median(ratio), 3),
+                    f"per_core_ratio_{mode}_range": [round(min(ratio), 3), round(max(ratio), 3)],
+                    f"tokens_per_s_2_{mode}": round(_median_run(side)["tokens_per_s"]),
+                    f"comm_ms_per_step_{mode}": round(statistics.median(r["comm_s"] for r in side) * 1000, 1),
+                    f"max_loss_diff_{mode}": max(abs(a - b) for a, b in zip(
+                        one["loss"], _median_run(side)["loss"], strict=True))}
     _table(sides, figures)
     if args.json:
         print(json.dumps(figures))
@@ -170,10 +172,10 @@ def _table(sides: dict[str, list[dict]], f: dict) -> None:
             stages = ", ".join(f"{k[:-2]} {v:.1f}" for k, v in r["stages"].items())
             print(f"{name} rank(s): launch to weights back {r['wall_s']:.1f} s (slowest rank's seconds: {stages})")
     print(f"machine load (1 min) {f['load_avg']} on {os.cpu_count()} cores")
-    if "per_core_ratio_plain" in f:
-        print(f"2-plain: gloo's own all-gather and reduce-scatter: per-core ratio "
-              f"{f['per_core_ratio_plain']} ({f['per_core_ratio_plain_range'][0]}-{f['per_core_ratio_plain_range'][1]}), "
-              f"communication {f['comm_ms_per_step_plain']} ms/step")
+    for mode in f["compare"]:
+        print(f"2-{mode}: 2 ranks with {COMPARED[mode]}: per-core ratio {f[f'per_core_ratio_{mode}']} "
+              f"({f[f'per_core_ratio_{mode}_range'][0]}-{f[f'per_core_ratio_{mode}_range'][1]}), "
+              f"communication {f[f'comm_ms_per_step_{mode}']} ms/step")
     print(f"per-core ratio {f['per_core_ratio']} ({f['per_core_ratio_range'][0]}-{f['per_core_ratio_range'][1]}; "
           f"goal >= 0.85); state per rank {f['peak_mem_ratio']} of 1 rank (goal <= 0.6); communication "
           f"{f['comm_ms_per_step']} ms/step (2 ranks' step less half of 1 rank's: {f['overhead_ms_per_step']} ms); "
@@ -192,8 +194,9 @@ def _args() -> argparse.Namespace:
     p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
                    help="both sides' compute (bf16: autocast over float32 masters, as a bf16 run trains)")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds of every side; medians reported")
-    p.add_argument("--plain", action="store_true",
-                   help="also 2 ranks with gloo's own all-gather and reduce-scatter (as jobs ran before the rings)")
+    p.add_argument("--compare", type=lambda v: [m for m in v.split(",") if m], default=[],
+                   help="also 2 ranks with other collectives, comma-separated: ring (gloo's paired sends), "
+                        "gloo (gloo's own all-gather and reduce-scatter)")
     p.add_argument("--quick", action="store_true", help="micro model, 2 steps: that the bench runs")
     p.add_argument("--json", action="store_true")
     return p.parse_args()

@@ -75,13 +75,14 @@ def decoder_layers(model: nn.Module) -> Sequence[nn.Module]:
     return layers
 
 
-def shard(model: nn.Module, reshard_after_forward: bool = True, ring: bool = True,
+def shard(model: nn.Module, reshard_after_forward: bool = True, comms: str = "shm",
           clock: collectives.CommClock | None = None) -> nn.Module:
     """Shards each block, then the rest (embeddings, norm, head), over the default process group.
     `reshard_after_forward=False` keeps each block's gathered weights from its forward to its
     backward (one all-gather a block fewer a micro-batch, a block's full weights held meanwhile).
-    `ring`: on gloo, the all-gathers and reduce-scatters as rings of paired sends
-    (training/rl/collectives.py) rather than gloo's own; on gloo they are timed on `clock`."""
+    `comms`: on gloo, the all-gathers and reduce-scatters through shared memory where the ranks
+    share a host ("shm", else rings), as rings of paired sends ("ring") or gloo's own ("gloo")
+    (training/rl/collectives.py); on gloo they are timed on `clock`."""
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
     for layer in decoder_layers(model):
@@ -92,7 +93,7 @@ def shard(model: nn.Module, reshard_after_forward: bool = True, ring: bool = Tru
             # The loss is already divided by the step's global token count: sum the ranks' gradients.
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM; a factor of 1 needs none
-    collectives.install(model, ring, clock)  # on gloo: rings of paired sends, 2.5-3.4x faster than its own
+    collectives.install(model, comms, clock)  # on gloo: shared memory or rings, faster than its own
     return model
 
 
@@ -160,12 +161,14 @@ class JobSpec:
     optimizer: str | None = None  # a previous job's `optim/` (torch.distributed.checkpoint): resume AdamW
     reshard_after_forward: bool = True  # False: fewer all-gathers, more memory (`shard`)
     adapter: str | None = None  # a PEFT adapter folder over `policy`: the job trains it alone (LoRA)
-    ring: bool = True  # gloo's collectives as rings of paired sends (False: gloo's own; `shard`)
+    comms: str = "shm"  # gloo's all-gathers and reduce-scatters: "shm", "ring" or "gloo" (`shard`)
     # The run's compute precision, resolved by the caller ("fp32" or "bf16", never "auto": every
     # rank computes as the worker that launched it decided, whatever hardware a rank is on).
     precision: str = "fp32"
 
     def __post_init__(self) -> None:
+        if self.comms not in collectives.MODES:
+            raise ValueError(f"a job's comms must be one of {list(collectives.MODES)}, got {self.comms!r}")
         if self.precision not in SERVING_DTYPES:
             raise ValueError(f"a job's precision must be one of {list(SERVING_DTYPES)} (resolve \"auto\" with "
                              f"training.rl.precision.resolve_precision first), got {self.precision!r}")
@@ -204,8 +207,8 @@ def run_job(folder: Path) -> None:
     torch.manual_seed(spec.seed)
     cfg = RLConfig(**spec.rl)
     clock = collectives.CommClock()
-    model = shard(_policy(spec, world), spec.reshard_after_forward, spec.ring, clock)
-    ref = shard(_load(spec.reference, world).requires_grad_(False), ring=spec.ring, clock=clock) if spec.reference else None
+    model = shard(_policy(spec, world), spec.reshard_after_forward, spec.comms, clock)
+    ref = shard(_load(spec.reference, world).requires_grad_(False), comms=spec.comms, clock=clock) if spec.reference else None
     trainable = [p for p in model.parameters() if p.requires_grad]  # a LoRA run: the adapter's alone
     optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
     if spec.optimizer:
