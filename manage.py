@@ -11,7 +11,9 @@ import sys
 # startup's) is "throttled": libgomp then spins 100 times, shorter than the gap between two of a
 # decoder's operators, so every operator woke its threads through the kernel. ACTIVE makes that
 # 1,000. Measured (bench/offpeak.py, 2 cores, torch live engine): idle rollouts on the replica
-# 0.74 -> 0.875 of a dedicated worker, live p95 0.26 -> 0.19 s. Set either to override.
+# 0.74 -> 0.875 of a dedicated worker, live p95 0.26 -> 0.19 s. Set either to override. Such
+# threads now free their teams when idle (inference/engines/openmp.py), so a replica is throttled
+# only while two of them compute at once; these settings stay for that and for other processes.
 OPENMP = {"OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": "300000"}
 
 # A serving replica's own process spins 20,000 times instead (about 2 ms of a core here, against

@@ -23,6 +23,13 @@ Reported: live p50/p95 latency without and with background rollouts, and `p95_ra
 without; goal <= 1.15); background rollouts/s while users were served; idle rollouts/s on the
 replica and on the dedicated worker, and `idle_rollouts_ratio` (replica / dedicated; goal >= 0.8).
 With --json the last line is one JSON object.
+
+This 2-core machine (AMD EPYC, 2026-12-07), full size, before and after the replica's idle threads
+free their OpenMP teams (inference/engines/openmp.py):
+
+    live engine   p95_ratio        idle_rollouts_ratio   replica / dedicated s a call   live p95 without
+    torch         0.961 -> 0.967   0.728 -> 0.952        0.166 / 0.125 -> 0.116 / 0.118  0.275 -> 0.137 s
+    vllm          1.024 -> 0.992   0.711 -> 0.944        0.172 / 0.126 -> 0.119 / 0.119  0.155 -> 0.155 s
 """
 
 from __future__ import annotations

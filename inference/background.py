@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from inference.engines import Completion, SamplingParams, TorchEngine
+from inference.engines.openmp import release_team
 
 log = logging.getLogger(__name__)
 
@@ -255,7 +256,9 @@ class BackgroundRollouts:
         every torch parallel region of the background engine then comes from one thread. Each
         thread that runs one keeps an OpenMP team of its own, and with more team threads alive
         than cores, GNU OpenMP stops spin-waiting between regions, so every decode step paid a
-        futex wake-up (bench/offpeak.py: the replica sampled a call 23% slower than a worker)."""
+        futex wake-up (bench/offpeak.py: the replica sampled a call 23% slower than a worker).
+        The sampling thread also frees its team whenever it waits (for users, or for work):
+        inference/engines/openmp.py."""
         thread = self._thread
         if thread is None or not thread.is_alive():
             return self._put_weights(weights, version, data, encoding)
@@ -321,20 +324,26 @@ class BackgroundRollouts:
                 job = self._work.get(timeout=0.25)
             except queue.Empty:
                 continue
-            if not isinstance(job, RolloutJob):
-                _call(*job)
-                continue
-            with self._queue_lock:
-                self._queued -= 1
-            # A caller that went away (its request cancelled the future) before its job started:
-            # skipped. Once running, the future can no longer be cancelled, so its answer is set.
-            if not job.future.set_running_or_notify_cancel():
-                continue
             try:
-                job.future.set_result(self.run(job))
-            except Exception as exc:  # noqa: BLE001 - the run gets the failure, the replica goes on
-                log.warning("background rollout job failed", exc_info=True)
-                job.future.set_exception(exc)
+                self._take(job)
+            finally:
+                release_team()  # idle until the next: its OpenMP team freed, beside the live engine's
+
+    def _take(self, job: RolloutJob | tuple[Callable[[], Any], Future]) -> None:
+        if not isinstance(job, RolloutJob):
+            _call(*job)
+            return
+        with self._queue_lock:
+            self._queued -= 1
+        # A caller that went away (its request cancelled the future) before its job started:
+        # skipped. Once running, the future can no longer be cancelled, so its answer is set.
+        if not job.future.set_running_or_notify_cancel():
+            return
+        try:
+            job.future.set_result(self.run(job))
+        except Exception as exc:  # noqa: BLE001 - the run gets the failure, the replica goes on
+            log.warning("background rollout job failed", exc_info=True)
+            job.future.set_exception(exc)
 
     def run(self, job: RolloutJob) -> dict[str, Any]:
         """Samples `job` chunk by chunk in the room users leave; what the deadline cuts off is returned."""
@@ -343,6 +352,8 @@ class BackgroundRollouts:
                 raise UnknownWeights(job.weights)
             engine = self.engine
             for offset, count in chunks(len(job.prompts), job.n, self.slots):
+                if not may_sample(self.live.in_flight()):
+                    release_team()
                 if not self.live.wait_room(job.deadline, self._stopping):
                     job.returned += range(offset, len(job.prompts))
                     break
@@ -359,6 +370,7 @@ class BackgroundRollouts:
         def gate() -> None:
             if may_sample(self.live.in_flight()):
                 return
+            release_team()  # paused for users: no idle workers of this thread beside the live engine's
             start = time.monotonic()
             ok = self.live.wait_room(job.deadline, self._stopping)
             paused[0] += time.monotonic() - start

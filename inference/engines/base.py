@@ -41,6 +41,8 @@ from typing import Any, Literal
 
 import torch
 
+from inference.engines.openmp import release_team
+
 FinishReason = Literal["stop", "length"]
 Prompts = Sequence[Sequence[int]] | Sequence[str]
 WeightsSource = str | Path | Mapping[str, torch.Tensor]
@@ -118,13 +120,15 @@ class Engine(abc.ABC):
         served from a pool of threads taking turns, an engine left a team on each, and with more
         OpenMP threads than cores every team spins less and is woken through the kernel. Measured
         on 2 cores: a sampler in the same process (a replica's background rollouts) ran at 0.68 of
-        its speed beside four idle teams, 0.76 beside one."""
+        its speed beside four idle teams, 0.76 beside one. After each call the thread frees its
+        team (`_then_release`), so an idle engine leaves none beside the sampler's."""
         if self._own_thread is None:
             with self._lock:
                 if self._own_thread is None:
                     self._own_thread = ThreadPoolExecutor(1, thread_name_prefix=f"engine-{type(self).__name__}")
         context = contextvars.copy_context()
-        return await asyncio.get_running_loop().run_in_executor(self._own_thread, partial(context.run, fn, *args))
+        return await asyncio.get_running_loop().run_in_executor(self._own_thread,
+                                                                partial(context.run, _then_release, fn, *args))
 
     def home_loop(self) -> asyncio.AbstractEventLoop | None:
         """The event loop this engine's asynchronous work runs on, where it has one of its own
@@ -189,6 +193,15 @@ class Engine(abc.ABC):
 
 
 ENGINES: dict[str, type[Engine]] = {}
+
+
+def _then_release(fn: Callable[..., Any], *args: Any) -> Any:
+    """`fn(*args)`, then the calling thread's OpenMP team freed (inference/engines/openmp.py): an
+    engine's thread idle between calls holds no workers beside the next thread's."""
+    try:
+        return fn(*args)
+    finally:
+        release_team()
 
 
 def register_engine(kind: str) -> Callable[[type[Engine]], type[Engine]]:

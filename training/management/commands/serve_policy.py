@@ -60,6 +60,7 @@ from feedback.services import feedback_ingest, quarantine_record
 from inference import apis, background, metrics, replica, serving
 from inference.background import BackgroundRollouts
 from inference.engines import AdapterView, Engine, EngineFactory, is_adapter_folder, new_event_loop
+from inference.engines.openmp import release_team
 from inference.listeners import INTERNAL_URLS, PUBLIC_URLS, Listeners
 from inference.serving import PolicyServer, Recorder, ServingError
 from inference.tokens import replica_token
@@ -138,6 +139,7 @@ class Command(BaseCommand):
         # would die before the recorder flushes. Raising SystemExit runs the `finally` below.
         signal.signal(signal.SIGTERM, _exit_on_signal)
         listeners = Listeners(opts["host"], opts["port"], internal_host, internal_port)
+        release_team()  # startup's torch work is done: this thread's OpenMP team would idle beside the engines'
         try:
             _serve(listeners, server.engine.home_loop())
         finally:
