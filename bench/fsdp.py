@@ -25,6 +25,13 @@ This 2-core machine (AMD EPYC, 25M shape, rows 16, micro-batch 8, fp32, 2026-12-
     2 ranks, rings           884        0.875 (0.828-0.897)      173 ms
     2 ranks, gloo's own      689        0.699 (0.549-0.705)      434 ms
 
+A second run, fp32: shared memory 0.903 (0.895-0.910, 121 ms), rings 0.834 (0.818-0.880, 174 ms).
+In bf16 (`--precision bf16`, autocast over float32 masters; 1 rank 732-768 tokens/s), before and
+after the blocks were gathered in bf16 (FSDP2's MixedPrecisionPolicy, training/rl/distributed.py
+`shard`): shared memory 0.791 (0.779-0.797) -> 0.955 (0.911-0.981), rings 0.724 -> 0.888; the
+2-rank step less half the 1-rank step 180 -> 46 ms (each rank had cast the whole gathered model
+to bf16 for autocast; now each casts its shard, and gathers half the bytes).
+
 Earlier runs of the rings alone against gloo's own (three, the same shape): 0.739, 0.600 and 0.848
 against 0.602, 0.713 and 0.743, communication 234, 192 and 166 ms against 652, 354 and 288; the
 per-core ratio moved with the 2-rank steps' compute, which on this machine varies by a third from

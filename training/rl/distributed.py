@@ -76,17 +76,28 @@ def decoder_layers(model: nn.Module) -> Sequence[nn.Module]:
 
 
 def shard(model: nn.Module, reshard_after_forward: bool = True, comms: str = "shm",
-          clock: collectives.CommClock | None = None) -> nn.Module:
+          clock: collectives.CommClock | None = None, precision: str = "fp32") -> nn.Module:
     """Shards each block, then the rest (embeddings, norm, head), over the default process group.
     `reshard_after_forward=False` keeps each block's gathered weights from its forward to its
     backward (one all-gather a block fewer a micro-batch, a block's full weights held meanwhile).
     `comms`: on gloo, the all-gathers and reduce-scatters through shared memory where the ranks
     share a host ("shm", else rings), as rings of paired sends ("ring") or gloo's own ("gloo")
-    (training/rl/collectives.py); on gloo they are timed on `clock`."""
-    from torch.distributed.fsdp import FSDPModule, fully_shard
+    (training/rl/collectives.py); on gloo they are timed on `clock`.
 
+    `precision` "bf16" (the step runs under bf16 autocast, as one process runs it): each block's
+    weights are cast to bf16 on their shard and gathered in bf16 (half the bytes; FSDP2's
+    MixedPrecisionPolicy), the values autocast would have cast them to for its matmuls, and their
+    gradients reduced in float32 into the float32 masters. The blocks' inputs stay float32 (the
+    residual stream is float32 as in one process); the rest (embeddings, final norm, head) is
+    gathered in float32. What differs from one process: a block's norm weights are rounded to bf16."""
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    blocks = MixedPrecisionPolicy()
+    if precision == "bf16":
+        blocks = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                      cast_forward_inputs=False)
     for layer in decoder_layers(model):
-        fully_shard(layer, reshard_after_forward=reshard_after_forward)
+        fully_shard(layer, reshard_after_forward=reshard_after_forward, mp_policy=blocks)
     fully_shard(model)
     for module in model.modules():
         if isinstance(module, FSDPModule):  # the setting is per sharded module, not inherited
@@ -207,8 +218,9 @@ def run_job(folder: Path) -> None:
     torch.manual_seed(spec.seed)
     cfg = RLConfig(**spec.rl)
     clock = collectives.CommClock()
-    model = shard(_policy(spec, world), spec.reshard_after_forward, spec.comms, clock)
-    ref = shard(_load(spec.reference, world).requires_grad_(False), comms=spec.comms, clock=clock) if spec.reference else None
+    model = shard(_policy(spec, world), spec.reshard_after_forward, spec.comms, clock, spec.precision)
+    ref = shard(_load(spec.reference, world).requires_grad_(False), comms=spec.comms, clock=clock,
+                precision=spec.precision) if spec.reference else None
     trainable = [p for p in model.parameters() if p.requires_grad]  # a LoRA run: the adapter's alone
     optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
     if spec.optimizer:

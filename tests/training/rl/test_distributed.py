@@ -106,6 +106,42 @@ def test_a_bf16_job_computes_on_its_ranks_as_one_bf16_process_does(tmp_path, tin
         JobSpec(policy=str(tiny_policy_dir), rl=RL, precision="auto")
 
 
+def test_a_bf16_lora_job_gathers_its_blocks_in_bf16_and_computes_as_one_bf16_process(tmp_path, tiny_policy_dir):
+    """A LoRA job in bf16: the blocks (the frozen base and the adapter's layers in them) gathered in
+    bf16, the first step's loss and entropy those of one bf16 process (the values autocast casts
+    the weights to), and the adapter back in float32 masters."""
+    from transformers import AutoModelForCausalLM
+
+    from training.rl.config import AdapterConfig
+    from training.rl.lora import lora_attach, lora_save
+
+    adapter = AdapterConfig(kind="lora", rank=4, alpha=8.0, target_modules=("q_proj", "v_proj"))
+    torch.manual_seed(0)
+    model = lora_attach(AutoModelForCausalLM.from_pretrained(tiny_policy_dir, dtype=torch.float32), adapter)
+    with torch.no_grad():  # B off zero: the adapter changes what the first step computes
+        for name, p in model.named_parameters():
+            if ".lora_B." in name:
+                p.normal_(0, 0.05)
+    lora_save(model, tmp_path / "start")
+    batches = _batches(steps=1, rows=7, vocab=384)
+    cfg = RLConfig(**RL)
+    found = {}
+    for precision in ("fp32", "bf16"):
+        with compute_context(precision):
+            found[precision] = rl_step(model, None, batches[0], torch.optim.SGD(model.parameters(), lr=0.0), cfg)
+    folder = tmp_path / "job"
+    JobSpec(policy=str(tiny_policy_dir), rl=RL, adapter=str(tmp_path / "start"), precision="bf16").write(folder,
+                                                                                                        batches)
+    seen: list[dict] = []
+    result = launch(folder, nproc=2, timeout_s=300, on_metrics=seen.append)
+    for metric in ("loss", "entropy"):
+        bf16, fp32 = getattr(found["bf16"], metric), getattr(found["fp32"], metric)
+        assert abs(seen[0][metric] - bf16) * 100 < abs(fp32 - bf16), (metric, seen[0][metric], bf16, fp32)
+    from safetensors.torch import load_file
+
+    assert {t.dtype for t in load_file(result.policy / "adapter_model.safetensors").values()} == {torch.float32}
+
+
 def test_a_lora_adapter_on_two_ranks_trains_as_in_one_process(tmp_path, tiny_policy_dir):
     """PEFT's LoRA layers under fully_shard: only the adapter trains (AdamW holds no base state),
     and 2 ranks give the one-process losses and adapter within 1e-5 (float summation order)."""
