@@ -21,7 +21,19 @@ import torch
 from inference.engines.openmp import release_team
 
 torch.set_num_threads(2)
-threads = lambda: len(list(Path("/proc/self/task").iterdir()))
+import time
+
+def threads():
+    return len(list(Path("/proc/self/task").iterdir()))
+
+def settled():
+    # the count once no thread is still exiting (a finished thread's team leaves after it)
+    last, same = threads(), 0
+    while same < 10:
+        time.sleep(0.02)
+        now = threads()
+        same, last = (same + 1 if now == last else 0), now
+    return last
 
 def work():
     a = torch.randn(256, 256)
@@ -29,15 +41,15 @@ def work():
         a = torch.tanh(a @ a / 256)
 
 def worker(release, seen, done, go_on):
-    seen["start"] = threads()
+    seen["start"] = settled()
     work()
-    seen["team"] = threads()
+    seen["team"] = settled()
     if release:
         seen["released"] = release_team()
-    seen["after"] = threads()
+    seen["after"] = settled()
     if release:
         work()  # the thread computes on: a new team
-        seen["again"] = threads()
+        seen["again"] = settled()
         release_team()
     done.set()
     go_on.wait(10)  # the thread itself lives on: only its team's workers go
