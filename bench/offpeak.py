@@ -30,6 +30,9 @@ free their OpenMP teams (inference/engines/openmp.py):
     live engine   p95_ratio        idle_rollouts_ratio   replica / dedicated s a call   live p95 without
     torch         0.961 -> 0.967   0.728 -> 0.952        0.166 / 0.125 -> 0.116 / 0.118  0.275 -> 0.137 s
     vllm          1.024 -> 0.992   0.711 -> 0.944        0.172 / 0.126 -> 0.119 / 0.119  0.155 -> 0.155 s
+
+A second run after: torch 0.886 and 0.999, vllm 1.12 and 0.937 (p95_ratio, idle_rollouts_ratio);
+the vLLM p95 ratio moves by about 0.1 from run to run on this machine.
 """
 
 from __future__ import annotations
