@@ -130,7 +130,7 @@ def main() -> int:
     one, two = _median_run(sides["1"]), _median_run(sides["2"])
     tokens = sum(int(b.attention_mask.sum()) for b in batches) / len(batches)
     overhead_ms = (tokens / two["tokens_per_s"] - tokens / one["tokens_per_s"] / 2) * 1000
-    ratios = [b["tokens_per_s"] / 2 / a["tokens_per_s"] for a, b in zip(sides["1"], sides["2"], strict=True)]
+    ratios = _per_core(sides["1"], sides["2"])
     figures = {"size": size, "rows": rows, "micro_batch": args.micro_batch, "reshard_after_forward": args.reshard == "yes",
                "precision": args.precision, "compare": args.compare,
                "rounds": rounds, "per_core_ratio": round(statistics.median(ratios), 3),
@@ -144,7 +144,7 @@ def main() -> int:
                "stages_1": one["stages"], "stages_2": two["stages"], "load_avg": round(os.getloadavg()[0], 1)}
     for mode in args.compare:  # the same figures for 2 ranks with the ring's or gloo's own collectives
         side = sides[f"2-{mode}"]
-        ratio = [b["tokens_per_s"] / 2 / a["tokens_per_s"] for a, b in zip(sides["1"], side, strict=True)]
+        ratio = _per_core(sides["1"], side)
         figures |= {f"per_core_ratio_{mode}": round(statistics.median(ratio), 3),
                     f"per_core_ratio_{mode}_range": [round(min(ratio), 3), round(max(ratio), 3)],
                     f"tokens_per_s_2_{mode}": round(_median_run(side)["tokens_per_s"]),
@@ -155,6 +155,11 @@ def main() -> int:
     if args.json:
         print(json.dumps(figures))
     return 0
+
+
+def _per_core(one: list[dict], two: list[dict]) -> list[float]:
+    """Each round's 2-rank tokens/s per core over its 1-rank tokens/s."""
+    return [b["tokens_per_s"] / 2 / a["tokens_per_s"] for a, b in zip(one, two, strict=True)]
 
 
 def _median_run(runs: list[dict]) -> dict:

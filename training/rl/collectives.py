@@ -232,14 +232,19 @@ class CommClock:
 MODES = ("shm", "ring", "gloo")
 
 
+def check_mode(mode: str) -> str:
+    """`mode` if it is one of `MODES`; ValueError saying which otherwise."""
+    if mode not in MODES:
+        raise ValueError(f"collectives (a job's comms) must be one of {list(MODES)}, got {mode!r}")
+    return mode
+
+
 class _Timed(DefaultAllocMixin):
     """A collective FSDP2 calls, through shared memory, the ring or gloo's own (`MODES`), timed
     on `clock`; its buffers are FSDP2's default (`torch.empty`)."""
 
     def __init__(self, mode: str, clock: CommClock) -> None:
-        if mode not in MODES:
-            raise ValueError(f"collectives must be one of {list(MODES)}, got {mode!r}")
-        self.mode, self.clock = mode, clock
+        self.mode, self.clock = check_mode(mode), clock
 
     def arena(self, group: dist.ProcessGroup) -> SharedArena | None:
         return shared_arena(group) if self.mode == "shm" else None

@@ -178,8 +178,7 @@ class JobSpec:
     precision: str = "fp32"
 
     def __post_init__(self) -> None:
-        if self.comms not in collectives.MODES:
-            raise ValueError(f"a job's comms must be one of {list(collectives.MODES)}, got {self.comms!r}")
+        collectives.check_mode(self.comms)
         if self.precision not in SERVING_DTYPES:
             raise ValueError(f"a job's precision must be one of {list(SERVING_DTYPES)} (resolve \"auto\" with "
                              f"training.rl.precision.resolve_precision first), got {self.precision!r}")
