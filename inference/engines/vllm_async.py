@@ -275,9 +275,20 @@ class AsyncVLLMEngine(Engine):
                 return
             with contextlib.suppress(Exception):
                 self._call(self._close_gate())
+            with contextlib.suppress(Exception):
+                self._call(self._stop_output_handler(), timeout=30)
             self.llm.shutdown()
             self.llm = None
             self._stop_loop()
+
+    async def _stop_output_handler(self) -> None:
+        """AsyncLLM's output handler cancelled before its engine core stops: vLLM's `shutdown`
+        stops the core first, and the handler, still reading from it, logged an EngineDeadError at
+        every close."""
+        handler = getattr(self.llm, "output_handler", None)
+        if handler is not None and not handler.done():
+            handler.cancel()
+            await asyncio.gather(handler, return_exceptions=True)
 
     async def _close_gate(self) -> None:
         try:

@@ -154,5 +154,10 @@ def test_the_async_serving_engine_swaps_adapters_and_holds_production_and_canary
         assert production.generate(["def add(a, b):"], sampling=SamplingParams(max_tokens=4, seed=0))[0].version == 5
         production.close()
         assert serving.adapters_held() == []
+        # Closed with its output handler stopped first: vLLM's own order (the core, then the
+        # handler) left the handler reading a dead core, which logged EngineDeadError at every close.
+        handler = serving.llm.output_handler
+        serving.close()
+        assert handler.cancelled()
     finally:
         serving.close()
