@@ -23,6 +23,10 @@ from pathlib import Path
 from typing import Any
 
 CANARY_SHARE = 0.1
+# vLLM's engine core and worker busy-loop (sched_yield) for 1 s after their last message before
+# they sleep: a side started straight after the other ran beside its spinning processes, 2 of
+# this machine's 2 cores, for the first second of its 6. Each timed run starts after this pause.
+SETTLE_S = 1.2
 PROMPTS = ["def add(a, b):", "import os\n", "class Stack:", "for i in range(10):", "with open(path) as f:"]
 
 
@@ -85,6 +89,7 @@ def adapter_side(base: Path, tmp: Path, kind: str, levels: tuple[int, ...], seco
         for r in range(rounds):
             for c in levels:
                 for name in (list(picks) if r % 2 == 0 else list(picks)[::-1]):
+                    time.sleep(SETTLE_S if kind != "torch" else 0.0)  # the torch engine does not spin
                     out[name][c].append(asyncio.run(drive(picks[name], c, seconds, seed=r)))
     finally:
         for view in sides["views"]:

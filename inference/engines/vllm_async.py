@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from inference.engines.affinity import pin_off_worker
 from inference.engines.base import (
     Completion,
     Engine,
@@ -73,6 +74,7 @@ class AsyncVLLMEngine(Engine):
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         self.drain_timeout_s = drain_timeout_s
         self.peak_batch = 0
+        self.pinned: set[int] = set()  # the cores its scheduler and loop thread were bound to (`_pin`)
         self._in_flight, self._swapping, self._closed = 0, False, False
         # LoRA (enable_lora=True): the adapter served over the base, None: the base. A new name
         # and id per load, never reused (vLLM keys its adapter and prefix caches by them).
@@ -123,7 +125,9 @@ class AsyncVLLMEngine(Engine):
         patch_flat_sample_logprobs()  # the output processor runs in this process
 
         self._cond = asyncio.Condition()
-        return AsyncLLM.from_engine_args(AsyncEngineArgs(**settings), stat_loggers=[_batch_logger(self)])
+        llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**settings), stat_loggers=[_batch_logger(self)])
+        self.pinned = _pin(llm)
+        return llm
 
     def _stop_loop(self) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)
@@ -297,6 +301,18 @@ class AsyncVLLMEngine(Engine):
             self._closed = True
             await self._reopen()
 
+
+
+def _pin(llm: Any) -> set[int]:
+    """On CPU, the engine core and this (the engine's loop) thread off the worker's cores
+    (inference/engines/affinity.py); the cores they were bound to (empty: none)."""
+    from vllm.platforms import current_platform
+
+    manager = getattr(getattr(getattr(llm, "engine_core", None), "resources", None), "engine_manager", None)
+    processes = getattr(manager, "processes", None)
+    if not current_platform.is_cpu() or not processes:
+        return set()
+    return pin_off_worker([p.pid for p in processes])
 
 
 # vLLM's CPU guide: preload tcmalloc in the engine's processes (vLLM warns at start-up without it).

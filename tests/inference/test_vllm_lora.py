@@ -9,6 +9,7 @@ full weights unload the adapter.
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,7 +17,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from inference.engines import AdapterView, SamplingParams, TorchEngine, VLLMEngine
+from inference.engines import AdapterView, SamplingParams, TorchEngine, VLLMEngine, affinity
 from inference.probe import probe_compare, probe_run, tolerance
 from training.rl.config import AdapterConfig
 from training.rl.lora import lora_attach, lora_save, merge_adapter
@@ -103,6 +104,11 @@ def test_the_async_serving_engine_swaps_adapters_and_holds_production_and_canary
     adapter, merged = _adapter(dense_dir, tmp_path, seed=1)
     serving = make_engine("vllm-async", dense_dir, max_model_len=256, enable_lora=True, max_loras=2, max_lora_rank=8)
     try:
+        # Its scheduler (the engine core) on the cores its worker left, if any (inference/engines/affinity.py).
+        core = [p.pid for p in serving.llm.engine_core.resources.engine_manager.processes]
+        assert serving.pinned == affinity.reserved_cpus(core)
+        assert all(os.sched_getaffinity(tid) == (serving.pinned or os.sched_getaffinity(0))
+                   for tid in affinity._threads(core[0]))
         serving.load_weights(adapter, 2)
         first = serving.lora
         out = serving.generate(["def add(a, b):"], sampling=SamplingParams(max_tokens=8, seed=0))[0]
