@@ -67,10 +67,22 @@ def enabled() -> bool:
     return chosen == "on"
 
 
+def process_cpus() -> set[int]:
+    """The cores the process may use: its main thread's (a bound thread's own are fewer)."""
+    return os.sched_getaffinity(os.getpid())
+
+
+def unbind_thread() -> None:
+    """The calling thread back on the process's cores. A thread inherits the binding of the one
+    that started it: an engine started from another engine's loop (a canary or a new base loaded
+    while serving) would start its engine core and worker on the reserved cores alone."""
+    os.sched_setaffinity(threading.get_native_id(), process_cpus())
+
+
 def reserved_cpus(core_pids: list[int]) -> set[int]:
     """The cores this process may use that no worker of these engine cores is bound to; empty
     where the workers may use them all."""
-    allowed = os.sched_getaffinity(0)
+    allowed = process_cpus()
     workers = [w for pid in core_pids for w in _children(pid)]
     if not workers:
         return set()

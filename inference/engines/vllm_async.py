@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from inference.engines.affinity import pin_off_worker
+from inference.engines.affinity import pin_off_worker, unbind_thread
 from inference.engines.base import (
     Completion,
     Engine,
@@ -123,6 +123,7 @@ class AsyncVLLMEngine(Engine):
         from vllm.v1.engine.async_llm import AsyncLLM
 
         patch_flat_sample_logprobs()  # the output processor runs in this process
+        unbind_thread()  # its processes start on the process's cores, whichever thread built it
 
         self._cond = asyncio.Condition()
         llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**settings), stat_loggers=[_batch_logger(self)])

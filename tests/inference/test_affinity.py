@@ -91,3 +91,20 @@ def test_nothing_is_bound_where_the_worker_may_use_every_core_or_pinning_is_off(
     monkeypatch.setenv("FLYWHEEL_ENGINE_PIN", "sometimes")
     with pytest.raises(ValueError, match="set 'on'.*or 'off'"):
         affinity.pin_off_worker([core])
+
+
+def test_a_thread_started_by_a_bound_one_goes_back_to_the_process_cores():
+    """An engine built from another engine's (bound) loop starts its processes on every core."""
+    allowed = os.sched_getaffinity(0)
+    if len(allowed) < 2:
+        pytest.skip(f"this process may use {len(allowed)} core: nothing to bind to fewer")
+
+    def bound_then_child():
+        os.sched_setaffinity(threading.get_native_id(), {max(allowed)})
+        inherited = _in_thread(lambda: None)[1]
+        unbound = _in_thread(affinity.unbind_thread)[1]
+        return inherited, unbound
+
+    (inherited, unbound), _ = _in_thread(bound_then_child)
+    assert inherited == {max(allowed)}  # what happened before: the binding passed on
+    assert unbound == allowed == affinity.process_cpus()
