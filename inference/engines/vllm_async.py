@@ -126,7 +126,12 @@ class AsyncVLLMEngine(Engine):
         unbind_thread()  # its processes start on the process's cores, whichever thread built it
 
         self._cond = asyncio.Condition()
-        llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**settings), stat_loggers=[_batch_logger(self)])
+        # No local holds the AsyncLLM: an import above leaves this frame referenced by a kept
+        # traceback, and a local of it would outlive close() until the interpreter's exit, where
+        # vLLM's __del__ fails.
+        return self._pinned(AsyncLLM.from_engine_args(AsyncEngineArgs(**settings), stat_loggers=[_batch_logger(self)]))
+
+    def _pinned(self, llm: Any) -> Any:
         self.pinned = _pin(llm)
         return llm
 

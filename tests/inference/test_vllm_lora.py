@@ -9,7 +9,9 @@ full weights unload the adapter.
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -162,8 +164,10 @@ def test_the_async_serving_engine_swaps_adapters_and_holds_production_and_canary
         assert serving.adapters_held() == []
         # Closed with its output handler stopped first: vLLM's own order (the core, then the
         # handler) left the handler reading a dead core, which logged EngineDeadError at every close.
-        handler = serving.llm.output_handler
+        handler, llm = serving.llm.output_handler, weakref.ref(serving.llm)
         serving.close()
         assert handler.cancelled()
+        gc.collect()
+        assert llm() is None  # nothing keeps it until the interpreter's exit (where vLLM's __del__ fails)
     finally:
         serving.close()
