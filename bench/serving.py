@@ -59,7 +59,7 @@ if sys.path[:1] != [str(ROOT)]:  # first: bench/inference.py must not shadow the
     sys.path.insert(0, str(ROOT))
 
 from bench._django import setup_django  # noqa: E402
-from bench.serving_adapters import SETTLE_S, adapter_side, adapter_summary, print_adapter_table  # noqa: E402
+from bench.serving_adapters import adapter_side, adapter_summary, print_adapter_table, settle  # noqa: E402
 
 BENCH_DB = "flywheel_bench_serving"
 VLLM_SERVE_VENV = ROOT / "var" / "bench-vllm-serve-venv"
@@ -296,8 +296,7 @@ def run(model_dir: Path, seconds: float, rounds: int, logs: Path, systems: tuple
                 order = systems[r % len(systems):] + systems[:r % len(systems)]
                 for name in order:
                     proc, base = servers[name]
-                    # the previous system's engine gone idle (serving_adapters.py); torch's does not spin
-                    time.sleep(SETTLE_S if engine != "torch" else 0.0)
+                    settle(engine)  # the previous system's engine gone idle (serving_adapters.py)
                     before = cpu_snapshot(proc.pid)
                     got = asyncio.run(drive(base, key, models[name], clients, seconds, seed=clients * 100 + r,
                                             logprobs=vllm_logprobs and name == "vllm_serve"))

@@ -27,6 +27,11 @@ CANARY_SHARE = 0.1
 # they sleep: a side started straight after the other ran beside its spinning processes, 2 of
 # this machine's 2 cores, for the first second of its 6. Each timed run starts after this pause.
 SETTLE_S = 1.2
+
+
+def settle(kind: str) -> None:
+    """The pause before a timed run on a `kind` engine (none on the torch engine: it does not spin)."""
+    time.sleep(SETTLE_S if kind != "torch" else 0.0)
 PROMPTS = ["def add(a, b):", "import os\n", "class Stack:", "for i in range(10):", "with open(path) as f:"]
 
 
@@ -89,7 +94,7 @@ def adapter_side(base: Path, tmp: Path, kind: str, levels: tuple[int, ...], seco
         for r in range(rounds):
             for c in levels:
                 for name in (list(picks) if r % 2 == 0 else list(picks)[::-1]):
-                    time.sleep(SETTLE_S if kind != "torch" else 0.0)  # the torch engine does not spin
+                    settle(kind)
                     out[name][c].append(asyncio.run(drive(picks[name], c, seconds, seed=r)))
     finally:
         for view in sides["views"]:

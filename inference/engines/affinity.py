@@ -12,10 +12,10 @@ its output handler and, in a serving process, the HTTP listeners) to the reserve
 reservation intends. Measured on 2 cores (the tiny dense policy, one engine, in-process clients,
 4 interleaved rounds of 5 s, the same engine re-bound between rounds): at 16 clients 2,025 ->
 2,194 and 2,347 -> 2,428 tokens/s in two runs (7.46 -> 6.83 and 6.39 -> 6.19 ms a step of 15
-tokens), at 4 clients unchanged (993 -> 1,011). Other threads of the process keep their cores (a replica's background
-sampler, which waits while users are served, uses them all when they are idle). Nothing is bound
-where the worker is not bound to fewer cores than the process may use (`VLLM_CPU_OMP_THREADS_BIND=
-nobind`, one core) or where `FLYWHEEL_ENGINE_PIN=off`.
+tokens), at 4 clients unchanged (993 -> 1,011). Other threads of the process keep their cores (a
+replica's background sampler, which waits while users are served, uses them all when they are
+idle). Nothing is bound where the worker is not bound to fewer cores than the process may use
+(`VLLM_CPU_OMP_THREADS_BIND=nobind`, one core) or where `FLYWHEEL_ENGINE_PIN=off`.
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from inference.engines.affinity import enabled as pin_enabled
 from inference.engines.affinity import pin_off_worker, unbind_thread
 from inference.engines.base import (
     Completion,
@@ -75,6 +76,7 @@ class AsyncVLLMEngine(Engine):
         self.drain_timeout_s = drain_timeout_s
         self.peak_batch = 0
         self.pinned: set[int] = set()  # the cores its scheduler and loop thread were bound to (`_pin`)
+        pin_enabled()  # a bad FLYWHEEL_ENGINE_PIN is refused before any process starts
         self._in_flight, self._swapping, self._closed = 0, False, False
         # LoRA (enable_lora=True): the adapter served over the base, None: the base. A new name
         # and id per load, never reused (vLLM keys its adapter and prefix caches by them).
@@ -129,10 +131,17 @@ class AsyncVLLMEngine(Engine):
         # No local holds the AsyncLLM: an import above leaves this frame referenced by a kept
         # traceback, and a local of it would outlive close() until the interpreter's exit, where
         # vLLM's __del__ fails.
-        return self._pinned(AsyncLLM.from_engine_args(AsyncEngineArgs(**settings), stat_loggers=[_batch_logger(self)]))
+        return self._pin(AsyncLLM.from_engine_args(AsyncEngineArgs(**settings), stat_loggers=[_batch_logger(self)]))
 
-    def _pinned(self, llm: Any) -> Any:
-        self.pinned = _pin(llm)
+    def _pin(self, llm: Any) -> Any:
+        """On CPU, `llm`'s engine core and this (the engine's loop) thread off its worker's cores
+        (inference/engines/affinity.py), the cores kept in `pinned`; `llm` returned."""
+        from vllm.platforms import current_platform
+
+        manager = getattr(getattr(getattr(llm, "engine_core", None), "resources", None), "engine_manager", None)
+        processes = getattr(manager, "processes", None)
+        if current_platform.is_cpu() and processes:
+            self.pinned = pin_off_worker([p.pid for p in processes])
         return llm
 
     def _stop_loop(self) -> None:
@@ -307,18 +316,6 @@ class AsyncVLLMEngine(Engine):
             self._closed = True
             await self._reopen()
 
-
-
-def _pin(llm: Any) -> set[int]:
-    """On CPU, the engine core and this (the engine's loop) thread off the worker's cores
-    (inference/engines/affinity.py); the cores they were bound to (empty: none)."""
-    from vllm.platforms import current_platform
-
-    manager = getattr(getattr(getattr(llm, "engine_core", None), "resources", None), "engine_manager", None)
-    processes = getattr(manager, "processes", None)
-    if not current_platform.is_cpu() or not processes:
-        return set()
-    return pin_off_worker([p.pid for p in processes])
 
 
 # vLLM's CPU guide: preload tcmalloc in the engine's processes (vLLM warns at start-up without it).

@@ -61,16 +61,15 @@ def _in_thread(fn):
 
 def test_the_scheduler_and_the_calling_thread_take_the_cores_the_worker_left(tree):
     allowed = os.sched_getaffinity(0)
-    if len(allowed) < 2:
-        pytest.skip(f"this process may use {len(allowed)} core; leaving the worker's needs another")
     worker_cpus = {min(allowed)}
+    left = allowed - worker_cpus  # empty on one core: then nothing is bound
     core, worker = tree(worker_cpus)
     assert affinity._children(core) == [worker]
-    assert affinity.reserved_cpus([core]) == allowed - worker_cpus
+    assert affinity.reserved_cpus([core]) == left
     pinned, thread_cpus = _in_thread(lambda: affinity.pin_off_worker([core]))
-    assert pinned == allowed - worker_cpus
-    assert thread_cpus == pinned
-    assert all(os.sched_getaffinity(tid) == pinned for tid in affinity._threads(core))
+    assert pinned == left
+    assert thread_cpus == (left or allowed)
+    assert all(os.sched_getaffinity(tid) == (left or allowed) for tid in affinity._threads(core))
     assert os.sched_getaffinity(worker) == worker_cpus  # the worker keeps its own
     assert os.sched_getaffinity(0) == allowed  # the process's other threads keep theirs
 
@@ -96,8 +95,6 @@ def test_nothing_is_bound_where_the_worker_may_use_every_core_or_pinning_is_off(
 def test_a_thread_started_by_a_bound_one_goes_back_to_the_process_cores():
     """An engine built from another engine's (bound) loop starts its processes on every core."""
     allowed = os.sched_getaffinity(0)
-    if len(allowed) < 2:
-        pytest.skip(f"this process may use {len(allowed)} core: nothing to bind to fewer")
 
     def bound_then_child():
         os.sched_setaffinity(threading.get_native_id(), {max(allowed)})
@@ -108,3 +105,13 @@ def test_a_thread_started_by_a_bound_one_goes_back_to_the_process_cores():
     (inherited, unbound), _ = _in_thread(bound_then_child)
     assert inherited == {max(allowed)}  # what happened before: the binding passed on
     assert unbound == allowed == affinity.process_cpus()
+
+
+def test_a_bad_setting_is_refused_before_the_serving_engine_starts_anything(monkeypatch, tmp_path):
+    from inference.engines.vllm_async import AsyncVLLMEngine
+
+    monkeypatch.setenv("FLYWHEEL_ENGINE_PIN", "yes please")
+    threads, children = threading.active_count(), affinity._children(os.getpid())
+    with pytest.raises(ValueError, match="FLYWHEEL_ENGINE_PIN='yes please'.*or 'off'"):
+        AsyncVLLMEngine(tmp_path)
+    assert threading.active_count() == threads and affinity._children(os.getpid()) == children
